@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine (see README.md):
+#   make train   - create .venv, install, run rp-train on its embedded default job
+#   make test    - create .venv, install, lint + type-check + the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# DeepSpeed JIT-builds its CPU Adam once; keep the build outside the checkout so every clone and
+# CI run on this machine reuses it, and keep the venv's ninja first on PATH (switching ninjas
+# triggers full rebuilds).
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/rp_engine/torch_extensions
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: train test lint install
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: $(VENV)/.installed
+	$(VENV)/bin/rp-train
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check rp_engine tests benchmarks
+	$(VENV)/bin/ruff format --check rp_engine tests benchmarks
+	$(VENV)/bin/mypy rp_engine
+
+test: lint
+	$(VENV)/bin/pytest -q -ra

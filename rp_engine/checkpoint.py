@@ -1,0 +1,752 @@
+"""Checkpoints in DeepSpeed's ZeRO layout, plus the training data loader helpers.
+
+Owns ``save`` / ``load`` (``engine.save_checkpoint`` / ``load_checkpoint``), ``save_16bit``
+(``save_16bit_model``), ``build_dataloader`` and ``repeat`` (DeepSpeed's ``deepspeed_io`` and
+``RepeatingLoader`` for one process). The layout is what users' tools glob for::
+
+    save_dir/
+      latest                                        text: the tag (default global_step{N})
+      zero_to_fp32.py, zero_to_torch.py             copied from the installed DeepSpeed
+      <tag>/
+        mp_rank_00_model_states.pt                  ZeRO stage 0-2
+        zero_pp_rank_0_mp_rank_00_model_states.pt   ZeRO stage 3
+        [bf16_]zero_pp_rank_0_mp_rank_00_optim_states.pt
+
+so ``deepspeed.utils.zero_to_fp32`` and Hugging Face's resume (``global_step*``) work unchanged.
+Choices where DeepSpeed's own output would be less useful (files are single-process, dp = mp = 1):
+
+- ``module`` always holds the full compute-dtype state_dict (DeepSpeed ZeRO-3 stores empty
+  placeholders): nothing is partitioned here, and the file is usable without zero_to_fp32.
+- The fp32 masters and the optimizer state always go to the ``*_optim_states.pt`` file, also at
+  stage 0 (DeepSpeed puts a stage-0 fp32/fp16 optimizer into the model file, where zero_to_fp32
+  cannot read it); ``module`` file's ``optimizer`` is therefore always None.
+- Frozen parameters are recorded (``frozen_param_shapes`` / ``frozen_param_fragments``) at every
+  stage, not only from stage 2, so zero_to_fp32 returns them too (in the compute dtype).
+- Files hold plain ints, dicts and tensors (no DeepSpeed classes): ``torch.load(weights_only=True)``
+  reads them.
+
+Writes are atomic: files go to ``save_dir/.<tag>.tmp-<pid>``, are fsynced, and the folder is renamed
+to ``<tag>``; ``latest`` is replaced last. A crash leaves the previous checkpoint and ``latest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import importlib.metadata
+import importlib.util
+import logging
+import math
+import os
+import pickle
+import re
+import shutil
+import stat
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+__all__ = [
+    "save",
+    "load",
+    "save_16bit",
+    "build_dataloader",
+    "repeat",
+    "RepeatingLoader",
+    "model_file_name",
+    "optim_file_name",
+]
+
+log = logging.getLogger("rp_engine.checkpoint")
+
+# DeepSpeed's key names (deepspeed/checkpoint/constants.py), spelled out so that importing this
+# module does not import DeepSpeed.
+_OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+_BASE_OPTIMIZER_STATE = "base_optimizer_state"
+_SINGLE_PARTITION = "single_partition_of_fp32_groups"
+_FP32_FLAT_GROUPS = "fp32_flat_groups"
+_ZERO_STAGE = "zero_stage"
+_PARTITION_COUNT = "partition_count"
+_GROUP_PADDINGS = "group_paddings"
+_PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
+_LOSS_SCALER = "loss_scaler"
+_CLIP_GRAD = "clip_grad"
+
+# Top-level keys of the model-states file that belong to DeepSpeed (never client state).
+_OWN_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "frozen_param_fragments",
+        "shared_params",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "checkpoint_parallel_dimensions",
+    }
+)
+_RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+# --- file names --------------------------------------------------------------------------------
+def model_file_name(zero_stage: int) -> str:
+    """DeepSpeed's model-states file name (stage 3 names it like a ZeRO partition)."""
+    if zero_stage >= 3:
+        return "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    return "mp_rank_00_model_states.pt"
+
+
+def optim_file_name(*, bf16: bool) -> str:
+    """DeepSpeed's optimizer-states file name (``bf16_`` prefix when bf16 is enabled)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+# --- save --------------------------------------------------------------------------------------
+def save(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    *,
+    tag: str | None,
+    client_state: Mapping[str, Any],
+    save_latest: bool,
+) -> None:
+    """Write a checkpoint of ``engine`` (already synchronized: module weights are the newest).
+
+    ``engine`` is a RoundPipeEngine (duck-typed): ``module``, ``store``, ``optimizer``,
+    ``lr_scheduler``, counters and ``_config`` are read.
+    """
+    save_dir = os.fspath(save_dir)
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    _check_tag(tag)
+    clash = sorted(set(client_state) & _OWN_KEYS)
+    if clash:
+        raise ValueError(
+            f"client_state key(s) {clash} would overwrite DeepSpeed's own checkpoint entries; "
+            "rename them"
+        )
+    cfg = engine._config
+    stage = int(cfg.zero.stage)
+    names = _ParamNames(engine.module)
+    groups = _optimized_groups(engine, names)
+    model_state = _model_states(engine, names, groups, stage=stage)
+    model_state.update(client_state)
+    files: dict[str, Any] = {model_file_name(stage): model_state}
+    if engine.optimizer is not None:
+        files[optim_file_name(bf16=cfg.bf16.enabled)] = _optim_states(engine, groups, stage=stage)
+
+    os.makedirs(save_dir, exist_ok=True)
+    _commit_folder(save_dir, tag, files)
+    _copy_recovery_scripts(save_dir)
+    if save_latest:
+        _write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+    log.info("saved checkpoint %s", os.path.join(save_dir, tag))
+
+
+def _check_tag(tag: str) -> None:
+    # Tags become one folder name; separators would break the atomic rename.
+    if not tag or tag in {".", ".."} or "/" in tag or os.sep in tag or tag.startswith("."):
+        raise ValueError(
+            f"checkpoint tag {tag!r} must be a plain folder name (no path separators, not "
+            "starting with '.'), e.g. 'global_step100'"
+        )
+
+
+class _ParamNames:
+    """Root names of a module's parameters by identity, and tied aliases (DeepSpeed's
+    ``shared_params``: alias name -> name of the first occurrence, which holds the data)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.primary: dict[int, str] = {}
+        self.shared: dict[str, str] = {}
+        self.params: list[tuple[str, nn.Parameter]] = []
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in self.primary:
+                self.shared[name] = self.primary[id(p)]
+            else:
+                self.primary[id(p)] = name
+                self.params.append((name, p))
+
+    def of(self, param: torch.Tensor) -> str:
+        try:
+            return self.primary[id(param)]
+        except KeyError:
+            raise ValueError(
+                f"an optimized parameter of shape {tuple(param.shape)} is not a parameter of "
+                "engine.module; it cannot be named in the checkpoint"
+            ) from None
+
+
+class _Group:
+    """One optimizer param group: root names and the fp32 masters, in the group's order."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.masters: list[torch.Tensor] = []
+        self.params: list[nn.Parameter] = []
+
+
+def _optimized_groups(engine: Any, names: _ParamNames) -> list[_Group]:
+    """Masters per inner-optimizer group, named. Zero-element parameters are left out, as
+    DeepSpeed does (they are recorded with the frozen ones, keeping their shape)."""
+    if engine.optimizer is None:
+        return []
+    owner = {id(hp.master): hp for hp in engine.store.owned_params()}
+    groups = []
+    for group in engine.optimizer.optimizer.param_groups:
+        g = _Group()
+        for master in group["params"]:
+            hp = owner.get(id(master))
+            if hp is None:
+                raise ValueError(
+                    "the optimizer holds a tensor that is not an fp32 master of engine.store "
+                    f"(shape {tuple(master.shape)}); cannot checkpoint it"
+                )
+            if master.numel() == 0:
+                continue
+            g.names.append(names.of(hp.param))
+            g.masters.append(master)
+            g.params.append(hp.param)
+        groups.append(g)
+    return groups
+
+
+def _model_states(
+    engine: Any, names: _ParamNames, groups: list[_Group], *, stage: int
+) -> dict[str, Any]:
+    module = engine.module
+    optimized = {id(p) for g in groups for p in g.params}
+    frozen_shapes: OrderedDict[str, torch.Size] = OrderedDict()
+    frozen_fragments: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, p in names.params:
+        if id(p) in optimized:
+            continue
+        frozen_shapes[name] = p.shape
+        # zero_to_fp32 concatenates ZeRO-3 fragments along dim 0 (they are flat partitions);
+        # stage <= 2 fragments are used as they are.
+        t = p.detach().cpu()
+        frozen_fragments[name] = t.reshape(-1) if stage >= 3 else t
+    scheduler = engine.lr_scheduler
+    return {
+        "module": _compact(module.state_dict()),
+        "buffer_names": _buffer_names(module),
+        "optimizer": None,  # ZeRO layout: the optimizer lives in the optim-states file
+        "param_shapes": [
+            OrderedDict((n, m.shape) for n, m in zip(g.names, g.masters, strict=True))
+            for g in groups
+        ],
+        "frozen_param_shapes": frozen_shapes,
+        "frozen_param_fragments": _compact(frozen_fragments),
+        "shared_params": dict(names.shared),
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": int(engine.skipped_steps),
+        "global_steps": int(engine.global_steps),
+        "global_samples": int(engine.global_samples),
+        "dp_world_size": 1,
+        "mp_world_size": 1,
+        "ds_config": _plain(engine._config.raw),
+        "ds_version": _ds_version(),
+    }
+
+
+def _optim_states(engine: Any, groups: list[_Group], *, stage: int) -> dict[str, Any]:
+    opt = engine.optimizer
+    scaler = opt.loss_scaler
+    flats = [_flat(g.masters) for g in groups]
+    common: dict[str, Any] = {
+        _ZERO_STAGE: stage,
+        _LOSS_SCALER: dict(scaler.state_dict()),
+        "dynamic_loss_scale": bool(getattr(scaler, "dynamic", False)),
+        "overflow": bool(opt.overflow),
+    }
+    if stage >= 3:
+        # DeepSpeed ZeRO-3 (stage3.py _rigid_state_dict): partition_count is an int.
+        osd = {
+            **common,
+            _PARTITION_COUNT: 1,
+            _OPTIMIZER_STATE_DICT: opt.state_dict(),
+            _FP32_FLAT_GROUPS: flats,
+        }
+    else:
+        # DeepSpeed ZeRO-1/2 (stage_1_and_2.py state_dict): one flat partition per group, no
+        # padding at dp = 1; partition_count is a list per group.
+        osd = {
+            **common,
+            _CLIP_GRAD: float(engine._config.gradient_clipping),
+            _BASE_OPTIMIZER_STATE: opt.state_dict(),
+            _SINGLE_PARTITION: flats,
+            _GROUP_PADDINGS: [0] * len(groups),
+            _PARAM_ALIGNMENT_PADDINGS: [[0] * len(g.masters) for g in groups],
+            _PARTITION_COUNT: [1] * len(groups),
+            "ds_version": _ds_version(),
+        }
+    return {
+        _OPTIMIZER_STATE_DICT: osd,
+        "ds_config": _plain(engine._config.raw),
+        "ds_version": _ds_version(),
+    }
+
+
+def _flat(masters: list[torch.Tensor]) -> torch.Tensor:
+    if not masters:
+        return torch.empty(0, dtype=torch.float32)
+    return torch.cat([m.detach().reshape(-1) for m in masters])
+
+
+def _buffer_names(module: nn.Module) -> list[str]:
+    """Persistent buffers by root name (DeepSpeed's ``_get_buffer_names``)."""
+    out: list[str] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                out.append(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def _compact(state: Mapping[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
+    """Copy tensors that are views into a larger storage (torch.save would write the whole
+    storage); tensors sharing one exact view (tied weights) stay shared."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    seen: dict[tuple[Any, ...], torch.Tensor] = {}
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if t.untyped_storage().nbytes() <= nbytes:
+            out[key] = t
+            continue
+        view = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if view not in seen:
+            seen[view] = t.clone()
+        out[key] = seen[view]
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """The config as plain dicts/lists (weights_only-loadable, like json)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _ds_version() -> str:
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - deepspeed is a dependency
+        return "0.0.0"
+
+
+# --- atomic writes -----------------------------------------------------------------------------
+def _commit_folder(save_dir: str, tag: str, files: Mapping[str, Any]) -> None:
+    """Write ``files`` (name -> object) into ``save_dir/<tag>`` all-or-nothing."""
+    final = os.path.join(save_dir, tag)
+    tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
+    old = os.path.join(save_dir, f".{tag}.old-{os.getpid()}")
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        for name, obj in files.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if os.path.isdir(final):
+            # Two renames: between them no folder named <tag> exists; the old one is kept as
+            # .<tag>.old-<pid> and load() names it if a crash lands exactly there.
+            os.rename(final, old)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(save_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _atomic_torch_save(obj: Any, path: str) -> None:
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _fsync_dir(path: str) -> None:
+    # Makes the renames durable; not every platform/filesystem lets a directory be opened.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _copy_recovery_scripts(save_dir: str) -> None:
+    """Copy DeepSpeed's zero_to_fp32.py (and zero_to_torch.py) next to the tags, as DeepSpeed."""
+    spec = importlib.util.find_spec("deepspeed")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        log.warning("deepspeed is not installed: zero_to_fp32.py not copied into %s", save_dir)
+        return
+    for script in _RECOVERY_SCRIPTS:
+        src = os.path.join(locations[0], "utils", script)
+        if not os.path.isfile(src):
+            continue
+        dst = os.path.join(save_dir, script)
+        with open(src, "rb") as f:
+            _write_atomic(dst, f.read())
+        with contextlib.suppress(OSError):
+            os.chmod(dst, os.stat(dst).st_mode | stat.S_IEXEC)
+
+
+# --- load --------------------------------------------------------------------------------------
+def load(
+    engine: Any,
+    load_dir: str | os.PathLike[str],
+    *,
+    tag: str | None,
+    strict: bool,
+    optimizer_states: bool,
+    scheduler_states: bool,
+    module_only: bool = False,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Restore ``engine`` from a checkpoint; returns (model-states file path, client_state).
+
+    As DeepSpeed: the returned path is the loaded ``*_model_states.pt`` file; with no ``latest``
+    file and no tag it warns and returns (None, None). Without ``optimizer_states`` the fp32
+    masters are rebuilt from the loaded compute weights (DeepSpeed's ``_restore_from_bit16_
+    weights``); ``module_only`` (``load_module_only``) also keeps the engine's counters.
+    Afterwards every layer is declared at version ``global_steps``.
+    """
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            log.warning(
+                "Unable to find latest file at %s, if trying to load latest checkpoint please "
+                "ensure this file exists or pass an explicit checkpoint tag when loading a "
+                "checkpoint.",
+                latest,
+            )
+            return None, None
+        with open(latest) as f:
+            tag = f.read().strip()
+    folder = _tag_folder(load_dir, str(tag))
+    model_path = _find_file(folder, model_file_name(engine._config.zero.stage), "*_model_states.pt")
+    ckpt = _torch_load(model_path)
+
+    missing, unexpected = engine.module.load_state_dict(ckpt["module"], strict=strict)
+    if missing or unexpected:
+        log.warning("checkpoint module: missing keys %s, unexpected keys %s", missing, unexpected)
+    store = engine.store
+    store.zero_grads()
+    store.reload_masters()
+    if optimizer_states and not module_only and engine.optimizer is not None:
+        bf16 = bool(engine._config.bf16.enabled)
+        optim_path = _find_file(folder, optim_file_name(bf16=bf16), "*_optim_states.pt")
+        osd = _torch_load(optim_path)[_OPTIMIZER_STATE_DICT]
+        _load_optimizer(engine, ckpt, osd, strict=strict)
+    if scheduler_states and not module_only and engine.lr_scheduler is not None:
+        if ckpt.get("lr_scheduler") is None:
+            log.warning("checkpoint %s has no lr_scheduler state; scheduler left as is", folder)
+        else:
+            engine.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+    if not module_only:
+        engine.global_steps = int(ckpt["global_steps"])
+        engine.global_samples = int(
+            ckpt.get("global_samples", engine.global_steps * engine._config.train_batch_size)
+        )
+        engine.skipped_steps = int(ckpt["skipped_steps"])
+    engine.stepper.set_step(engine.global_steps)
+    client_state = {k: v for k, v in ckpt.items() if k not in _OWN_KEYS}
+    log.info("loaded checkpoint %s (global step %d)", folder, engine.global_steps)
+    return model_path, client_state
+
+
+def _tag_folder(load_dir: str, tag: str) -> str:
+    folder = os.path.join(load_dir, tag)
+    if os.path.isdir(folder):
+        return folder
+    tags = _available_tags(load_dir)
+    aside = sorted(
+        n for n in _listdir(load_dir) if n.startswith(f".{tag}.old-") or n.startswith(f".{tag}.tmp-")
+    )
+    hint = f"; an interrupted save left {aside} there" if aside else ""
+    raise FileNotFoundError(
+        f"checkpoint tag folder {folder!r} does not exist; available tags in {load_dir!r}: "
+        f"{tags or 'none'}{hint}"
+    )
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _available_tags(load_dir: str) -> list[str]:
+    def natural(name: str) -> list[Any]:
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+    return sorted(
+        (
+            n
+            for n in _listdir(load_dir)
+            if not n.startswith(".") and os.path.isdir(os.path.join(load_dir, n))
+        ),
+        key=natural,
+    )
+
+
+def _find_file(folder: str, name: str, pattern: str) -> str:
+    """The expected file, else the single file matching ``pattern`` (a checkpoint written with
+    another ZeRO stage or precision), else FileNotFoundError."""
+    path = os.path.join(folder, name)
+    if os.path.isfile(path):
+        return path
+    found = sorted(n for n in _listdir(folder) if fnmatch.fnmatch(n, pattern))
+    if len(found) == 1:
+        log.warning("loading %s (this engine would name it %s)", found[0], name)
+        return os.path.join(folder, found[0])
+    raise FileNotFoundError(
+        f"no {name!r} in checkpoint folder {folder!r} (found {found or 'no'} {pattern} files; "
+        "checkpoints saved by more than one process are not supported)"
+        + ("; pass load_optimizer_states=False to load weights only" if "optim" in name else "")
+    )
+
+
+def _torch_load(path: str) -> Any:
+    """weights_only load (our files); falls back to a full unpickle for checkpoints written by
+    DeepSpeed itself, which pickle DeepSpeed classes (DeepSpeed always loads that way)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        log.warning("%s holds Python objects besides tensors; loading it with weights_only=False", path)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _load_optimizer(engine: Any, ckpt: Mapping[str, Any], osd: Mapping[str, Any], *, strict: bool) -> None:
+    """fp32 masters (by name: exact), inner optimizer state, loss scaler, overflow flag."""
+    stage = int(osd[_ZERO_STAGE])
+    flats = osd[_FP32_FLAT_GROUPS] if stage >= 3 else osd[_SINGLE_PARTITION]
+    saved = _split_flat(
+        ckpt["param_shapes"], list(flats), osd.get(_PARAM_ALIGNMENT_PADDINGS), stage=stage
+    )
+    names = _ParamNames(engine.module)
+    aliases = {alias: primary for alias, primary in names.shared.items()}
+    targets = {names.of(hp.param): hp for hp in engine.store.owned_params() if hp.master.numel()}
+    loaded = set()
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            hp = targets.get(aliases.get(name, name))
+            if hp is None:
+                continue
+            if tuple(hp.master.shape) != tuple(tensor.shape):
+                raise RuntimeError(
+                    f"checkpoint fp32 weight {name!r} has shape {tuple(tensor.shape)}, the model's "
+                    f"is {tuple(hp.master.shape)}"
+                )
+            hp.master.copy_(tensor)
+            # DeepSpeed refreshes the 16-bit weights from the loaded fp32 partition.
+            hp.param.data.copy_(hp.master)
+            loaded.add(names.of(hp.param))
+    missing = sorted(set(targets) - loaded)
+    unexpected = sorted(n for n in saved if aliases.get(n, n) not in targets)
+    if missing or unexpected:
+        msg = f"checkpoint fp32 masters: missing {missing}, unexpected {unexpected}"
+        if strict:
+            raise RuntimeError(msg + " (load_module_strict=False tolerates this)")
+        log.warning(msg + "; missing masters were rebuilt from the loaded weights")
+
+    inner = osd.get(_BASE_OPTIMIZER_STATE, osd.get(_OPTIMIZER_STATE_DICT))
+    if inner is not None:
+        try:
+            engine.optimizer.load_state_dict(_materialize(inner))
+        except (ValueError, KeyError) as exc:
+            raise RuntimeError(
+                f"the checkpoint's optimizer state does not fit this optimizer ({exc}); it was "
+                "saved with other param groups or another optimizer type. Pass "
+                "load_optimizer_states=False to load weights only"
+            ) from exc
+    scaler_state = osd.get(_LOSS_SCALER)
+    if scaler_state is not None:
+        engine.optimizer.loss_scaler.load_state_dict(
+            _scaler_dict(scaler_state, engine.optimizer.loss_scaler)
+        )
+    engine.optimizer.overflow = bool(osd.get("overflow", False))
+
+
+def _split_flat(
+    param_shapes: list[Mapping[str, Any]],
+    flats: list[torch.Tensor],
+    paddings: list[list[int]] | None,
+    *,
+    stage: int,
+) -> OrderedDict[str, torch.Tensor]:
+    """name -> fp32 tensor from flat groups, following zero_to_fp32's reconstruction (dp = 1)."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    if stage >= 3 and len(param_shapes) != len(flats):
+        # ZeRO-3 sub-groups need not match the shape groups: read them as one sequence.
+        flats = [torch.cat([f.reshape(-1) for f in flats])] if flats else []
+        merged: OrderedDict[str, Any] = OrderedDict()
+        for shapes in param_shapes:
+            merged.update(shapes)
+        param_shapes = [merged]
+    if len(param_shapes) != len(flats):
+        raise RuntimeError(
+            f"checkpoint has {len(flats)} flat fp32 groups but {len(param_shapes)} param_shapes "
+            "groups; it was not written by one process"
+        )
+    for gi, (shapes, flat) in enumerate(zip(param_shapes, flats, strict=True)):
+        offset = 0
+        pads = paddings[gi] if paddings is not None and stage < 3 else None
+        for pi, (name, shape) in enumerate(shapes.items()):
+            numel = math.prod(shape)
+            out[name] = flat.narrow(0, offset, numel).view(tuple(shape))
+            offset += numel + (pads[pi] if pads else 0)
+        if offset > flat.numel():
+            raise RuntimeError(f"flat fp32 group {gi} is shorter than its param_shapes")
+    return out
+
+
+def _materialize(state: Any) -> Any:
+    """Copy tensors out of the memory-mapped file (optimizer state must not stay file-backed)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _materialize(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_materialize(v) for v in state]
+    return state
+
+
+def _scaler_dict(saved: Any, scaler: Any) -> dict[str, Any]:
+    """A loss-scaler dict for ``scaler``; DeepSpeed's own files pickle a LossScaler object."""
+    raw = saved if isinstance(saved, Mapping) else vars(saved)
+    known = set(vars(scaler))
+    return {k: v for k, v in raw.items() if k in known}
+
+
+# --- 16-bit weights ----------------------------------------------------------------------------
+def save_16bit(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    save_filename: str,
+    *,
+    exclude_frozen: bool,
+) -> bool:
+    """``torch.save`` the module's state_dict in the compute dtype to ``save_dir/save_filename``.
+
+    Always saves and returns True, also at ZeRO-3 without
+    ``stage3_gather_16bit_weights_on_model_save`` (DeepSpeed then skips and returns False): the
+    weights are never partitioned here, so there is nothing to gather.
+    """
+    save_dir = os.fspath(save_dir)
+    os.makedirs(save_dir, exist_ok=True)
+    state = engine.module.state_dict()
+    if exclude_frozen:
+        for name, p in engine.module.named_parameters(remove_duplicate=False):
+            if not p.requires_grad:
+                state.pop(name, None)
+    path = os.path.join(save_dir, save_filename)
+    _atomic_torch_save(_compact(state), path)
+    log.info("saved 16-bit model weights to %s", path)
+    return True
+
+
+# --- data loading ------------------------------------------------------------------------------
+def build_dataloader(training_data: Any, cfg: Any, collate_fn: Any = None) -> DataLoader[Any]:
+    """DeepSpeed's training loader for one process (``deepspeed_io``): micro-batch size,
+    ``dataloader_drop_last``, ``collate_fn`` and a ``DistributedSampler(num_replicas=1, rank=0)``.
+
+    That sampler shuffles with seed 0 and DeepSpeed never calls ``set_epoch``, so every epoch
+    repeats the same permutation; keeping it gives exactly DeepSpeed's sample order. Batches are
+    assembled in this process (workers would fork a process that runs threads).
+    """
+    if isinstance(training_data, IterableDataset):
+        sampler = None
+    elif hasattr(training_data, "__getitem__") and hasattr(training_data, "__len__"):
+        sampler = DistributedSampler(training_data, num_replicas=1, rank=0)
+    else:
+        raise ValueError("Training data must be a torch Dataset (map-style or iterable)")
+    return DataLoader(
+        training_data,
+        batch_size=cfg.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
+    )
+
+
+class RepeatingLoader:
+    """Cycles a loader forever, restarting it at each epoch end (DeepSpeed's RepeatingLoader)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._it: Iterator[Any] = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.loader)
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise ValueError(
+                "the training data loader yields no batch at all (dataset smaller than "
+                "train_micro_batch_size_per_gpu with dataloader_drop_last?)"
+            ) from None
+
+
+def repeat(loader: Any) -> RepeatingLoader:
+    """An infinite iterator over ``loader``'s batches, epoch after epoch."""
+    return RepeatingLoader(loader)

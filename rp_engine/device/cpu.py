@@ -1,0 +1,576 @@
+"""CPU virtual devices: every stream is a host worker thread running closures from a FIFO.
+
+This module owns the thread machinery shared by both backends (``ThreadStream``, ``CPUEvent``,
+``MemoryLedger``, ``ThreadedDevice``: the CUDA backend's host side is exactly a CPU stream) and
+the CPU backend proper (``CPUDevice``, ``CPUPool``). Virtual devices behave like GPUs where the
+runtime can tell: work is ordered FIFO per stream and only events order streams, copies can be
+slowed to an emulated PCIe bandwidth (``time.sleep`` drops the GIL, so a copy overlaps compute
+as on a GPU copy engine), and an emulated memory capacity turns overuse into ``DeviceError``.
+
+Two streams and an event: the D2H worker blocks in its wait task until compute reaches e::
+
+    compute  |--F0.0--|--F1.0--|rec(e)
+    d2h      |wait(e).................|--D0.0--|
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+
+from .base import DeviceError, Event, StreamRole
+
+__all__ = [
+    "CPUDevice",
+    "CPUEvent",
+    "CPUPool",
+    "MemoryLedger",
+    "ThreadStream",
+    "ThreadedDevice",
+]
+
+_MIB = 1024 * 1024
+# How often a worker blocked in a wait task checks whether reset()/close() abandoned it. A set
+# event wakes the worker at once; this only bounds how long reset() takes to cancel a wait.
+_CANCEL_POLL_S = 0.02
+# close() gives a closure that is still running this long before leaving its (daemon) thread.
+_JOIN_TIMEOUT_S = 10.0
+
+
+def _raise_device_error(err: DeviceError) -> NoReturn:
+    """Raise a fresh copy of ``err`` (same message, device, where and cause).
+
+    One stored error may be raised in many threads (every event recorded after a failure holds
+    it); raising the stored instance itself would keep growing its shared traceback.
+    """
+    fresh = DeviceError(str(err), device=err.device, where=err.where)
+    raise fresh from (err.__cause__ or err)
+
+
+def _link_sleep(seconds: float) -> None:
+    """The emulated PCIe transfer time. A function of its own so tests can replace it."""
+    time.sleep(seconds)
+
+
+class CPUEvent:
+    """An event set by a stream's worker when it reaches it; carries the stream's error."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: DeviceError | None = None
+
+    @property
+    def error(self) -> DeviceError | None:
+        """The error of the stream at the point the event was reached (None when healthy)."""
+        return self._error
+
+    def _set(self, error: DeviceError | None) -> None:
+        self._error = error  # written before the flag, read only after it
+        self._done.set()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until the event is reached; re-raise its error as ``DeviceError``.
+
+        ``timeout`` (seconds) raises ``TimeoutError`` instead of blocking forever (tests).
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"event not reached within {timeout} s")
+        if self._error is not None:
+            _raise_device_error(self._error)
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+@dataclass(frozen=True)
+class _Task:
+    kind: str  # "run" | "record" | "wait"
+    fn: Callable[[], object] | None = None
+    label: str = ""
+    event: CPUEvent | None = None
+
+
+class ThreadStream:
+    """A stream run by one daemon host thread: closures, records and waits in FIFO order.
+
+    Failure: a closure that raises stores a ``DeviceError`` (the original as ``__cause__``) and
+    the stream is failed: later closures are skipped, later waits do not block, later events are
+    still set and carry the error, so no waiter ever hangs. A wait on an event that carries an
+    error fails this stream with that error. ``_abandon`` (reset/close) makes the worker skip
+    everything still queued and cancels a wait it is blocked in.
+
+    Subclasses (CUDA) override ``_run``, ``_new_event``, ``_device_record``, ``_device_wait``.
+    """
+
+    role: StreamRole
+
+    def __init__(
+        self,
+        device_index: int,
+        role: StreamRole,
+        *,
+        thread_name: str,
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
+        self.role = role
+        self.device_index = device_index
+        self._queue: queue.Queue[_Task | None] = queue.Queue()
+        self._error: DeviceError | None = None  # written only by the worker thread
+        self._abandoned: DeviceError | None = None  # written by reset()/close()
+        self._closed = False
+        self._on_start = on_start
+        self.thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+        self.thread.start()
+
+    # -- the Stream protocol ----------------------------------------------------------------
+
+    def submit(self, fn: Callable[[], object], *, label: str = "") -> None:
+        self._put(_Task("run", fn=fn, label=label))
+
+    def record(self) -> CPUEvent:
+        event = self._new_event()
+        self._put(_Task("record", event=event))
+        return event
+
+    def wait(self, event: Event) -> None:
+        if not isinstance(event, CPUEvent):
+            raise TypeError(f"cannot wait on {type(event).__name__}: not an event of this backend")
+        self._put(_Task("wait", event=event))
+
+    # -- hooks for the CUDA backend ---------------------------------------------------------
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        fn()
+
+    def _new_event(self) -> CPUEvent:
+        return CPUEvent()
+
+    def _device_record(self, event: CPUEvent) -> None:
+        """Device-side part of a record (nothing on CPU: reaching it is the completion)."""
+
+    def _device_wait(self, event: CPUEvent) -> None:
+        """Device-side part of a wait, after the event is set without error (nothing on CPU)."""
+
+    # -- machinery --------------------------------------------------------------------------
+
+    @property
+    def failed(self) -> DeviceError | None:
+        return self._error
+
+    def _put(self, task: _Task | None) -> None:
+        if self._closed:
+            raise DeviceError(
+                f"device {self.device_index} is closed: cannot queue work on its "
+                f"{self.role.value} stream",
+                device=self.device_index,
+            )
+        self._queue.put(task)
+
+    def _wrap(self, exc: BaseException, label: str) -> DeviceError:
+        where = label or f"{self.role.value} stream"
+        err = DeviceError(
+            f"device {self.device_index} ({where}): {type(exc).__name__}: {exc}",
+            device=self.device_index,
+            where=label,
+        )
+        err.__cause__ = exc
+        return err
+
+    def _loop(self) -> None:
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except BaseException as exc:  # a stream that cannot start is failed, not dead
+                self._error = self._wrap(exc, "stream start")
+        while True:
+            task = self._queue.get()
+            try:
+                if task is None:
+                    return
+                self._handle(task)
+            finally:
+                self._queue.task_done()
+
+    def _handle(self, task: _Task) -> None:
+        # Never let an exception escape: a dead worker would hang every later waiter.
+        error = self._error or self._abandoned
+        if task.kind == "run":
+            if error is None and task.fn is not None:
+                try:
+                    self._run(task.fn)
+                except BaseException as exc:
+                    self._error = self._wrap(exc, task.label)
+        elif task.kind == "record":
+            assert task.event is not None
+            if error is None:
+                try:
+                    self._device_record(task.event)
+                except BaseException as exc:
+                    error = self._error = self._wrap(exc, "record event")
+            task.event._set(error)
+        elif task.kind == "wait":
+            assert task.event is not None
+            if error is None and self._block_until_set(task.event):
+                if task.event.error is not None:
+                    self._error = task.event.error
+                else:
+                    try:
+                        self._device_wait(task.event)
+                    except BaseException as exc:
+                        self._error = self._wrap(exc, "wait event")
+
+    def _block_until_set(self, event: CPUEvent) -> bool:
+        """Block until ``event`` is set; False when reset()/close() abandoned the stream."""
+        while not event._done.wait(_CANCEL_POLL_S):
+            if self._abandoned is not None:
+                return False
+        return True
+
+    def _abandon(self, reason: DeviceError) -> None:
+        self._abandoned = reason
+
+    def _drain(self) -> None:
+        self._queue.join()
+
+    def _clear(self) -> None:
+        """After a drain: healthy again. Only called while the worker is idle."""
+        self._error = None
+        self._abandoned = None
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._queue.put(None)
+        self._closed = True
+
+
+@dataclass
+class _Tracked:
+    storage: weakref.ref[torch.UntypedStorage]
+    nbytes: int
+    refs: int
+
+
+class MemoryLedger:
+    """Bytes a device holds, counted per storage (views of one storage count once).
+
+    ``track`` of the same storage twice takes two ``free`` calls (a reference count) but its
+    bytes count once. ``free`` of an untracked tensor is a no-op. Storages are held by weak
+    reference: one that died without ``free`` (its memory is gone) stops counting, and its
+    address, reused by a new tensor, is not mistaken for the old one.
+    """
+
+    def __init__(self, device_index: int, capacity_bytes: int | None) -> None:
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
+        self.device_index = device_index
+        self.capacity = capacity_bytes or 0
+        self._lock = threading.Lock()
+        self._storages: dict[int, _Tracked] = {}  # storage data_ptr -> entry
+        self._allocated = 0
+        self._peak = 0
+        self._h2d_bytes = 0
+        self._d2h_bytes = 0
+
+    def _drop(self, ptr: int) -> None:
+        self._allocated -= self._storages.pop(ptr).nbytes
+
+    def _prune(self) -> None:
+        for ptr in [p for p, e in self._storages.items() if e.storage() is None]:
+            self._drop(ptr)
+
+    def track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0:
+            return
+        with self._lock:
+            entry = self._storages.get(ptr)
+            if entry is not None:
+                if entry.storage() is storage:
+                    entry.refs += 1
+                    return
+                self._drop(ptr)  # a dead storage whose address was reused
+            if self.capacity and self._allocated + nbytes > self.capacity:
+                self._prune()
+            if self.capacity and self._allocated + nbytes > self.capacity:
+                raise DeviceError(
+                    f"device {self.device_index} out of memory: need {nbytes / _MIB:.1f} MiB, "
+                    f"capacity {self.capacity / _MIB:.1f} MiB with "
+                    f"{self._allocated / _MIB:.1f} MiB already allocated (use smaller stages "
+                    "or micro-batches, or raise roundpipe.device_memory_gb)",
+                    device=self.device_index,
+                )
+            self._storages[ptr] = _Tracked(weakref.ref(storage), nbytes, 1)
+            self._allocated += nbytes
+            self._peak = max(self._peak, self._allocated)
+
+    def free(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        with self._lock:
+            entry = self._storages.get(ptr)
+            if entry is None or entry.storage() is not storage:
+                return
+            entry.refs -= 1
+            if entry.refs == 0:
+                self._drop(ptr)
+
+    def count_copy(self, nbytes: int, *, h2d: bool) -> None:
+        with self._lock:
+            if h2d:
+                self._h2d_bytes += nbytes
+            else:
+                self._d2h_bytes += nbytes
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            self._prune()
+            return {
+                "allocated": self._allocated,
+                "peak": self._peak,
+                "capacity": self.capacity,
+                "h2d_bytes": self._h2d_bytes,
+                "d2h_bytes": self._d2h_bytes,
+            }
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._allocated
+
+    def clear(self) -> None:
+        """Forget every tracked tensor (after an aborted step the runtime drops them all)."""
+        with self._lock:
+            self._storages.clear()
+            self._allocated = 0
+
+
+class ThreadedDevice:
+    """Streams (one ``ThreadStream`` per role), memory ledger, synchronize/reset/close.
+
+    Shared by ``CPUDevice`` and ``CUDADevice``; subclasses build ``self._streams``.
+    """
+
+    index: int
+    torch_device: torch.device
+
+    def __init__(self, index: int, *, capacity_bytes: int | None) -> None:
+        self.index = index
+        self._ledger = MemoryLedger(index, capacity_bytes)
+        self._streams: dict[StreamRole, ThreadStream] = {}
+        self._closed = False
+
+    def stream(self, role: StreamRole) -> ThreadStream:
+        return self._streams[role]
+
+    def track(self, dev: torch.Tensor) -> None:
+        self._ledger.track(dev)
+
+    def free(self, dev: torch.Tensor) -> None:
+        self._ledger.free(dev)
+
+    def host_sync(self) -> None:
+        """Copies and compute on virtual devices are synchronous: nothing to wait for."""
+
+    def memory_stats(self) -> dict[str, int]:
+        """{"allocated", "peak", "capacity" (0 = unlimited), "h2d_bytes", "d2h_bytes"}."""
+        return self._ledger.stats()
+
+    def reset_peak(self) -> None:
+        self._ledger.reset_peak()
+
+    def synchronize(self) -> None:
+        """Wait until every stream has run what was queued so far; raise the first error."""
+        events = [s.record() for s in self._streams.values()]
+        errors = []
+        for event in events:
+            event._done.wait()
+            if event.error is not None:
+                errors.append(event.error)
+        self._synchronize_device()
+        if errors:
+            _raise_device_error(errors[0])
+
+    def _synchronize_device(self) -> None:
+        """Device-side drain after the host workers drained (nothing on CPU)."""
+
+    def reset(self) -> None:
+        """Discard queued work and clear the failed state (call it when no thread submits).
+
+        Closures not yet started are skipped, a wait a worker is blocked in is cancelled, and
+        events not yet reached complete with a ``DeviceError`` saying the work was discarded
+        (a closure already running finishes first). Tracked memory is forgotten. A stream on
+        another device that adopted this device's error through a wait needs that device's
+        ``reset`` too.
+        """
+        reason = DeviceError(f"device {self.index}: work discarded by reset()", device=self.index)
+        for s in self._streams.values():
+            s._abandon(reason)
+        for s in self._streams.values():
+            s._drain()
+        try:
+            self._synchronize_device()
+        except Exception:  # a broken device stays broken; the streams are clear regardless
+            pass
+        for s in self._streams.values():
+            s._clear()
+        self._ledger.clear()
+
+    def close(self) -> None:
+        """Discard queued work and stop the worker threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        reason = DeviceError(f"device {self.index} closed", device=self.index)
+        for s in self._streams.values():
+            s._abandon(reason)
+            s._close()
+        for s in self._streams.values():
+            s.thread.join(_JOIN_TIMEOUT_S)
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [s.thread for s in self._streams.values()]
+
+
+class CPUDevice(ThreadedDevice):
+    """A virtual device: four worker threads (one per role) over host memory.
+
+    ``pcie_gbps`` (GB/s, None = instant) slows ``to_device``/``to_host`` to that bandwidth; each
+    direction is one emulated link, so the two upload streams share it as on a real bus.
+    ``capacity_bytes`` (None = unlimited) caps the tracked bytes.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        *,
+        pool: CPUPool,
+        pcie_gbps: float | None = None,
+        capacity_bytes: int | None = None,
+    ) -> None:
+        if pcie_gbps is not None and pcie_gbps <= 0:
+            raise ValueError(f"pcie_gbps must be positive or None, got {pcie_gbps}")
+        super().__init__(index, capacity_bytes=capacity_bytes)
+        self.torch_device = torch.device("cpu")
+        self.pcie_gbps = pcie_gbps
+        self._pool = pool
+        self._h2d_link = threading.Lock()
+        self._d2h_link = threading.Lock()
+        threads = pool.threads_per_device
+
+        def on_start() -> None:
+            # Per thread: with the OpenMP backend torch's intra-op thread count is a per-thread
+            # setting taken when a thread first runs a parallel op, so each worker sets its own.
+            torch.set_num_threads(threads)
+
+        self._streams = {
+            role: ThreadStream(
+                index, role, thread_name=f"rp-cpu{index}-{role.value}", on_start=on_start
+            )
+            for role in StreamRole
+        }
+
+    def _emulate_link(self, nbytes: int, link: threading.Lock) -> None:
+        if self.pcie_gbps is None or nbytes == 0:
+            return
+        with link:
+            _link_sleep(nbytes / (self.pcie_gbps * 1e9))
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A detached clone (its own storage: the optimizer may rewrite the host copy later)."""
+        dev = host.detach().clone()
+        self._ledger.track(dev)
+        nbytes = dev.untyped_storage().nbytes()
+        self._emulate_link(nbytes, self._h2d_link)
+        self._ledger.count_copy(nbytes, h2d=True)
+        return dev
+
+    def to_host(self, dev: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A detached copy in host memory (into ``out`` when given). Not counted as device
+        memory; ``free`` the device tensor separately."""
+        with torch.no_grad():
+            if out is None:
+                out = dev.detach().clone()
+            else:
+                out.copy_(dev.detach())
+        nbytes = dev.numel() * dev.element_size()
+        self._emulate_link(nbytes, self._d2h_link)
+        self._ledger.count_copy(nbytes, h2d=False)
+        return out
+
+    @contextmanager
+    def rng_scope(self, seed: int) -> Iterator[None]:
+        """Seed the CPU default generator for the enclosed work, then restore it.
+
+        All CPU devices share that one generator, so the pool-wide lock is held for the whole
+        scope: scoped compute on different virtual devices runs one at a time. Enter the scope
+        only around work that draws random numbers (dropout in training mode).
+        """
+        with self._pool.rng_lock:
+            gen = torch.default_generator
+            state = gen.get_state()
+            gen.manual_seed(seed)
+            try:
+                yield
+            finally:
+                gen.set_state(state)
+
+
+class CPUPool:
+    """``n`` virtual devices, the lock over the CPU's single RNG, and the intra-op split.
+
+    Each worker thread runs torch with ``max(1, T // n)`` intra-op threads, T being
+    ``torch.get_num_threads()`` of the thread that builds the pool, so n devices computing at
+    once do not oversubscribe the cores (and the count, hence reduction order, depends only on
+    T and n). ``close`` restores the process default that the workers changed.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        pcie_gbps: float | None = None,
+        capacity_bytes: int | None = None,
+    ) -> None:
+        if n < 1:
+            raise ValueError(f"a CPU pool needs at least one device, got {n}")
+        self.rng_lock = threading.RLock()
+        # Reading it also pins the calling thread's own setting, which the workers leave alone.
+        self._saved_threads = torch.get_num_threads()
+        self.threads_per_device = max(1, self._saved_threads // n)
+        self._closed = False
+        self.devices = [
+            CPUDevice(i, pool=self, pcie_gbps=pcie_gbps, capacity_bytes=capacity_bytes)
+            for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __getitem__(self, i: int) -> CPUDevice:
+        return self.devices[i]
+
+    def close(self) -> None:
+        """Stop every worker thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for d in self.devices:
+            d.close()
+        # Workers set the process default for threads started later; put it back.
+        torch.set_num_threads(self._saved_threads)
+
+    def __enter__(self) -> CPUPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,208 @@
+"""CUDA devices: real torch.cuda streams with priorities, each driven by a host worker thread.
+
+Every role has a ``torch.cuda.Stream`` and a host thread (a ``ThreadStream`` from cpu.py) that
+runs submitted closures inside ``torch.cuda.device(i)`` and ``torch.cuda.stream(s)``: closures
+launch kernels and copies asynchronously and return. Events are two-level: a ``CUDAEvent`` is
+"recorded" (host flag) when the stream's host thread reaches it and records the CUDA event, and
+"done" when the GPU passes that point. A wait task first blocks its host thread until the event
+is recorded, then calls ``wait_event`` on the GPU stream: waiting on a CUDA event that was not
+recorded yet would silently be a no-op, the classic multi-stream race.
+
+Priorities (a lower number runs first): COMPUTE and H2D_ACT highest, D2H in between, H2D_PARAM
+lowest, so activations never queue behind weight prefetch in the kernel scheduler. Copy
+engines largely ignore stream priorities; ordering big weight copies into the gaps between
+activation copies is the transfer engine's job.
+
+What the runtime must do itself (CUDA's caching allocator tracks tensors per stream):
+- a tensor made on one stream (``to_device`` on H2D_PARAM) and used on another (COMPUTE) must be
+  passed to ``tensor.record_stream(device.raw_stream(StreamRole.COMPUTE))``, or freed only after
+  an event recorded on the consumer stream, else its memory can be reused too early;
+- a pinned host tensor being uploaded must not be rewritten (optimizer step) before an event
+  recorded after the upload is done; a ``to_host`` result must not be read before its event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from .base import DeviceError, StreamRole
+from .cpu import CPUEvent, ThreadedDevice, ThreadStream
+
+__all__ = ["CUDADevice", "CUDAEvent", "CUDAStream", "pin", "stream_priorities"]
+
+
+def pin(t: torch.Tensor) -> torch.Tensor:
+    """Return ``t`` in pinned (page-locked) memory when CUDA is available, else ``t`` itself.
+
+    Pinned memory is what makes ``to_device``/``to_host`` truly asynchronous; pinning raises
+    without an accelerator, hence the guard.
+    """
+    if not torch.cuda.is_available() or t.device.type != "cpu" or t.is_pinned():
+        return t
+    return t.pin_memory()
+
+
+def stream_priorities(device_index: int) -> dict[StreamRole, int]:
+    """CUDA stream priority per role on a device (a lower number is a higher priority).
+
+    torch hands out streams from a few pooled priority levels (fewer than CUDA's range on some
+    GPUs), so "normal" is placed between the highest level torch really gives and the lowest.
+    """
+    get_range: Callable[[], tuple[int, int]] = torch.cuda.Stream.priority_range  # type: ignore[assignment]
+    try:
+        least, greatest = get_range()
+    except TypeError:  # bound as an instance method in some builds
+        least, greatest = torch.cuda.Stream(device=device_index).priority_range()
+    high, low = min(least, greatest), max(least, greatest)
+    high = torch.cuda.Stream(device=device_index, priority=high).priority  # the level granted
+    normal = (high + low) // 2
+    return {
+        StreamRole.COMPUTE: high,
+        StreamRole.H2D_ACT: high,
+        StreamRole.D2H: normal,
+        StreamRole.H2D_PARAM: low,
+    }
+
+
+class CUDAEvent(CPUEvent):
+    """A host "recorded" flag (with the stream's error) plus the ``torch.cuda.Event``."""
+
+    def __init__(self, device_index: int) -> None:
+        super().__init__()
+        self.device_index = device_index
+        self.cuda_event = torch.cuda.Event()  # created lazily by CUDA at its first record
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until recorded (``timeout`` bounds only this part), re-raise the stream's
+        error, then wait for the GPU to pass the event; a CUDA error becomes DeviceError."""
+        super().synchronize(timeout)
+        try:
+            self.cuda_event.synchronize()
+        except RuntimeError as exc:
+            raise DeviceError(
+                f"device {self.device_index}: CUDA error: {exc}", device=self.device_index
+            ) from exc
+
+    def query(self) -> bool:
+        if not self._done.is_set():
+            return False
+        return self._error is not None or self.cuda_event.query()
+
+
+class CUDAStream(ThreadStream):
+    """A ``torch.cuda.Stream`` plus the host thread that issues its work."""
+
+    def __init__(self, device_index: int, role: StreamRole, *, priority: int) -> None:
+        self.raw = torch.cuda.Stream(device=device_index, priority=priority)
+        super().__init__(
+            device_index,
+            role,
+            thread_name=f"rp-cuda{device_index}-{role.value}",
+            on_start=lambda: torch.cuda.set_device(device_index),
+        )
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        with torch.cuda.device(self.device_index), torch.cuda.stream(self.raw):
+            fn()
+
+    def _new_event(self) -> CUDAEvent:
+        return CUDAEvent(self.device_index)
+
+    def _device_record(self, event: CPUEvent) -> None:
+        if isinstance(event, CUDAEvent):
+            with torch.cuda.device(self.device_index):
+                event.cuda_event.record(self.raw)
+
+    def _device_wait(self, event: CPUEvent) -> None:
+        # Only reached once the event is recorded, so the GPU-side wait is never a no-op.
+        if isinstance(event, CUDAEvent):
+            with torch.cuda.device(self.device_index):
+                self.raw.wait_event(event.cuda_event)
+
+
+class CUDADevice(ThreadedDevice):
+    """One GPU: four prioritised streams with host threads, budget accounting, its own RNG.
+
+    ``capacity_bytes`` (None = unlimited) is a budget over tracked tensors, checked like the CPU
+    emulation; the real allocator figures are in ``memory_stats`` as "cuda_allocated"/"cuda_peak".
+    """
+
+    def __init__(self, index: int, *, capacity_bytes: int | None = None) -> None:
+        super().__init__(index, capacity_bytes=capacity_bytes)
+        torch.cuda.init()  # fills torch.cuda.default_generators
+        self.torch_device = torch.device("cuda", index)
+        priorities = stream_priorities(index)
+        with torch.cuda.device(index):
+            self._streams = {
+                role: CUDAStream(index, role, priority=priorities[role]) for role in StreamRole
+            }
+
+    def raw_stream(self, role: StreamRole) -> torch.cuda.Stream:
+        """The ``torch.cuda.Stream`` of a role (for ``record_stream`` and profiling)."""
+        stream = self._streams[role]
+        assert isinstance(stream, CUDAStream)
+        return stream.raw
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Asynchronous upload on the current (H2D) stream; truly async from pinned memory."""
+        dev = host.detach().to(self.torch_device, non_blocking=True)
+        self._ledger.track(dev)
+        self._ledger.count_copy(dev.numel() * dev.element_size(), h2d=True)
+        return dev
+
+    def to_host(self, dev: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Asynchronous download into ``out`` (pinned; allocated pinned when None)."""
+        if out is None:
+            out = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        with torch.no_grad():
+            out.copy_(dev.detach(), non_blocking=True)
+        self._ledger.count_copy(dev.numel() * dev.element_size(), h2d=False)
+        return out
+
+    def free(self, dev: torch.Tensor) -> None:
+        """Stop counting ``dev``; mark it used by every stream of this device first, so the
+        caching allocator does not hand its memory out while a queued kernel or copy on another
+        stream may still read it (the runtime frees tensors right after queueing their use)."""
+        if dev.is_cuda:
+            for stream in self._streams.values():
+                assert isinstance(stream, CUDAStream)
+                dev.record_stream(stream.raw)
+        super().free(dev)
+
+    def host_sync(self) -> None:
+        """Block the calling stream thread until its stream's queued work is done."""
+        torch.cuda.current_stream(self.torch_device).synchronize()
+
+    def memory_stats(self) -> dict[str, int]:
+        stats = super().memory_stats()
+        stats["cuda_allocated"] = torch.cuda.memory_allocated(self.index)
+        stats["cuda_peak"] = torch.cuda.max_memory_allocated(self.index)
+        return stats
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def _synchronize_device(self) -> None:
+        try:
+            torch.cuda.synchronize(self.index)
+        except RuntimeError as exc:
+            raise DeviceError(f"device {self.index}: CUDA error: {exc}", device=self.index) from exc
+
+    @contextmanager
+    def rng_scope(self, seed: int) -> Iterator[None]:
+        """Seed this GPU's default generator for the enclosed work, then restore it.
+
+        Per device, no lock: only this device's compute thread launches its random kernels.
+        The CPU generator is left alone (ops on CUDA tensors do not draw from it).
+        """
+        gen = torch.cuda.default_generators[self.index]
+        state = gen.get_state()
+        gen.manual_seed(seed)
+        try:
+            yield
+        finally:
+            gen.set_state(state)

@@ -1,0 +1,133 @@
+"""The layer-sequence types every model adapter produces: ``State``, ``HeadModule``,
+``LayerSequence``, and ``batch_to_dict``.
+
+A model becomes prefix -> blocks -> head. Values crossing a boundary are a ``State`` dict of
+tensors; only "hidden" carries gradient, every other key passes through unchanged. The modules are
+the user's own (or thin wrappers holding references to them): parameters are shared, never copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["State", "HeadModule", "LayerSequence", "batch_to_dict"]
+
+State = dict[str, torch.Tensor]
+
+
+class HeadModule(nn.Module):
+    """The last stage: output layer(s) + loss.
+
+    ``forward(state) -> loss`` is the plain autograd path (evaluation, references).
+    ``forward_backward(state, *, grad_scale)`` runs forward, loss and backward together: parameter
+    gradients (scaled by ``grad_scale``) accumulate into this module's parameters' ``.grad`` and
+    the gradient with respect to ``state["hidden"]`` is returned, so the head stage never needs a
+    recomputation. The returned loss is detached and unscaled.
+    """
+
+    def forward(self, state: State) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_backward(
+        self, state: State, *, grad_scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+def _add_flat(out: dict[str, Any], key: str, value: Any) -> None:
+    # A tuple of tensors becomes key, key.1, key.2, ... (sequential._gather reverses it).
+    if isinstance(value, tuple | list):
+        if not value:
+            raise ValueError(f"batch {key!r} is an empty {type(value).__name__}")
+        for i, item in enumerate(value):
+            out[key if i == 0 else f"{key}.{i}"] = item
+    else:
+        out[key] = value
+
+
+def batch_to_dict(batch: Any) -> dict[str, Any]:
+    """Normalise a training batch to a dict.
+
+    Mappings (Hugging Face style, e.g. ``{"input_ids", "attention_mask", "labels"}``) pass through
+    as a new dict. An ``(inputs, labels)`` pair (the DeepSpeed pipeline convention) becomes
+    ``{"input": inputs, "labels": labels}``; a tuple of inputs or labels is flattened to
+    ``"input", "input.1", ...`` / ``"labels", "labels.1", ...``.
+    """
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        out: dict[str, Any] = {}
+        _add_flat(out, "input", batch[0])
+        _add_flat(out, "labels", batch[1])
+        return out
+    raise TypeError(
+        f"cannot interpret a batch of type {type(batch).__name__}: expected a dict of tensors "
+        "(Hugging Face style) or an (inputs, labels) pair"
+    )
+
+
+@dataclass(frozen=True, eq=False)  # identity semantics: it holds live modules
+class LayerSequence:
+    """A model cut into ``prefix`` -> ``blocks`` (the L layers the planner cuts) -> ``head``.
+
+    ``root`` is the module the parameter names refer to: the user's model, or for a list of
+    DeepSpeed ``LayerSpec`` the module built from it (so its parameters can be handed to an
+    optimizer). ``kind`` says which adapter built it (e.g. "hf:qwen3", "sequential", "pipeline").
+    """
+
+    prefix: nn.Module | None
+    blocks: list[nn.Module]
+    head: HeadModule
+    root: nn.Module
+    kind: str
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def modules(self) -> Iterator[nn.Module]:
+        """Every layer in execution order: prefix (if any), blocks..., head."""
+        if self.prefix is not None:
+            yield self.prefix
+        yield from self.blocks
+        yield self.head
+
+    def batch_to_dict(self, batch: Any) -> dict[str, Any]:
+        return batch_to_dict(batch)
+
+    def run_reference(self, batch: Any) -> torch.Tensor:
+        """prefix -> blocks -> head under ordinary autograd; returns the loss (for tests)."""
+        state = self.batch_to_dict(batch)
+        if self.prefix is not None:
+            state = self.prefix(state)
+        for block in self.blocks:
+            state = block(state)
+        return self.head(state)
+
+    def named_parameters_by_layer(self) -> list[list[tuple[str, nn.Parameter]]]:
+        """Per layer (order of :meth:`modules`), its parameters named as in
+        ``root.named_parameters()``. A shared parameter (tied embeddings) is listed in every layer
+        that uses it, under the same name; compare by identity to find it."""
+        names = {id(p): name for name, p in self.root.named_parameters()}
+        return [_named(layer.parameters(), names, "parameter") for layer in self.modules()]
+
+    def buffers_by_layer(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """Like :meth:`named_parameters_by_layer` for buffers (rotary ``inv_freq`` sits with the
+        prefix)."""
+        names = {id(b): name for name, b in self.root.named_buffers()}
+        return [_named(layer.buffers(), names, "buffer") for layer in self.modules()]
+
+
+def _named(tensors: Iterator[Any], names: dict[int, str], what: str) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for t in tensors:  # Module.parameters()/buffers() already drop duplicates within a layer
+        name = names.get(id(t))
+        if name is None:
+            raise ValueError(f"a {what} of shape {tuple(t.shape)} is not part of the root model")
+        out.append((name, t))
+    return out

@@ -1,0 +1,98 @@
+"""``to_layers``: any supported model -> a :class:`LayerSequence` (prefix, blocks, head).
+
+Supported shapes, tried in this order:
+  * a list/tuple of DeepSpeed ``LayerSpec`` / ``TiedLayerSpec`` / modules / callables + loss_fn
+  * a DeepSpeed ``PipelineModule`` built with num_stages=1 (its loss_fn unless one is given)
+  * a Hugging Face causal LM shaped ``model.model.{embed_tokens, layers, norm, rotary_emb}`` +
+    ``model.lm_head`` (Llama, Mistral, Qwen2/3, Qwen3-MoE, Gemma2, Granite...), peft-wrapped or not
+  * an ``nn.Sequential`` + loss_fn
+The adapters live in ``hf.py`` and ``sequential.py``; this module only dispatches and checks that
+every parameter of the model belongs to some layer.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rp_engine.model.base import HeadModule, LayerSequence, State, batch_to_dict
+from rp_engine.model.hf import build_hf_blocks, is_hf_causal_lm
+from rp_engine.model.sequential import build_from_funcs, deepspeed_pipe
+
+__all__ = ["to_layers", "LayerSequence", "HeadModule", "State", "batch_to_dict"]
+
+_EXPECTED = (
+    "expected a Hugging Face causal LM shaped model.model.{embed_tokens, layers (ModuleList), "
+    "norm, rotary_emb} + model.lm_head (optionally peft-wrapped), an nn.Sequential with loss_fn, "
+    "a DeepSpeed PipelineModule, or a list of DeepSpeed LayerSpec with loss_fn"
+)
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    """PeftModelForCausalLM -> the HF model inside (base_model.model); others unchanged."""
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
+def to_layers(
+    model: nn.Module | list[Any] | tuple[Any, ...],
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    head_chunk_tokens: int = 1024,
+) -> LayerSequence:
+    """Cut ``model`` into a :class:`LayerSequence` whose modules share the model's parameters.
+
+    ``loss_fn(outputs, labels)`` is required for nn.Sequential and LayerSpec lists, optional for
+    a PipelineModule (overrides its own), and refused for Hugging Face models (the head computes
+    the model's own causal-LM loss). ``head_chunk_tokens`` bounds the tokens per LM-head chunk.
+    Raises ValueError naming the expected shapes for anything else.
+    """
+    if isinstance(head_chunk_tokens, bool) or not isinstance(head_chunk_tokens, int):
+        raise ValueError(f"head_chunk_tokens must be a positive int, got {head_chunk_tokens!r}")
+    if head_chunk_tokens < 1:
+        raise ValueError(f"head_chunk_tokens must be a positive int, got {head_chunk_tokens}")
+
+    pipe = deepspeed_pipe()
+    if isinstance(model, list | tuple) or (
+        pipe is not None and isinstance(model, pipe.PipelineModule)
+    ):
+        prefix, blocks, head, root, kind = build_from_funcs(model, loss_fn=loss_fn)
+        return _checked(LayerSequence(prefix, blocks, head, root, kind))
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"got a {type(model).__name__}: {_EXPECTED}")
+    inner = _unwrap_peft(model)
+    if is_hf_causal_lm(inner):
+        if loss_fn is not None:
+            raise ValueError(
+                "loss_fn is not supported for Hugging Face causal LMs: the head computes the "
+                "model's own causal-LM loss (pass loss_fn=None)"
+            )
+        hf_prefix, hf_blocks, hf_head, model_type = build_hf_blocks(
+            inner, chunk_tokens=head_chunk_tokens
+        )
+        return _checked(LayerSequence(hf_prefix, hf_blocks, hf_head, model, f"hf:{model_type}"))
+    if isinstance(model, nn.Sequential):
+        prefix, blocks, head, root, kind = build_from_funcs(model, loss_fn=loss_fn)
+        return _checked(LayerSequence(prefix, blocks, head, root, kind))
+    raise ValueError(f"unsupported model {type(inner).__name__}: {_EXPECTED}")
+
+
+def _checked(seq: LayerSequence) -> LayerSequence:
+    """Every parameter of the root must live in some layer, or training would silently skip it
+    (e.g. a model whose forward uses modules outside the expected shape)."""
+    covered = {id(p) for layer in seq.modules() for p in layer.parameters()}
+    missing = [name for name, p in seq.root.named_parameters() if id(p) not in covered]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(
+            f"{len(missing)} parameter(s) of the {seq.kind} model belong to no layer ({shown}); "
+            f"{_EXPECTED}"
+        )
+    return seq

@@ -1,0 +1,93 @@
+"""Training monitors: W&B (offline unless a key or mode is configured) and DeepSpeed-style CSV.
+
+``Monitor.write_events([(tag, value, step), ...])`` mirrors ``deepspeed.monitor.MonitorMaster``.
+W&B without an API key would raise "No API key configured" after a delay; rp_engine picks
+``WANDB_MODE=offline`` itself in that case, so runs on machines without network just work and
+can be synced later with ``wandb sync``.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rp_engine.config import DSConfig
+
+__all__ = ["Monitor"]
+
+log = logging.getLogger("rp_engine.monitor")
+
+
+class Monitor:
+    """Fan-out of scalar events to the enabled backends."""
+
+    def __init__(self, *, wandb_run: Any = None, csv_dir: Path | None = None) -> None:
+        self._wandb = wandb_run
+        self._csv_dir = csv_dir
+        self._csv_files: dict[str, Any] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self._wandb is not None or self._csv_dir is not None
+
+    @classmethod
+    def from_config(cls, cfg: DSConfig) -> Monitor:
+        wandb_run = None
+        if cfg.wandb.enabled:
+            wandb_run = _start_wandb(cfg)
+        csv_dir = None
+        if cfg.csv_monitor.enabled:
+            root = cfg.csv_monitor.output_path or "./csv_monitor"
+            csv_dir = Path(root) / cfg.csv_monitor.job_name
+            csv_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.tensorboard.enabled:
+            log.warning("tensorboard monitor requested but not supported; use wandb or csv_monitor")
+        return cls(wandb_run=wandb_run, csv_dir=csv_dir)
+
+    def write_events(self, events: Iterable[tuple[str, float, int]]) -> None:
+        events = list(events)
+        if self._wandb is not None:
+            for tag, value, step in events:
+                self._wandb.log({tag: value}, step=step)
+        if self._csv_dir is not None:
+            for tag, value, step in events:
+                self._csv_writer(tag).writerow([step, value])
+                self._csv_files[tag][0].flush()
+
+    def _csv_writer(self, tag: str) -> Any:
+        if tag not in self._csv_files:
+            path = self._csv_dir / (tag.replace("/", "_") + ".csv")  # type: ignore[operator]
+            new = not path.exists()
+            f = open(path, "a", newline="")  # noqa: SIM115 - kept open for the run
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["step", tag])
+            self._csv_files[tag] = (f, writer)
+        return self._csv_files[tag][1]
+
+    def close(self) -> None:
+        for f, _ in self._csv_files.values():
+            f.close()
+        self._csv_files.clear()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(cfg: DSConfig) -> Any:
+    import wandb
+
+    if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
+        os.environ["WANDB_MODE"] = "offline"
+        log.info("W&B: no API key configured, logging offline (sync later with `wandb sync`)")
+    return wandb.init(
+        project=cfg.wandb.project,
+        group=cfg.wandb.group,
+        entity=cfg.wandb.team,
+        config=dict(cfg.raw),
+        reinit="finish_previous",
+    )

@@ -1,0 +1,191 @@
+"""The host optimizer: DeepSpeed's CPU Adam (or a torch.optim class) over fp32 master weights.
+
+``HostOptimizer`` is what ``initialize`` returns as the optimizer. Its ``param_groups`` are the
+inner torch optimizer's groups over the fp32 masters, so DeepSpeed's and torch's LR schedulers
+drive it unchanged (``.optimizer`` exposes the inner optimizer, which is how
+``deepspeed.runtime.lr_schedules.get_torch_optimizer`` unwraps wrappers).
+
+Adam/AdamW step *per layer* through DeepSpeedCPUAdam's own C++ kernel (``adam_update``), with the
+hyper-parameters snapshotted when the step was issued: that is what lets the asynchronous worker
+step layer l of iteration T while the LR scheduler has already moved on. Other torch optimizers
+cannot step a subset of their parameters, so they step all layers at once (``per_layer`` False).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rp_engine.optim.loss_scaler import LossScaler
+
+__all__ = ["HostOptimizer", "build_inner_optimizer", "snapshot_groups", "cpu_adam_cache_dir"]
+
+log = logging.getLogger("rp_engine.optim")
+
+_ADAM_TYPES = {"adam", "adamw"}
+# DeepSpeed optimizer names that need GPU kernels or communication we do not have on the host.
+_UNSUPPORTED = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "muon"}
+
+
+def cpu_adam_cache_dir() -> str:
+    """Where DeepSpeed's JIT-built CPU Adam lives: a user cache outside any checkout, so CI
+    runs and later sessions on one machine reuse the ~1-2 minute build."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions")
+    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", default)
+
+
+def build_inner_optimizer(
+    opt_type: str,
+    params: Mapping[str, Any],
+    groups: list[dict[str, Any]],
+) -> tuple[torch.optim.Optimizer, bool]:
+    """Build the torch optimizer over master param groups; returns (optimizer, per_layer).
+
+    ``opt_type`` is the normalised DeepSpeed type ("adam", "adamw", "adagrad", "lion", or a
+    torch.optim class name such as "SGD"). Unknown keyword params raise TypeError as in DeepSpeed.
+    """
+    kwargs = dict(params)
+    if opt_type in _ADAM_TYPES:
+        # DeepSpeed: "Adam" means AdamW behaviour unless adam_w_mode is false; torch_adam selects
+        # torch's implementation instead of the CPU kernel.
+        adamw_mode = bool(kwargs.pop("adam_w_mode", True)) if opt_type == "adam" else True
+        torch_adam = bool(kwargs.pop("torch_adam", False))
+        if torch_adam:
+            cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+            return cls(groups, **kwargs), False
+        return _cpu_adam(groups, adamw_mode=adamw_mode, **kwargs), True
+    if opt_type in _UNSUPPORTED:
+        raise ValueError(
+            f"optimizer.type {opt_type!r} needs DeepSpeed GPU/communication kernels that do not "
+            "run on host-resident weights; use Adam/AdamW (DeepSpeed CPU Adam) or a torch.optim name"
+        )
+    torch_names = {"adagrad": "Adagrad", "lion": "Lion"}
+    cls = getattr(torch.optim, torch_names.get(opt_type, opt_type), None)
+    if cls is None:
+        raise ValueError(f"optimizer.type {opt_type!r} is not available in torch.optim")
+    return cls(groups, **kwargs), False
+
+
+def _cpu_adam(groups: list[dict[str, Any]], *, adamw_mode: bool, **kwargs: Any) -> torch.optim.Optimizer:
+    cpu_adam_cache_dir()
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError as exc:  # pragma: no cover - deepspeed is a dependency
+        raise RuntimeError("deepspeed is required for Adam/AdamW (DeepSpeedCPUAdam)") from exc
+    built = _is_cpu_adam_built()
+    if not built:
+        log.warning(
+            "building DeepSpeed's CPU Adam once (about 1-2 minutes; cached in %s)",
+            os.environ["TORCH_EXTENSIONS_DIR"],
+        )
+    return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
+
+
+def _is_cpu_adam_built() -> bool:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+    for dirpath, _, files in os.walk(root):
+        if "cpu_adam.so" in files:
+            return True
+    return False
+
+
+def snapshot_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Hyper-parameters of every group (no params), frozen at the moment a step is issued."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+class HostOptimizer:
+    """DeepSpeed-style optimizer wrapper over fp32 masters; see the module docstring."""
+
+    def __init__(self, inner: torch.optim.Optimizer, *, per_layer: bool, scaler: LossScaler) -> None:
+        self.optimizer = inner
+        self.per_layer = per_layer
+        self.loss_scaler = scaler
+        self.overflow = False
+        self._group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
+
+    # --- DeepSpeed / torch surface -------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: the engine owns gradient buffers and clears them after each step."""
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        raise RuntimeError(
+            "call engine.step() (DeepSpeed semantics): rp_engine steps the optimizer itself, "
+            "layer by layer, at the gradient-accumulation boundary"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    # --- stepping (called by the optimizer worker) -------------------------------------------
+    @torch.no_grad()
+    def step_params(
+        self, params: Sequence[torch.Tensor], *, groups: list[dict[str, Any]], grad_coef: float
+    ) -> None:
+        """Step ``params`` (masters with ``.grad``) with the hyper-parameters in ``groups``.
+
+        ``grad_coef`` (unscale x clip) is applied to each gradient right before its update, while
+        it is hot in cache: the gradients are never traversed a second time for clipping.
+        """
+        live = [p for p in params if p.grad is not None]
+        if grad_coef != 1.0:
+            for p in live:
+                p.grad.mul_(grad_coef)
+        if self.per_layer:
+            self._cpu_adam_step(live, groups)
+        else:
+            self._torch_step(groups)
+
+    def _cpu_adam_step(self, params: Iterable[torch.Tensor], groups: list[dict[str, Any]]) -> None:
+        inner: Any = self.optimizer
+        for p in params:
+            g = groups[self._group_of[id(p)]]
+            state = inner.state[p]
+            if len(state) == 0:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+            beta1, beta2 = g["betas"]
+            # DeepSpeed's own C++ kernel, exactly as DeepSpeedCPUAdam.step calls it.
+            inner.ds_opt_adam.adam_update(
+                inner.opt_id, state["step"], g["lr"], beta1, beta2, g["eps"],
+                g["weight_decay"], g["bias_correction"], p.data, p.grad.data,
+                state["exp_avg"], state["exp_avg_sq"],
+            )  # fmt: skip
+
+    def _torch_step(self, groups: list[dict[str, Any]]) -> None:
+        # Step with the snapshot, then put back whatever the LR scheduler has set since: torch's
+        # chainable schedulers read the current group lr, so it must not be rewound.
+        live_groups = self.optimizer.param_groups
+        current = snapshot_groups(self.optimizer)
+        for live, frozen in zip(live_groups, groups, strict=True):
+            live.update(frozen)
+        try:
+            self.optimizer.step()
+        finally:
+            for live, now in zip(live_groups, current, strict=True):
+                live.update(now)

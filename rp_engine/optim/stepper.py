@@ -1,0 +1,241 @@
+"""Layer-by-layer optimizer stepping on a host thread, synchronous or asynchronous (staleness 1).
+
+Versions: step t turns the masters into w_t (w_0 = initial weights). Iteration t reads compute
+weights w_{t-1} in sync mode and w_{max(t-2, 0)} in async mode; the runtime waits for them per
+layer (``HostStore.wait_version``), never for a whole step.
+
+::
+
+    iteration t backward      |== layer L ==|== ... ==|== layer 0 ==|
+    layer_ready(l)               publish w_{t-1} into the compute weights (async: the run
+                                 that read w_{t-2} is done with layer l), add ||g_l||^2
+    worker thread (async)             step_t(L) ........ step_t(0)   overlaps iteration t+1
+    iteration t+1 forward                          |== layer 0 (reads w_{t-1}) ==| ...
+
+Global-norm clipping and fp16 overflow need every layer's gradient: the squared norms are summed
+as layers complete (no separate pass) and the clip/unscale coefficient is applied inside each
+layer's step. Without clipping, fp16 or a torch fallback optimizer, each layer steps as soon as
+its gradient is complete.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rp_engine.model.host_store import HostStore
+from rp_engine.optim.optimizer import HostOptimizer, snapshot_groups
+
+__all__ = ["OptimizerStepper", "StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Outcome of one boundary step, known as soon as every gradient has landed."""
+
+    step: int
+    grad_norm: float  # unscaled global norm before clipping (DeepSpeed's get_global_grad_norm)
+    overflow: bool
+
+
+@dataclass
+class _OpenStep:
+    step: int
+    groups: list[dict[str, Any]]
+    loss_scale: float
+    ready: set[int]
+    sq_norm: float = 0.0
+
+
+class OptimizerStepper:
+    """Owns the optimizer worker thread and the per-layer 'step done' protocol."""
+
+    def __init__(
+        self,
+        store: HostStore,
+        optimizer: HostOptimizer,
+        *,
+        clip: float,
+        async_mode: bool,
+        fp16: bool,
+    ) -> None:
+        self.store = store
+        self.optimizer = optimizer
+        self.clip = clip
+        self.async_mode = async_mode
+        self.fp16 = fp16
+        self._num_layers = len(store.layers)
+        self._done = [0] * self._num_layers  # last step applied (or skipped) per layer
+        self._cond = threading.Condition()
+        self._open: _OpenStep | None = None
+        self._error: BaseException | None = None
+        self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._run, name="rp-optimizer", daemon=True)
+        self._thread.start()
+
+    # --- the protocol used by the runtime ----------------------------------------------------
+    @property
+    def immediate(self) -> bool:
+        """Whether a layer can step before the global norm is known."""
+        return self.optimizer.per_layer and self.clip <= 0 and not self.fp16
+
+    def required_version(self, step: int) -> int:
+        """Weights version that iteration ``step`` (1-based boundary step) must read."""
+        return max(step - 2, 0) if self.async_mode else step - 1
+
+    def open_step(self, step: int) -> None:
+        """Begin accumulating step ``step``; hyper-parameters are frozen now (same LR as sync)."""
+        self.check()
+        self._open = _OpenStep(
+            step, snapshot_groups(self.optimizer.optimizer), self.optimizer.cur_scale, set()
+        )
+
+    def wait_grads_free(self, layer: int, step: int) -> None:
+        """Block until step ``step - 1`` of ``layer`` has consumed its gradient buffer."""
+        self._wait_done(layer, step - 1)
+
+    def layer_ready(self, layer: int) -> None:
+        """Layer's gradient for the open step is complete (called from a runtime host thread)."""
+        st = self._open
+        assert st is not None, "layer_ready outside an open step"
+        if self.async_mode:
+            # Iteration st.step no longer reads this layer: expose w_{t-1} for iteration t+1.
+            self._wait_done(layer, st.step - 1)
+            self.store.publish(layer, st.step - 1)
+        sq = self.store.grad_sq_norm(layer)
+        with self._cond:
+            st.sq_norm += sq
+            st.ready.add(layer)
+        if self.immediate:
+            self._enqueue(layer, st, coef=1.0, skip=False)
+
+    def close_step(self) -> StepResult:
+        """All gradients of the open step have landed: decide clip/overflow, issue the steps."""
+        st = self._open
+        assert st is not None, "close_step without open_step"
+        missing = set(range(self._num_layers)) - st.ready
+        for layer in sorted(missing):  # layers that saw no gradient (frozen, unused) still step
+            self.layer_ready(layer)
+        self._open = None
+        norm = math.sqrt(st.sq_norm) / st.loss_scale if math.isfinite(st.sq_norm) else math.inf
+        overflow = self.fp16 and not math.isfinite(norm)
+        if not self.immediate:
+            coef = 1.0 / st.loss_scale
+            if self.clip > 0 and math.isfinite(norm) and norm > self.clip:
+                coef *= self.clip / (norm + 1e-6)
+            if self.optimizer.per_layer:
+                for layer in range(self._num_layers):  # layer 0 first: the next forward needs it
+                    self._enqueue(layer, st, coef=coef, skip=overflow)
+            else:
+                self._enqueue_all(st, coef=coef, skip=overflow)
+        if not self.async_mode:
+            self.wait_all()
+        return StepResult(st.step, norm, overflow)
+
+    # --- synchronisation ----------------------------------------------------------------------
+    def wait_all(self) -> None:
+        """Wait until every issued step has been applied; re-raise a worker error."""
+        with self._cond:
+            while self._pending and self._error is None:
+                self._cond.wait(timeout=0.1)
+        self.check()
+
+    def synchronize(self) -> None:
+        """Drain and publish the newest weights (save, eval, destroy): after it, the module's
+        weights are the latest step's, and the staleness window restarts from them."""
+        self.wait_all()
+        for layer in range(self._num_layers):
+            self.store.publish(layer, self._done[layer])
+
+    def check(self) -> None:
+        """Raise the worker's error, if any, in the calling thread."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def abandon_step(self) -> None:
+        """Forget the open step after a failed run (its gradients are discarded by the caller)."""
+        self._open = None
+
+    def set_step(self, step: int) -> None:
+        """After loading a checkpoint: every layer has applied ``step`` and shows w_step."""
+        with self._cond:
+            self._done = [step] * self._num_layers
+        self.store.set_versions(step)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._tasks.put(None)
+            self._thread.join(timeout=10)
+
+    # --- internals ----------------------------------------------------------------------------
+    def _wait_done(self, layer: int, step: int) -> None:
+        with self._cond:
+            while self._done[layer] < step:
+                if self._error is not None:
+                    raise RuntimeError(
+                        f"optimizer worker failed; layer {layer} cannot reach step {step}"
+                    ) from self._error
+                self._cond.wait(timeout=0.1)
+
+    def _enqueue(self, layer: int, st: _OpenStep, *, coef: float, skip: bool) -> None:
+        masters = [hp.master for hp in self.store.layers[layer].owned]
+
+        def task() -> None:
+            if not skip and masters:
+                self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
+            self._finish([layer], st.step)
+
+        self._submit(task, f"layer {layer}")
+
+    def _enqueue_all(self, st: _OpenStep, *, coef: float, skip: bool) -> None:
+        masters = [hp.master for hp in self.store.owned_params()]
+
+        def task() -> None:
+            if not skip:
+                self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
+            self._finish(list(range(self._num_layers)), st.step)
+
+        self._submit(task, "all layers")
+
+    def _finish(self, layers: list[int], step: int) -> None:
+        self.store.zero_grads(layers)
+        with self._cond:
+            for layer in layers:
+                self._done[layer] = step
+            self._cond.notify_all()
+        if not self.async_mode:
+            for layer in layers:
+                self.store.publish(layer, step)
+
+    def _submit(self, task: Callable[[], None], what: str) -> None:
+        def guarded() -> None:
+            try:
+                task()
+            except BaseException as exc:  # surfaces at the next engine call
+                names = what
+                err = RuntimeError(f"optimizer step failed on {names}: {exc!r}")
+                err.__cause__ = exc
+                with self._cond:
+                    self._error = err
+                    self._cond.notify_all()
+
+        with self._cond:
+            self._pending += 1
+        self._tasks.put(guarded)
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            if self._error is None:
+                task()
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()

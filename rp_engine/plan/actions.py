@@ -1,0 +1,492 @@
+"""Plans as data: pipeline actions, their text form, and the Plan that orders them.
+
+Owns ``Op``, ``Action`` (text form ``F3.1@2``: op, stage, micro-batch, device; ``#1`` suffix for
+iteration 1; ``@h`` for the host), ``Plan`` (a global issue order plus metadata), the data-flow
+rules that derive every action's dependencies (``Plan.deps``), the device x step grid used by
+golden files and error messages, and ``PlanError``. No torch, no timing: see simulate.py.
+
+Stage numbering (shared with the runtime). The model is L decoder layers plus a prefix (in forward
+stage 0) and a head. Forward stage s covers ``fwd_cuts[s]`` layers, in order. Backward stage 0
+holds the head plus the last ``bwd_cuts[0]`` layers; backward stage j >= 1 holds the next
+``bwd_cuts[j]`` layers going toward the input. A plan with HEAD actions fuses head forward, loss
+and head backward into backward stage 0 (RoundPipe, Mobius); a plan whose backward stage 0 is a
+BWD action ran the head forward inside the last FWD stage (GPipe, 1F1B, interleaved, looped BFS,
+where forward stage s and backward stage S-1-s are the same bound stage).
+
+Transfer actions name a *slot*: slot s < S_f is forward stage s, slot S_f + j is backward stage j.
+  UPLOAD(slot, m0)@d   weights of the slot's layers to device d, for the group of consecutive
+                       compute actions of that slot on d starting with micro-batch m0
+  FREE(slot, m0)@d     release of those weights (and gradients)
+  DOWNLOAD(slot, m0)@d weight gradients of a backward group back to the host
+  SEND(slot, m)@d      the output of compute action (slot, m) moved to device d (via the host,
+                       or peer to peer), for the consumers of it on d
+  OPT(layer, 0)@h      CPU optimizer step of one layer (layer L = the head)
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "HOST",
+    "COMPUTE_OPS",
+    "TRANSFER_OPS",
+    "Op",
+    "Action",
+    "Plan",
+    "PlanError",
+    "parse_action",
+    "format_grid",
+]
+
+HOST = -1  # device index of host-side actions (the CPU optimizer)
+
+
+class Op(enum.Enum):
+    """What an action does; the value is its one-letter text form."""
+
+    FWD = "F"  # forward of a forward stage (no autograd graph kept)
+    BWD = "B"  # recompute + backward of a backward stage
+    HEAD = "H"  # fused head forward + loss + backward (backward stage 0), no recompute
+    UPLOAD = "U"  # weight upload host -> device
+    DOWNLOAD = "D"  # weight-gradient download device -> host
+    SEND = "S"  # activation / activation-gradient transfer to another device
+    OPT = "O"  # optimizer step of one layer on the host
+    FREE = "X"  # release of an upload's weights on the device
+
+
+COMPUTE_OPS = frozenset({Op.FWD, Op.BWD, Op.HEAD})
+TRANSFER_OPS = frozenset({Op.UPLOAD, Op.DOWNLOAD, Op.SEND, Op.FREE})
+_OP_BY_LETTER = {op.value: op for op in Op}
+_ACTION_RE = re.compile(r"^([A-Z])(\d+)\.(\d+)@(h|\d+)(?:#(\d+))?$")
+
+
+class PlanError(ValueError):
+    """An impossible or inconsistent plan. The message carries the device x step grid."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work: ``op`` on ``stage`` for ``microbatch`` on ``device`` in ``iteration``."""
+
+    op: Op
+    stage: int
+    microbatch: int
+    device: int
+    iteration: int = 0
+
+    def __str__(self) -> str:
+        where = "h" if self.device == HOST else str(self.device)
+        suffix = f"#{self.iteration}" if self.iteration else ""
+        return f"{self.op.value}{self.stage}.{self.microbatch}@{where}{suffix}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE_OPS
+
+
+def parse_action(text: str) -> Action:
+    """Inverse of ``str(action)``: ``parse_action("B3.1@2#1") == Action(Op.BWD, 3, 1, 2, 1)``."""
+    match = _ACTION_RE.match(text.strip())
+    if match is None or match.group(1) not in _OP_BY_LETTER:
+        raise ValueError(f"not an action: {text!r} (expected e.g. 'F3.1@2' or 'O5.0@h#1')")
+    letter, stage, mb, where, it = match.groups()
+    device = HOST if where == "h" else int(where)
+    return Action(_OP_BY_LETTER[letter], int(stage), int(mb), device, int(it or 0))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule as data.
+
+    ``actions`` is the global issue order: a topological order of ``deps`` in which each device's
+    actions appear in that device's execution order. ``deps[a]`` lists the actions ``a`` waits for
+    beyond its own device's order (derived from the data-flow rules in the module docstring, so a
+    plan is fully described by its actions and metadata, which is what the text form stores).
+    ``optimizer`` ("sync", "async" or "") says which optimizer step an UPLOAD waits for:
+    the previous iteration's (sync) or the one before (async, staleness 1).
+    """
+
+    actions: tuple[Action, ...]
+    num_devices: int
+    num_microbatches: int
+    fwd_cuts: tuple[int, ...]
+    bwd_cuts: tuple[int, ...]
+    schedule: str = "custom"
+    next_start_device: int = 0
+    optimizer: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", tuple(self.actions))
+        object.__setattr__(self, "fwd_cuts", tuple(int(c) for c in self.fwd_cuts))
+        object.__setattr__(self, "bwd_cuts", tuple(int(c) for c in self.bwd_cuts))
+        if sum(self.fwd_cuts) != sum(self.bwd_cuts):
+            raise PlanError(
+                f"fwd_cuts {list(self.fwd_cuts)} and bwd_cuts {list(self.bwd_cuts)} cover "
+                f"{sum(self.fwd_cuts)} and {sum(self.bwd_cuts)} layers; they must cover the same L"
+            )
+        if not self.fwd_cuts or not self.bwd_cuts:
+            raise PlanError("a plan needs at least one forward and one backward stage")
+        if self.optimizer not in ("", "sync", "async"):
+            raise PlanError(f"optimizer must be '', 'sync' or 'async', got {self.optimizer!r}")
+
+    # ---- shape -------------------------------------------------------------------------------
+    @property
+    def num_fwd_stages(self) -> int:
+        return len(self.fwd_cuts)
+
+    @property
+    def num_bwd_stages(self) -> int:
+        return len(self.bwd_cuts)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.fwd_cuts)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_fwd_stages + self.num_bwd_stages
+
+    @functools.cached_property
+    def fused_head(self) -> bool:
+        """True when backward stage 0 is a HEAD action (head forward fused into the backward)."""
+        return any(a.op is Op.HEAD for a in self.actions)
+
+    @functools.cached_property
+    def iterations(self) -> tuple[int, ...]:
+        return tuple(sorted({a.iteration for a in self.actions}))
+
+    def slot(self, action: Action) -> int:
+        """Slot of a compute action: forward stage s -> s, backward stage j -> S_f + j."""
+        if action.op is Op.FWD:
+            return action.stage
+        if action.op in (Op.BWD, Op.HEAD):
+            return self.num_fwd_stages + action.stage
+        return action.stage  # transfer actions already name a slot
+
+    def slot_layers(self, slot: int) -> range:
+        """Decoder layers of a slot (backward stage 0 also holds the head)."""
+        if slot < self.num_fwd_stages:
+            start = sum(self.fwd_cuts[:slot])
+            return range(start, start + self.fwd_cuts[slot])
+        j = slot - self.num_fwd_stages
+        start = self.num_layers - sum(self.bwd_cuts[: j + 1])
+        return range(start, start + self.bwd_cuts[j])
+
+    def per_device(self, device: int) -> list[Action]:
+        """Actions of one device (``HOST`` for the optimizer) in execution order."""
+        return list(self._by_device.get(device, ()))
+
+    @functools.cached_property
+    def _by_device(self) -> dict[int, tuple[Action, ...]]:
+        rows: dict[int, list[Action]] = defaultdict(list)
+        for action in self.actions:
+            rows[action.device].append(action)
+        return {d: tuple(r) for d, r in rows.items()}
+
+    @functools.cached_property
+    def deps(self) -> Mapping[Action, tuple[Action, ...]]:
+        """Cross-action dependencies (same-device order is implied by ``per_device``)."""
+        return _derive_deps(self)
+
+    def is_grad_edge(self, consumer: Action, dep: Action) -> bool:
+        """True when ``dep`` delivers the upstream gradient of ``consumer`` (a backward action).
+
+        A backward stage's recompute needs only its saved input; its backward part needs this.
+        """
+        if consumer.op is not Op.BWD:
+            return False
+        if dep.op is Op.SEND:
+            return dep.stage >= self.num_fwd_stages or (
+                consumer.stage == 0 and dep.stage == self.num_fwd_stages - 1
+            )
+        if dep.op in (Op.BWD, Op.HEAD):
+            return True
+        # unfused head: the loss comes from the last forward stage
+        return dep.op is Op.FWD and consumer.stage == 0 and dep.stage == self.num_fwd_stages - 1
+
+    # ---- text form ---------------------------------------------------------------------------
+    def to_text(self) -> str:
+        """Header, one row per device (execution order) and the global issue order.
+
+        The issue order is the sequence of device rows actions are taken from, run-length
+        encoded ("0x4 1x4" = four from device 0, then four from device 1).
+        """
+        header = (
+            f"# plan schedule={self.schedule} devices={self.num_devices} "
+            f"microbatches={self.num_microbatches} fwd_cuts={_csv(self.fwd_cuts)} "
+            f"bwd_cuts={_csv(self.bwd_cuts)} next_start_device={self.next_start_device} "
+            f"optimizer={self.optimizer or '-'}"
+        )
+        lines = [header, format_grid(self)]
+        lines.append("issue: " + " ".join(_run_length(_row_name(a.device) for a in self.actions)))
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> Plan:
+        """Inverse of ``to_text``."""
+        lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+        if not lines or not lines[0].startswith("# plan "):
+            raise ValueError("plan text must start with a '# plan ...' header line")
+        meta = dict(item.split("=", 1) for item in lines[0][len("# plan ") :].split())
+        rows: dict[str, list[Action]] = {}
+        issue: list[str] = []
+        for line in lines[1:]:
+            name, _, rest = line.partition(":")
+            if name == "issue":
+                issue = _run_length_decode(rest.split())
+            else:
+                rows[name.strip()] = [parse_action(tok) for tok in rest.split() if tok != "."]
+        cursors = {name: iter(row) for name, row in rows.items()}
+        actions = tuple(next(cursors[name]) for name in issue)
+        return cls(
+            actions=actions,
+            num_devices=int(meta["devices"]),
+            num_microbatches=int(meta["microbatches"]),
+            fwd_cuts=_parse_csv(meta["fwd_cuts"]),
+            bwd_cuts=_parse_csv(meta["bwd_cuts"]),
+            schedule=meta.get("schedule", "custom"),
+            next_start_device=int(meta.get("next_start_device", 0)),
+            optimizer="" if meta.get("optimizer", "-") == "-" else meta["optimizer"],
+        )
+
+
+def format_grid(plan: Plan, *, mark: Action | None = None, limit: int | None = None) -> str:
+    """Device x step grid (one row per device, actions in execution order).
+
+    ``mark`` is shown as ``>>F3.1@2<<`` (the failing step in an error); ``limit`` trims each row
+    to the steps around the mark (or the first ``limit`` steps) so errors stay readable.
+    """
+    devices = sorted(plan._by_device, key=lambda d: (d == HOST, d))
+    rows = []
+    for d in devices:
+        row = list(plan._by_device[d])
+        cells = [f">>{a}<<" if a == mark else str(a) for a in row]
+        if limit is not None and len(cells) > limit:
+            centre = row.index(mark) if mark in row else limit // 2
+            lo = max(0, min(centre - limit // 2, len(cells) - limit))
+            cells = (["..."] if lo else []) + cells[lo : lo + limit]
+            cells += ["..."] if lo + limit < len(row) else []
+        rows.append(f"{_row_name(d)}: " + " ".join(cells))
+    return "\n".join(rows)
+
+
+# ---- dependency derivation -------------------------------------------------------------------
+def _derive_deps(plan: Plan) -> dict[Action, tuple[Action, ...]]:
+    """Apply the data-flow rules of the module docstring to every action of ``plan``."""
+    ctx = _DepContext(plan)
+    deps: dict[Action, list[Action]] = {a: [] for a in plan.actions}
+    for action in plan.actions:
+        if action.is_compute:
+            deps[action] += ctx.compute_deps(action)
+    for action in plan.actions:
+        handler = ctx.handlers.get(action.op)
+        if handler is not None:
+            deps[action] += handler(action)
+    return {a: tuple(dict.fromkeys(d)) for a, d in deps.items()}
+
+
+class _DepContext:
+    """Indexes of a plan used by the dependency rules (built once per plan)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.compute: dict[tuple[Op, int, int, int], Action] = {}
+        self.by_slot: dict[tuple[int, int, int], Action] = {}  # (slot, mb, it) -> compute
+        self.by_key: dict[tuple[Op, int, int, int, int], Action] = {}
+        for a in plan.actions:
+            self.by_key[(a.op, a.stage, a.microbatch, a.device, a.iteration)] = a
+            if a.is_compute:
+                self.compute[(a.op, a.stage, a.microbatch, a.iteration)] = a
+                self.by_slot[(plan.slot(a), a.microbatch, a.iteration)] = a
+        self.groups = _compute_groups(plan)
+        self.group_of: dict[Action, tuple[int, int]] = {}
+        self.group_index: dict[tuple[int, int, int, int], int] = {}  # (dev, slot, m0, it) -> gi
+        self.slot_groups: dict[tuple[int, int], list[tuple[int, list[Action]]]] = defaultdict(list)
+        for d, groups in self.groups.items():
+            for gi, group in enumerate(groups):
+                first = group[0]
+                self.group_index[(d, plan.slot(first), first.microbatch, first.iteration)] = gi
+                self.slot_groups[(plan.slot(first), first.iteration)].append((d, group))
+                self.group_of.update((a, (d, gi)) for a in group)
+        self.device_compute = {
+            d: [a for a in row if a.is_compute] for d, row in plan._by_device.items()
+        }
+        self.device_pos = {
+            a: i for row in self.device_compute.values() for i, a in enumerate(row)
+        }
+        self.fwd_start = [sum(plan.fwd_cuts[:s]) for s in range(plan.num_fwd_stages)]
+        self.send_consumers: dict[Action, list[Action]] = defaultdict(list)
+        self.handlers = {
+            Op.UPLOAD: self.upload_deps,
+            Op.FREE: self.free_deps,
+            Op.DOWNLOAD: self.download_deps,
+            Op.SEND: self.send_deps,
+            Op.OPT: self.opt_deps,
+        }
+
+    # -- compute ---------------------------------------------------------------------------------
+    def compute_deps(self, a: Action) -> list[Action]:
+        deps = [self._via_send(a, src) for src in self.data_sources(a)]
+        upload = self._group_transfer(a, Op.UPLOAD)
+        return deps + ([upload] if upload is not None else [])
+
+    def data_sources(self, a: Action) -> list[Action]:
+        """Compute actions whose outputs ``a`` consumes (same iteration and micro-batch)."""
+        plan, m, it = self.plan, a.microbatch, a.iteration
+        if a.op is Op.FWD:
+            return self._present([(Op.FWD, a.stage - 1, m, it)] if a.stage > 0 else [])
+        sources = [self.input_source(a)]
+        if a.op is Op.BWD and a.stage == 0:
+            sources.append((Op.FWD, plan.num_fwd_stages - 1, m, it))  # loss from the head
+        elif a.op is Op.BWD:
+            op = Op.HEAD if a.stage == 1 and plan.fused_head else Op.BWD
+            sources.append((op, a.stage - 1, m, it))
+        return self._present(sources)
+
+    def input_source(self, a: Action) -> tuple[Op, int, int, int]:
+        """Producer of a backward stage's saved input (the hidden state entering its layers).
+
+        A bound stage keeps its forward input on its device (source: its own FWD); otherwise
+        the input comes from the forward stage that computed it (the prefix output for p == 0).
+        """
+        p = self.plan.slot_layers(self.plan.slot(a)).start
+        m, it = a.microbatch, a.iteration
+        for s, start in enumerate(self.fwd_start):
+            fwd = self.compute.get((Op.FWD, s, m, it))
+            if start == p and fwd is not None and fwd.device == a.device:
+                return (Op.FWD, s, m, it)
+        if p == 0:
+            return (Op.FWD, 0, m, it)
+        for s, start in enumerate(self.fwd_start):
+            if start <= p - 1 < start + self.plan.fwd_cuts[s]:
+                return (Op.FWD, s, m, it)
+        raise PlanError(f"no forward stage computes layer {p - 1}")  # unreachable: cuts sum to L
+
+    def _present(self, keys: Iterable[tuple[Op, int, int, int]]) -> list[Action]:
+        return [self.compute[k] for k in dict.fromkeys(keys) if k in self.compute]
+
+    def _via_send(self, consumer: Action, src: Action) -> Action:
+        if src.device == consumer.device:
+            return src
+        key = (Op.SEND, self.plan.slot(src), src.microbatch, consumer.device, src.iteration)
+        send = self.by_key.get(key)
+        if send is None:
+            return src
+        self.send_consumers[send].append(consumer)
+        return send
+
+    # -- groups and transfers --------------------------------------------------------------------
+    def _group_transfer(self, a: Action, op: Op) -> Action | None:
+        d, gi = self.group_of[a]
+        first = self.groups[d][gi][0]
+        return self.by_key.get((op, self.plan.slot(first), first.microbatch, d, first.iteration))
+
+    def _group(self, t: Action) -> tuple[int, list[Action]] | None:
+        gi = self.group_index.get((t.device, t.stage, t.microbatch, t.iteration))
+        return None if gi is None else (gi, self.groups[t.device][gi])
+
+    def upload_deps(self, u: Action) -> list[Action]:
+        found = self._group(u)
+        deps: list[Action] = []
+        if found is not None and found[0] >= 2:  # prefetch depth 1: two groups' weights at most
+            older = self.groups[u.device][found[0] - 2][0]
+            key = (Op.FREE, self.plan.slot(older), older.microbatch, u.device, older.iteration)
+            deps += [self.by_key[key]] if key in self.by_key else []
+        lag = {"sync": 1, "async": 2}.get(self.plan.optimizer)
+        if lag is not None and u.iteration >= lag:
+            for layer in self._opt_layers(u.stage):
+                key = (Op.OPT, layer, 0, HOST, u.iteration - lag)
+                deps += [self.by_key[key]] if key in self.by_key else []
+        return deps
+
+    def _opt_layers(self, slot: int) -> list[int]:
+        layers = list(self.plan.slot_layers(slot))
+        return layers + ([self.plan.num_layers] if slot == self.plan.num_fwd_stages else [])
+
+    def free_deps(self, x: Action) -> list[Action]:
+        found = self._group(x)
+        down = self.by_key.get((Op.DOWNLOAD, x.stage, x.microbatch, x.device, x.iteration))
+        return (list(found[1]) if found else []) + ([down] if down is not None else [])
+
+    def download_deps(self, dl: Action) -> list[Action]:
+        found = self._group(dl)
+        return list(found[1]) if found is not None else []
+
+    def send_deps(self, s: Action) -> list[Action]:
+        src = self.by_slot.get((s.stage, s.microbatch, s.iteration))
+        deps = [src] if src is not None else []
+        consumers = self.send_consumers.get(s, [])
+        if consumers:  # prefetch depth 1: arrive while the action before the consumer runs
+            first = min(consumers, key=self.device_pos.__getitem__)
+            pos = self.device_pos[first]
+            if pos >= 2:
+                deps.append(self.device_compute[first.device][pos - 2])
+        return deps
+
+    def opt_deps(self, o: Action) -> list[Action]:
+        plan, layer = self.plan, o.stage
+        deps: list[Action] = []
+        for j in range(plan.num_bwd_stages):
+            slot = plan.num_fwd_stages + j
+            if not (layer in plan.slot_layers(slot) or (j == 0 and layer == plan.num_layers)):
+                continue
+            for d, group in self.slot_groups.get((slot, o.iteration), []):
+                key = (Op.DOWNLOAD, slot, group[0].microbatch, d, o.iteration)
+                deps += [self.by_key[key]] if key in self.by_key else list(group)
+        return deps
+
+
+def _compute_groups(plan: Plan) -> dict[int, list[list[Action]]]:
+    """Per device: runs of consecutive compute actions of the same slot and iteration."""
+    groups: dict[int, list[list[Action]]] = {}
+    for d, row in plan._by_device.items():
+        runs: list[list[Action]] = []
+        for a in row:
+            if not a.is_compute:
+                continue
+            if runs and (plan.slot(runs[-1][0]), runs[-1][0].iteration) == (
+                plan.slot(a),
+                a.iteration,
+            ):
+                runs[-1].append(a)
+            else:
+                runs.append([a])
+        groups[d] = runs
+    return groups
+
+
+# ---- small text helpers ----------------------------------------------------------------------
+def _row_name(device: int) -> str:
+    return "h" if device == HOST else f"d{device}"
+
+
+def _csv(values: Sequence[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def _parse_csv(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v != "")
+
+
+def _run_length(names: Iterable[str]) -> list[str]:
+    out: list[list] = []
+    for name in names:
+        if out and out[-1][0] == name:
+            out[-1][1] += 1
+        else:
+            out.append([name, 1])
+    return [f"{n}x{c}" if c > 1 else n for n, c in out]
+
+
+def _run_length_decode(tokens: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for tok in tokens:
+        name, _, count = tok.partition("x")
+        out += [name] * (int(count) if count else 1)
+    return out

@@ -1,0 +1,571 @@
+"""Layer costs and the asymmetric RoundPipe partitioner.
+
+Owns ``LayerCosts`` (per-layer time and memory, from profiling or a COSTS.json), ``StageCosts``
+(the same folded onto the slots of one cut), ``Partition`` and ``partition()``: forward and
+backward cuts chosen separately, the LM-head stage filled first, by the O(L^3) search of the
+RoundPipe paper (section 4.4) followed by a small local refinement, every candidate scored by
+the timing model of simulate.py. ``balanced_stage_layers`` cuts bound (symmetric) stages.
+
+Search, for L layers:
+  1. candidate caps t = every contiguous sum of forward times, of backward (recompute + backward)
+     times, and head + every suffix of backward times: O(L^2), deduplicated, t >= largest item;
+  2. per cap, a greedy scan (O(L); bisection on prefix sums) packs forward stages left to right
+     and backward stages from the head toward the input, each <= t and within the memory budget,
+     filling the head stage first; the shape (S_f, head layers, S_b) is kept once, at its
+     smallest cap;
+  3. each shape is scored by the estimated iteration time of its greedy cuts and of evenly
+     balanced cuts of the same shape; the best few shapes' neighbours and one-layer cut moves
+     are tried last. The smallest estimate wins.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from . import schedules, simulate
+
+__all__ = [
+    "LayerCosts",
+    "StageCosts",
+    "Partition",
+    "partition",
+    "estimate_iteration_ms",
+    "balanced_stage_layers",
+    "load_costs",
+]
+
+_EPS = 1e-9
+_DESCRIPTIVE_KEYS = frozenset({"model", "source", "notes", "measured_on", "tokens", "pcie_gbps",
+                               "microbatch", "sequence_length", "dtype"})
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Costs of the slots of one cut (slot numbering of actions.py).
+
+    ``pre_ms`` is the part of a slot that needs only its input (forward, recompute, head forward
+    with the head stage's layers); ``post_ms`` the part that needs the upstream gradient
+    (backward; head backward). Forward slots have ``post_ms == 0``.
+    """
+
+    pre_ms: tuple[float, ...]
+    post_ms: tuple[float, ...]
+    param_bytes: tuple[int, ...]
+    grad_bytes: tuple[int, ...]
+    work_bytes: tuple[int, ...]  # working set while the slot computes (activations)
+    boundary_bytes: int  # one hidden state crossing a stage boundary (per micro-batch)
+    layer_param_bytes: tuple[int, ...]  # per layer, then the head (index L): optimizer work
+
+    def busy_ms(self, slot: int) -> float:
+        return self.pre_ms[slot] + self.post_ms[slot]
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer costs of the L decoder layers (ms per micro-batch, bytes), plus the head.
+
+    ``recompute_ms`` defaults to ``fwd_ms``; byte lists default to zeros. ``comm_ms`` is the
+    fixed delay of a cross-device edge in the simulation conventions (no machine model);
+    ``boundary_bytes`` the size of one hidden state crossing a stage boundary.
+    """
+
+    fwd_ms: tuple[float, ...]
+    bwd_ms: tuple[float, ...]
+    recompute_ms: tuple[float, ...] = ()
+    param_bytes: tuple[int, ...] = ()
+    act_bytes: tuple[int, ...] = ()
+    head_fwd_ms: float = 0.0
+    head_bwd_ms: float = 0.0
+    head_param_bytes: int = 0
+    head_act_bytes: int = 0
+    boundary_bytes: int = 0
+    comm_ms: float = 0.0
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.fwd_ms)
+        norm = {
+            "fwd_ms": tuple(float(v) for v in self.fwd_ms),
+            "bwd_ms": tuple(float(v) for v in self.bwd_ms),
+            "recompute_ms": tuple(float(v) for v in (self.recompute_ms or self.fwd_ms)),
+            "param_bytes": tuple(int(v) for v in (self.param_bytes or (0,) * n)),
+            "act_bytes": tuple(int(v) for v in (self.act_bytes or (0,) * n)),
+        }
+        for name, values in norm.items():
+            if len(values) != n:
+                raise ValueError(f"LayerCosts.{name} has {len(values)} entries, fwd_ms has {n}")
+            if any(v < 0 for v in values):
+                raise ValueError(f"LayerCosts.{name} must be >= 0: {list(values)}")
+            object.__setattr__(self, name, values)
+        if n < 1:
+            raise ValueError("LayerCosts needs at least one decoder layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.fwd_ms)
+
+    @classmethod
+    def uniform(cls, num_layers: int, *, fwd_ms: float, bwd_ms: float, **kw: object) -> LayerCosts:
+        """Same cost for every layer; scalar byte sizes are repeated too."""
+        per_layer = {k: kw.pop(k) for k in ("recompute_ms", "param_bytes", "act_bytes") if k in kw}
+        lists = {k: (v,) * num_layers for k, v in per_layer.items()}
+        return cls(fwd_ms=(fwd_ms,) * num_layers, bwd_ms=(bwd_ms,) * num_layers, **lists, **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> LayerCosts:
+        """COSTS.json form: ``{"num_layers": 28, "fwd_ms": 7.43, "bwd_ms": 15.83, ...}``;
+        per-layer fields may be scalars or lists of length ``num_layers``."""
+        known = {"num_layers", "fwd_ms", "bwd_ms", "recompute_ms", "param_bytes", "act_bytes",
+                 "head_fwd_ms", "head_bwd_ms", "head_param_bytes", "head_act_bytes",
+                 "boundary_bytes", "comm_ms"}
+        unknown = sorted(set(data) - known - _DESCRIPTIVE_KEYS)
+        if unknown:
+            raise ValueError(f"costs: unknown keys {unknown}; expected some of {sorted(known)}")
+        if "fwd_ms" not in data or "bwd_ms" not in data:
+            raise ValueError("costs: 'fwd_ms' and 'bwd_ms' are required")
+        n = int(data.get("num_layers") or _list_len(data["fwd_ms"]))  # type: ignore[arg-type]
+
+        def per_layer(key: str) -> tuple:
+            value = data.get(key)
+            if value is None:
+                return ()
+            values = tuple(value) if isinstance(value, list | tuple) else (value,) * n
+            if len(values) != n:
+                raise ValueError(f"costs.{key}: {len(values)} entries for num_layers={n}")
+            return values
+
+        scalars = {k: data[k] for k in ("head_fwd_ms", "head_bwd_ms", "comm_ms") if k in data}
+        ints = {k: int(data[k]) for k in ("head_param_bytes", "head_act_bytes", "boundary_bytes")
+                if k in data}  # type: ignore[call-overload]
+        return cls(
+            fwd_ms=per_layer("fwd_ms"),
+            bwd_ms=per_layer("bwd_ms"),
+            recompute_ms=per_layer("recompute_ms"),
+            param_bytes=per_layer("param_bytes"),
+            act_bytes=per_layer("act_bytes"),
+            **{k: float(v) for k, v in scalars.items()},  # type: ignore[arg-type]
+            **ints,
+        )
+
+    def stages(
+        self, fwd_cuts: Sequence[int], bwd_cuts: Sequence[int], *, fused_head: bool = True
+    ) -> StageCosts:
+        """Fold the layer costs onto the slots of a cut (cached per cut)."""
+        key = (tuple(fwd_cuts), tuple(bwd_cuts), fused_head)
+        if key not in self._cache:
+            self._cache[key] = self._stages(*key)
+        return self._cache[key]
+
+    def _stages(
+        self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...], fused_head: bool
+    ) -> StageCosts:
+        L = self.num_layers
+        if sum(fwd_cuts) != L or sum(bwd_cuts) != L:
+            raise ValueError(f"cuts {list(fwd_cuts)} / {list(bwd_cuts)} must each sum to L={L}")
+        pre, post, params, grads, work = [], [], [], [], []
+        start = 0
+        for s, n in enumerate(fwd_cuts):
+            layers = range(start, start + n)
+            head = not fused_head and s == len(fwd_cuts) - 1
+            pre.append(sum(self.fwd_ms[i] for i in layers) + (self.head_fwd_ms if head else 0.0))
+            post.append(0.0)
+            params.append(self._params(layers, head))
+            grads.append(0)
+            acts = max((self.act_bytes[i] for i in layers), default=0)
+            work.append(acts + (self.head_act_bytes if head else 0) + 2 * self.boundary_bytes)
+            start += n
+        end = L
+        for j, n in enumerate(bwd_cuts):
+            layers = range(end - n, end)
+            head = j == 0
+            head_fwd = self.head_fwd_ms if head and fused_head else 0.0
+            pre.append(sum(self.recompute_ms[i] for i in layers) + head_fwd)
+            post.append(sum(self.bwd_ms[i] for i in layers) + (self.head_bwd_ms if head else 0.0))
+            params.append(self._params(layers, head))
+            grads.append(params[-1])
+            acts = sum(self.act_bytes[i] for i in layers)
+            work.append(acts + (self.head_act_bytes if head else 0) + 2 * self.boundary_bytes)
+            end -= n
+        return StageCosts(
+            pre_ms=tuple(pre),
+            post_ms=tuple(post),
+            param_bytes=tuple(params),
+            grad_bytes=tuple(grads),
+            work_bytes=tuple(work),
+            boundary_bytes=self.boundary_bytes,
+            layer_param_bytes=self.param_bytes + (self.head_param_bytes,),
+        )
+
+    def _params(self, layers: range, head: bool) -> int:
+        return sum(self.param_bytes[i] for i in layers) + (self.head_param_bytes if head else 0)
+
+    def busy_ms_per_microbatch(self) -> float:
+        """Compute of one micro-batch: forward + recompute + backward of every layer + head."""
+        return (sum(self.fwd_ms) + sum(self.recompute_ms) + sum(self.bwd_ms)
+                + self.head_fwd_ms + self.head_bwd_ms)
+
+
+def _list_len(value: object) -> int:
+    if isinstance(value, list | tuple):
+        return len(value)
+    raise ValueError("costs: 'num_layers' is required when fwd_ms is a scalar")
+
+
+def load_costs(path: str | os.PathLike[str]) -> LayerCosts:
+    """Read a COSTS.json file (see ``LayerCosts.from_dict``)."""
+    with open(path) as f:
+        return LayerCosts.from_dict(json.load(f))
+
+
+# ---- the search ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Partition:
+    """Forward and backward cuts (RoundPipe numbering) and the estimated iteration time."""
+
+    fwd_cuts: tuple[int, ...]
+    bwd_cuts: tuple[int, ...]
+    est_iteration_ms: float
+
+    @property
+    def num_fwd_stages(self) -> int:
+        return len(self.fwd_cuts)
+
+    @property
+    def num_bwd_stages(self) -> int:
+        return len(self.bwd_cuts)
+
+
+def partition(
+    costs: LayerCosts,
+    *,
+    num_devices: int,
+    num_microbatches: int,
+    memory_budget_bytes: int | None = None,
+    async_optimizer: bool = True,
+    fwd_cuts: Sequence[int] | None = None,
+    bwd_cuts: Sequence[int] | None = None,
+    max_evaluations: int = 160,
+) -> Partition:
+    """Choose RoundPipe forward and backward cuts for ``costs`` on ``num_devices`` devices.
+
+    The objective is the estimated iteration time: the makespan of one iteration
+    (``async_optimizer=False``) or the steady-state iteration of back-to-back iterations with
+    the optimizer overlapped (``True``). Explicit ``fwd_cuts`` and ``bwd_cuts`` are checked
+    against the memory budget and estimated instead. Raises ValueError naming the layer and the
+    budget when one layer cannot fit. ``max_evaluations`` bounds the timing-model runs.
+    """
+    search = _Search(costs, memory_budget_bytes, num_devices, num_microbatches, async_optimizer)
+    if fwd_cuts is not None or bwd_cuts is not None:
+        if fwd_cuts is None or bwd_cuts is None:
+            raise ValueError("give both fwd_cuts and bwd_cuts, or neither")
+        search.check_cuts(tuple(fwd_cuts), tuple(bwd_cuts))
+        cuts = (tuple(fwd_cuts), tuple(bwd_cuts))
+        return Partition(*cuts, est_iteration_ms=search.evaluate(cuts))
+    return search.run(max_evaluations)
+
+
+def estimate_iteration_ms(
+    costs: LayerCosts,
+    fwd_cuts: Sequence[int],
+    bwd_cuts: Sequence[int],
+    *,
+    num_devices: int,
+    num_microbatches: int,
+    async_optimizer: bool = True,
+) -> float:
+    """Iteration time of RoundPipe with these cuts under the simulation conventions: one
+    iteration's makespan (sync) or the steady-state iteration of two chained ones (async)."""
+    iterations = 2 if async_optimizer else 1
+    plan = schedules.build(
+        "roundpipe",
+        num_iterations=iterations,
+        fwd_cuts=fwd_cuts,
+        bwd_cuts=bwd_cuts,
+        num_devices=num_devices,
+        num_microbatches=num_microbatches,
+    )
+    ends = simulate.iteration_ends(plan, costs)
+    return ends[-1] - ends[-2] if async_optimizer else ends[-1]
+
+
+class _Search:
+    """State of one partition search (prefix sums, memory reach, evaluated cuts)."""
+
+    def __init__(
+        self,
+        costs: LayerCosts,
+        budget: int | None,
+        num_devices: int,
+        num_microbatches: int,
+        async_optimizer: bool,
+    ) -> None:
+        self.costs, self.budget = costs, budget
+        self.shape = (num_devices, num_microbatches, async_optimizer)
+        self.L = L = costs.num_layers
+        self.head_ms = costs.head_fwd_ms + costs.head_bwd_ms
+        self.pf = _prefix(costs.fwd_ms)
+        self.pb = _prefix(r + b for r, b in zip(costs.recompute_ms, costs.bwd_ms, strict=True))
+        self._check_single_layers()
+        self.fwd_reach = [self._reach_fwd(i) for i in range(L)]  # max end of a stage from i
+        self.bwd_reach = [self._reach_bwd(j) for j in range(L + 1)]  # min start of one ending j
+        self.head_reach = min((i for i in range(L + 1) if self._fits_bwd(i, L, True)), default=L)
+        self.scores: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+
+    # -- memory ------------------------------------------------------------------------------
+    def _stage_bytes(self, i: int, j: int, *, backward: bool, head: bool) -> int:
+        c = self.costs
+        params = sum(c.param_bytes[i:j]) + (c.head_param_bytes if head else 0)
+        acts = sum(c.act_bytes[i:j]) if backward else max(c.act_bytes[i:j], default=0)
+        extra = c.head_act_bytes if head else 0
+        return params * (2 if backward else 1) + acts + extra + 2 * c.boundary_bytes
+
+    def _fits_fwd(self, i: int, j: int) -> bool:
+        return self.budget is None or self._stage_bytes(i, j, backward=False,
+                                                        head=False) <= self.budget
+
+    def _fits_bwd(self, i: int, j: int, head: bool = False) -> bool:
+        return self.budget is None or self._stage_bytes(i, j, backward=True,
+                                                        head=head) <= self.budget
+
+    def _check_single_layers(self) -> None:
+        if self.budget is None:
+            return
+        gib = self.budget / 2**30
+        for layer in range(self.L):
+            need = self._stage_bytes(layer, layer + 1, backward=True, head=False)
+            if need > self.budget:
+                raise ValueError(
+                    f"layer {layer} needs {need / 2**30:.2f} GiB as a backward stage (weights, "
+                    f"gradients, activations) but the device memory budget is {gib:.2f} GiB; "
+                    "raise the budget (roundpipe.device_memory_gb) or shrink the micro-batch"
+                )
+        need = self._stage_bytes(self.L, self.L, backward=True, head=True)
+        if need > self.budget:
+            raise ValueError(f"the LM head needs {need / 2**30:.2f} GiB, over the device memory "
+                             f"budget of {gib:.2f} GiB; lower head_chunk_tokens or the micro-batch")
+
+    def _reach_fwd(self, i: int) -> int:
+        j = i + 1
+        while j < self.L and self._fits_fwd(i, j + 1):
+            j += 1
+        return j
+
+    def _reach_bwd(self, j: int) -> int:
+        i = max(j - 1, 0)
+        while i > 0 and self._fits_bwd(i - 1, j):
+            i -= 1
+        return i
+
+    def check_cuts(self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...]) -> None:
+        if sum(fwd_cuts) != self.L or sum(bwd_cuts) != self.L or min(fwd_cuts + bwd_cuts) < 0:
+            raise ValueError(f"cuts {list(fwd_cuts)} / {list(bwd_cuts)} must be layer counts "
+                             f">= 0 each summing to L={self.L}")
+        start = 0
+        for s, n in enumerate(fwd_cuts):
+            if n and not self._fits_fwd(start, start + n):
+                raise ValueError(f"forward stage {s} (layers {start}..{start + n - 1}) exceeds "
+                                 f"the memory budget of {self.budget} bytes")
+            start += n
+        end = self.L
+        for j, n in enumerate(bwd_cuts):
+            if not self._fits_bwd(end - n, end, j == 0):
+                raise ValueError(f"backward stage {j} (layers {end - n}..{end - 1}) exceeds "
+                                 f"the memory budget of {self.budget} bytes")
+            end -= n
+
+    # -- greedy scans --------------------------------------------------------------------------
+    def greedy_fwd(self, cap: float) -> tuple[int, ...]:
+        cuts, i = [], 0
+        while i < self.L:
+            j = bisect.bisect_right(self.pf, self.pf[i] + cap + _EPS) - 1
+            j = max(min(j, self.fwd_reach[i]), i + 1)
+            cuts.append(j - i)
+            i = j
+        return tuple(cuts)
+
+    def greedy_bwd(self, cap: float, head_layers: int | None = None) -> tuple[int, ...]:
+        """Head stage first (filled up to the cap, or ``head_layers``), then toward the input."""
+        L, pb = self.L, self.pb
+        if head_layers is None:
+            start = bisect.bisect_left(pb, pb[L] + self.head_ms - cap - _EPS)
+            start = min(max(start, self.head_reach), L)
+        else:
+            start = L - head_layers
+        cuts, j = [L - start], start
+        while j > 0:
+            i = bisect.bisect_left(pb, pb[j] - cap - _EPS)
+            i = min(max(i, self.bwd_reach[j]), j - 1)
+            cuts.append(j - i)
+            j = i
+        return tuple(cuts)
+
+    def even_fwd(self, k: int) -> tuple[int, ...]:
+        return tuple(_even_split(self.pf, 0, self.L, k))
+
+    def even_bwd(self, head_layers: int, k: int) -> tuple[int, ...]:
+        sizes = _even_split(self.pb, 0, self.L - head_layers, k)  # input -> output
+        return (head_layers, *reversed(sizes))
+
+    def caps(self) -> list[float]:
+        """Candidate caps: contiguous sums on both sides and head + backward suffixes."""
+        L, pf, pb = self.L, self.pf, self.pb
+        floor = max(max(self.costs.fwd_ms), pb_max(pb), self.head_ms) - _EPS
+        values = {round(p[j] - p[i], 9) for p in (pf, pb) for i in range(L) for j in
+                  range(i + 1, L + 1)}
+        values.update(round(self.head_ms + pb[L] - pb[i], 9) for i in range(L + 1))
+        return sorted(v for v in values if v >= floor)
+
+    # -- scoring -------------------------------------------------------------------------------
+    def evaluate(self, cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> float:
+        if cuts not in self.scores:
+            n, m, async_opt = self.shape
+            self.scores[cuts] = estimate_iteration_ms(
+                self.costs, cuts[0], cuts[1], num_devices=n, num_microbatches=m,
+                async_optimizer=async_opt,
+            )
+        return self.scores[cuts]
+
+    def _valid(self, cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+        fwd, bwd = cuts
+        if min(fwd) < 1 or min(bwd[1:], default=1) < 1 or sum(fwd) != self.L:
+            return False
+        try:
+            self.check_cuts(fwd, bwd)
+        except ValueError:
+            return False
+        return True
+
+    def run(self, max_evaluations: int) -> Partition:
+        shapes: dict[tuple[int, int, int], tuple[float, tuple, tuple]] = {}
+        for cap in self.caps():
+            fwd, bwd = self.greedy_fwd(cap), self.greedy_bwd(cap)
+            shapes.setdefault((len(fwd), bwd[0], len(bwd) - 1), (cap, fwd, bwd))
+        # 1. every shape at its smallest cap, greedy cuts, ranked by the estimate
+        ranked = sorted(shapes.values(), key=lambda v: self._budgeted(v[1:], max_evaluations))
+        # 2. balanced variants and neighbouring shapes of the best few
+        for cap, fwd, bwd in ranked[:6]:
+            for cand in self._variants(fwd, bwd):
+                self._budgeted(cand, max_evaluations)
+        # 3. one-layer moves of any cut, from the best so far, while they help
+        best = min(self.scores, key=self.scores.__getitem__)
+        improved = True
+        while improved and len(self.scores) < max_evaluations:
+            improved = False
+            for cand in _one_layer_moves(best):
+                if self._valid(cand) and self._budgeted(cand, max_evaluations) < self.scores[best]:
+                    best, improved = cand, True
+        return Partition(best[0], best[1], est_iteration_ms=self.scores[best])
+
+    def _budgeted(self, cuts: tuple, max_evaluations: int) -> float:
+        """Estimate, unless the evaluation budget is spent (then +inf for new cuts)."""
+        cuts = (tuple(cuts[0]), tuple(cuts[1]))
+        if cuts in self.scores or len(self.scores) < max_evaluations:
+            return self.evaluate(cuts)
+        return float("inf")
+
+    def _variants(self, fwd: tuple[int, ...], bwd: tuple[int, ...]) -> list[tuple]:
+        kf, h, kb = len(fwd), bwd[0], len(bwd) - 1
+        out = []
+        for dkf in (0, -1, 1):
+            for dkb in (0, 1, -1, 2):
+                for dh in (0, -1):
+                    k1, k2, hh = kf + dkf, kb + dkb, h + dh
+                    if 1 <= k1 <= self.L and hh >= 0 and 0 <= k2 <= self.L - hh and (
+                            k2 > 0 or hh == self.L):
+                        out.append((self.even_fwd(k1), self.even_bwd(hh, k2)))
+        return [c for c in out if self._valid(c)]
+
+
+def pb_max(prefix: Sequence[float]) -> float:
+    return max(prefix[i + 1] - prefix[i] for i in range(len(prefix) - 1))
+
+
+def _prefix(values: object) -> list[float]:
+    out = [0.0]
+    for v in values:  # type: ignore[attr-defined]
+        out.append(out[-1] + v)
+    return out
+
+
+def _even_split(prefix: Sequence[float], lo: int, hi: int, k: int) -> list[int]:
+    """Split items lo..hi-1 into k non-empty contiguous groups whose sums are as even as
+    possible: cut where the running sum is nearest to each multiple of total / k."""
+    if k <= 0:
+        return []
+    total, cuts = prefix[hi] - prefix[lo], [lo]
+    for g in range(1, k):
+        target = prefix[lo] + total * g / k
+        i = bisect.bisect_left(prefix, target, lo, hi + 1)
+        if i > lo and (i > hi or target - prefix[i - 1] <= prefix[i] - target):
+            i -= 1
+        i = min(max(i, cuts[-1] + 1), hi - (k - g))
+        cuts.append(i)
+    cuts.append(hi)
+    return [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _one_layer_moves(cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> list[tuple]:
+    """Every cut boundary moved by one layer (forward and backward sides)."""
+    fwd, bwd = cuts
+    out = []
+    for side in (0, 1):
+        sizes = list(cuts[side])
+        for b in range(len(sizes) - 1):
+            for delta in (1, -1):
+                moved = sizes.copy()
+                moved[b] += delta
+                moved[b + 1] -= delta
+                if min(moved[b], moved[b + 1]) >= 0:
+                    out.append((tuple(moved), bwd) if side == 0 else (fwd, tuple(moved)))
+    return out
+
+
+def balanced_stage_layers(costs: LayerCosts, num_stages: int) -> tuple[int, ...]:
+    """Layers per bound stage (head on the last stage) minimising the largest stage time
+    (forward + recompute + backward, plus head forward and backward on the last stage).
+
+    The last stage may hold 0 layers (head only). Exact min-max by bisection over the
+    candidate caps with a greedy check, O(L^2 log L).
+    """
+    L = costs.num_layers
+    if not 1 <= num_stages <= L + 1:
+        raise ValueError(f"num_stages must be in 1..{L + 1} for {L} layers, got {num_stages}")
+    w = [f + r + b for f, r, b in zip(costs.fwd_ms, costs.recompute_ms, costs.bwd_ms,
+                                      strict=True)]
+    head = costs.head_fwd_ms + costs.head_bwd_ms
+    p = _prefix(w)
+    caps = sorted({p[j] - p[i] for i in range(L + 1) for j in range(i, L + 1)} | {
+        head + p[L] - p[i] for i in range(L + 1)})
+
+    def cut(cap: float) -> list[int] | None:
+        # from the head backwards: fill the last stage, then the others, each <= cap
+        j = L
+        start = bisect.bisect_left(p, p[L] + head - cap - _EPS)
+        if start > L:
+            return None
+        sizes, j = [L - start], start
+        while j > 0:
+            i = min(bisect.bisect_left(p, p[j] - cap - _EPS), j - 1)
+            if p[j] - p[i] > cap + _EPS:
+                return None
+            sizes.append(j - i)
+            j = i
+        return sizes[::-1] if len(sizes) <= num_stages else None
+
+    lo, hi = 0, len(caps) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if cut(caps[mid]) is not None else (mid + 1, hi)
+    sizes = cut(caps[lo]) or [L]
+    # too few stages: split the largest non-last stages until there are num_stages
+    while len(sizes) < num_stages:
+        k = max(range(len(sizes) - 1), key=lambda s: sizes[s], default=None)
+        if k is None or sizes[k] < 2:
+            sizes.insert(len(sizes) - 1, 0) if sizes[-1] == 0 else sizes.append(0)
+            continue
+        sizes[k : k + 1] = [sizes[k] - sizes[k] // 2, sizes[k] // 2]
+    return tuple(sizes)

@@ -1,0 +1,777 @@
+"""Discrete-event simulation of a Plan on a machine model, and the command line.
+
+Owns ``Machine`` (device links, P2P, a shared host link, CPU optimizer throughput; presets in
+``presets/*.json``), ``simulate`` -> ``SimResult`` (makespan, steady-state iteration, bubble
+ratio, per-device timelines, peak device memory, bytes moved), ``iteration_ends`` (the fast
+compute-only timing pass the partitioner uses) and ``main`` (``python -m
+rp_engine.plan.simulate``).
+
+Model. Each device has a compute stream that runs its plan actions strictly in order, and three
+copy streams: weight uploads (H2D), activation uploads (H2D) and downloads (D2H). Copy streams
+serve transfers in the order they become ready; concurrent transfers share link bandwidth
+(per-device H2D and D2H links, an optional host link shared by every device, P2P links). The
+host runs optimizer steps one at a time. Without a machine (the simulation conventions of the
+published bubble table) only compute takes time and every cross-device edge adds ``comm_ms``.
+
+A backward action is two phases: recompute (needs the saved input) and backward (needs the
+upstream gradient). RoundPipe starts the recompute as soon as its input exists ("early"); bound
+schedules run it after the gradient arrives, as the published conventions do. For display and
+the fill/drain figure the early recompute is aligned to end when the gradient arrives:
+
+    d3: |..........|RRRRRR|BBBBBBBBBBB|      recompute ends as the gradient arrives
+                        ^ gradient
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import schedules
+from .actions import HOST, Action, Op, Plan, PlanError, format_grid
+
+if TYPE_CHECKING:
+    from .partition import LayerCosts, StageCosts
+
+__all__ = [
+    "Machine",
+    "Interval",
+    "SimResult",
+    "simulate",
+    "iteration_ends",
+    "load_machine",
+    "preset_names",
+    "main",
+]
+
+_PRESETS = Path(__file__).with_name("presets")
+_GB = 1e6  # bytes per millisecond at 1 GB/s
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where a plan runs: bandwidths in GB/s (1e9 bytes/s), memory in bytes.
+
+    ``host_link_gbps`` is shared by every host<->device copy of every device (host memory or a
+    PCIe root); None = no shared limit. ``compute_scale`` multiplies the profiled compute times
+    (e.g. 0.53 to run RTX 4090 measurements on an A800). ``p2p`` sends activations device to
+    device at ``p2p_gbps``; without it they go through host memory (D2H, then H2D).
+    """
+
+    name: str
+    num_devices: int = 8
+    h2d_gbps: float = 24.0
+    d2h_gbps: float = 26.6
+    p2p: bool = False
+    p2p_gbps: float = 0.0
+    host_link_gbps: float | None = None
+    memory_bytes: int | None = None
+    cpu_adam_params_per_s: float = 1.4e9
+    bytes_per_param: float = 2.0  # uploaded weights are bf16
+    compute_scale: float = 1.0
+    device_order: tuple[int, ...] | None = None  # Mobius cross mapping over PCIe switches
+    info: Mapping[str, object] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Machine:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in data if k not in names and not k.startswith("_"))
+        if unknown:
+            raise ValueError(f"machine: unknown keys {unknown}; expected some of {sorted(names)}")
+        kwargs = {k: v for k, v in data.items() if k in names}
+        if kwargs.get("device_order") is not None:
+            kwargs["device_order"] = tuple(kwargs["device_order"])  # type: ignore[arg-type]
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def preset_names() -> list[str]:
+    """Names of the machine presets shipped in presets/."""
+    return sorted(p.stem for p in _PRESETS.glob("*.json"))
+
+
+def load_machine(name_or_path: str) -> Machine:
+    """A preset by name (see ``preset_names()``) or a JSON file path."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = _PRESETS / f"{name_or_path}.json"
+    if not path.is_file():
+        raise ValueError(f"no machine {name_or_path!r}: give a JSON path or one of "
+                         f"{preset_names()}")
+    return Machine.from_dict(json.loads(path.read_text()))
+
+
+# ---- results ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Interval:
+    """One phase of one action on one lane of a device (``HOST`` for the optimizer)."""
+
+    device: int
+    lane: str  # compute, h2d_param, h2d_act, d2h, cpu
+    phase: str  # fwd, recompute, bwd, head_fwd, head_bwd, upload, download, send, opt
+    start_ms: float
+    end_ms: float
+    action: Action
+    busy: bool  # counted as compute busy time
+
+    @property
+    def label(self) -> str:
+        a = self.action
+        return f"{a.op.value}{a.stage}.{a.microbatch}"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulation measured. ``iteration_ms`` is the steady-state iteration (several
+    iterations) or the makespan (one); ``bubble_ratio`` = 1 - busy / (N * iteration_ms) with
+    busy the compute of one iteration. ``bubble_ratio_fill_drain`` (one iteration only) also
+    counts each device's time before its first and after its last action as useful, the
+    published estimate for an asynchronous optimizer."""
+
+    schedule: str
+    num_devices: int
+    num_iterations: int
+    num_fwd_stages: int
+    num_bwd_stages: int
+    makespan_ms: float
+    iteration_ms: float
+    busy_ms: float
+    bubble_ratio: float
+    bubble_ratio_fill_drain: float | None
+    intervals: tuple[Interval, ...]
+    peak_memory_bytes: tuple[int, ...]
+    bytes_moved: Mapping[str, int]
+
+    def timeline(self, device: int) -> list[Interval]:
+        """Intervals of one device (all lanes), by start time."""
+        return sorted((i for i in self.intervals if i.device == device),
+                      key=lambda i: (i.start_ms, i.lane))
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "schedule": self.schedule,
+            "num_devices": self.num_devices,
+            "num_iterations": self.num_iterations,
+            "num_fwd_stages": self.num_fwd_stages,
+            "num_bwd_stages": self.num_bwd_stages,
+            "makespan_ms": round(self.makespan_ms, 4),
+            "iteration_ms": round(self.iteration_ms, 4),
+            "busy_ms": round(self.busy_ms, 4),
+            "bubble_ratio": round(self.bubble_ratio, 6),
+            "bubble_ratio_fill_drain": None if self.bubble_ratio_fill_drain is None
+            else round(self.bubble_ratio_fill_drain, 6),
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "bytes_moved": dict(self.bytes_moved),
+        }
+
+
+# ---- fast path: compute-only plans under the conventions -------------------------------------
+def iteration_ends(
+    plan: Plan,
+    costs: LayerCosts,
+    *,
+    comm_ms: float | None = None,
+    early_recompute: bool | None = None,
+) -> list[float]:
+    """End time of each iteration of a compute-only plan (no barrier between iterations).
+
+    One pass in issue order: the order is topological and each device runs its actions in
+    that order, so every start time is max(device free, inputs arrived). Same result as
+    ``simulate`` without a machine, in a fraction of the time (the partitioner calls it).
+    """
+    st = costs.stages(plan.fwd_cuts, plan.bwd_cuts, fused_head=plan.fused_head)
+    comm = costs.comm_ms if comm_ms is None else comm_ms
+    early = _early_default(plan) if early_recompute is None else early_recompute
+    deps, slot_of = plan.deps, plan.slot
+    end: dict[Action, float] = {}
+    free = defaultdict(float)
+    ends: dict[int, float] = defaultdict(float)
+    for a in plan.actions:
+        if not a.is_compute:
+            raise ValueError("iteration_ends takes a compute-only plan; use simulate()")
+        d, slot = a.device, slot_of(a)
+        t_in = t_grad = free[d]
+        for dep in deps[a]:
+            arrive = end[dep] + (comm if dep.device != d else 0.0)
+            if early and plan.is_grad_edge(a, dep):
+                t_grad = max(t_grad, arrive)
+            else:
+                t_in = max(t_in, arrive)
+        t = max(t_in + st.pre_ms[slot], t_grad) + st.post_ms[slot]
+        end[a] = free[d] = t
+        ends[a.iteration] = max(ends[a.iteration], t)
+    return [ends[it] for it in sorted(ends)]
+
+
+def _early_default(plan: Plan) -> bool:
+    return plan.schedule not in schedules.BOUND_SCHEDULES
+
+
+# ---- the event simulator ---------------------------------------------------------------------
+@dataclass
+class _Task:
+    action: Action
+    phase: str
+    lane: tuple[str, int] | None  # None: a pure delay / instant bookkeeping step
+    ms: float = 0.0
+    nbytes: float = 0.0
+    links: tuple[tuple[str, int], ...] = ()
+    busy: bool = False
+    kind: str = ""  # bytes_moved category
+    deps: list[tuple[int, float]] = field(default_factory=list)
+    start: float = math.nan
+    end: float = math.nan
+
+
+class _Builder:
+    """Turns plan actions into tasks (one handler per op)."""
+
+    def __init__(self, plan: Plan, costs: LayerCosts, machine: Machine | None, comm_ms: float,
+                 early: bool) -> None:
+        self.plan, self.machine, self.comm, self.early = plan, machine, comm_ms, early
+        self.st: StageCosts = costs.stages(plan.fwd_cuts, plan.bwd_cuts,
+                                           fused_head=plan.fused_head)
+        self.scale = machine.compute_scale if machine else 1.0
+        self.tasks: list[_Task] = []
+        self.first: dict[Action, int] = {}
+        self.last: dict[Action, int] = {}
+        self.compute_src = {(plan.slot(a), a.microbatch, a.iteration): a
+                            for a in plan.actions if a.is_compute}
+        self.handlers = {
+            Op.FWD: self._fwd,
+            Op.HEAD: self._head,
+            Op.BWD: self._bwd,
+            Op.UPLOAD: self._upload,
+            Op.DOWNLOAD: self._download,
+            Op.FREE: self._free,
+            Op.SEND: self._send,
+            Op.OPT: self._opt,
+        }
+
+    def build(self) -> list[_Task]:
+        for a in self.plan.actions:
+            ids = self.handlers[a.op](a)
+            self.first[a], self.last[a] = ids[0], ids[-1]
+        for a in self.plan.actions:
+            self._wire(a)
+        return self.tasks
+
+    def _add(self, task: _Task) -> int:
+        self.tasks.append(task)
+        return len(self.tasks) - 1
+
+    def _compute(self, a: Action, phase: str, ms: float) -> int:
+        lane = ("compute", a.device)
+        return self._add(_Task(a, phase, lane, ms=ms * self.scale, busy=True))
+
+    def _fwd(self, a: Action) -> list[int]:
+        return [self._compute(a, "fwd", self.st.pre_ms[a.stage])]
+
+    def _head(self, a: Action) -> list[int]:
+        slot = self.plan.slot(a)
+        return [self._compute(a, "head_fwd", self.st.pre_ms[slot]),
+                self._compute(a, "head_bwd", self.st.post_ms[slot])]
+
+    def _bwd(self, a: Action) -> list[int]:
+        slot = self.plan.slot(a)
+        pre = [self._compute(a, "recompute", self.st.pre_ms[slot])] if self.st.pre_ms[slot] else []
+        return pre + [self._compute(a, "bwd", self.st.post_ms[slot])]
+
+    def _copy(self, a: Action, phase: str, lane: tuple[str, int], nbytes: float,
+              links: tuple[tuple[str, int], ...], kind: str) -> int:
+        if self.machine is None:  # conventions: transfers are free
+            return self._add(_Task(a, phase, None, kind=kind, nbytes=nbytes))
+        host = (("host", 0),) if self.machine.host_link_gbps else ()
+        return self._add(_Task(a, phase, lane, nbytes=nbytes, links=links + host, kind=kind))
+
+    def _upload(self, a: Action) -> list[int]:
+        nbytes = self.st.param_bytes[a.stage]
+        return [self._copy(a, "upload", ("h2d_param", a.device), nbytes, (("h2d", a.device),),
+                           "weights_h2d")]
+
+    def _download(self, a: Action) -> list[int]:
+        nbytes = self.st.grad_bytes[a.stage]
+        return [self._copy(a, "download", ("d2h", a.device), nbytes, (("d2h", a.device),),
+                           "grads_d2h")]
+
+    def _free(self, a: Action) -> list[int]:
+        return [self._add(_Task(a, "free", None))]
+
+    def _send(self, a: Action) -> list[int]:
+        src = self.compute_src[(a.stage, a.microbatch, a.iteration)].device
+        nbytes, dst = self.st.boundary_bytes, a.device
+        if self.machine is None:
+            return [self._add(_Task(a, "send", None, ms=self.comm, kind="activations"))]
+        if self.machine.p2p:
+            return [self._add(_Task(a, "send", ("h2d_act", dst), nbytes=nbytes, kind="act_p2p",
+                                    links=(("p2p_out", src), ("p2p_in", dst))))]
+        down = self._copy(a, "send_d2h", ("d2h", src), nbytes, (("d2h", src),), "act_d2h")
+        up = self._copy(a, "send_h2d", ("h2d_act", dst), nbytes, (("h2d", dst),), "act_h2d")
+        self.tasks[up].deps.append((down, 0.0))
+        return [down, up]
+
+    def _opt(self, a: Action) -> list[int]:
+        params = self.st.layer_param_bytes[a.stage] / (
+            self.machine.bytes_per_param if self.machine else 2.0)
+        rate = self.machine.cpu_adam_params_per_s if self.machine else math.inf
+        return [self._add(_Task(a, "opt", ("cpu", HOST), ms=1e3 * params / rate))]
+
+    def _wire(self, a: Action) -> None:
+        """Dependencies of the action's first phase (grad edges: its backward phase)."""
+        first, last = self.first[a], self.last[a]
+        for dep in self.plan.deps[a]:
+            delay = self.comm if (self.machine is None and dep.is_compute and a.is_compute
+                                  and dep.device != a.device) else 0.0
+            target = first
+            if a.op is Op.SEND and first != last and not dep.is_compute:
+                target = last
+            elif a.op is Op.SEND and first != last and dep.stage != a.stage:
+                target = last  # the prefetch gate holds the H2D half, not the D2H half
+            elif a.op is Op.BWD and first != last and self._grad_gates_backward(a, dep):
+                target = last
+            self.tasks[target].deps.append((self.last[dep], delay))
+        if first != last:  # later phases follow the first (same stream order, or D2H -> H2D)
+            for t in range(first + 1, last + 1):
+                if a.is_compute:
+                    self.tasks[t].deps.append((t - 1, 0.0))
+
+    def _grad_gates_backward(self, a: Action, dep: Action) -> bool:
+        return self.early and self.plan.is_grad_edge(a, dep)
+
+
+class _Engine:
+    """Event loop over tasks: strict-order compute lanes, ready-order copy and CPU lanes,
+    bandwidth shared on links."""
+
+    def __init__(self, tasks: list[_Task], plan: Plan, machine: Machine | None) -> None:
+        self.tasks, self.plan = tasks, plan
+        self.caps = _link_caps(machine, plan.num_devices) if machine else {}
+        self.waiting = [len(t.deps) for t in tasks]
+        self.ready_at = [0.0] * len(tasks)
+        self.succ: list[list[tuple[int, float]]] = [[] for _ in tasks]
+        for i, t in enumerate(tasks):
+            for dep, delay in t.deps:
+                self.succ[dep].append((i, delay))
+        self.strict: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for i, t in enumerate(tasks):
+            if t.lane is not None and t.lane[0] == "compute":
+                self.strict[t.lane].append(i)
+        self.cursor = dict.fromkeys(self.strict, 0)
+        self.queues: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)
+        self.running: dict[tuple[str, int], int | None] = {}
+        self.timers: list[tuple[float, int, int]] = []  # (time, 0=end 1=wake, task)
+        self.copies: dict[int, float] = {}  # task -> bytes remaining
+        self.rates: dict[int, float] = {}
+        self.dirty: set[tuple[str, int]] = set(self.strict)
+        self.done = 0
+
+    def run(self) -> None:
+        now = 0.0
+        for i, n in enumerate(self.waiting):
+            if n == 0:
+                self._ready(i, now)
+        while self.done < len(self.tasks):
+            self._dispatch(now)
+            t_next = self.timers[0][0] if self.timers else math.inf
+            if self.copies:
+                t_next = min(t_next, now + min(r / self.rates[i] for i, r in self.copies.items()))
+            if t_next == math.inf:
+                self._deadlock()
+            self._progress(t_next - now)
+            now = t_next
+            self._finish_copies(now)
+            while self.timers and self.timers[0][0] <= now + 1e-9:
+                _, kind, i = heapq.heappop(self.timers)
+                if kind == 0:
+                    self._finish(i, now)
+                else:
+                    self.dirty.add(self.tasks[i].lane)  # type: ignore[arg-type]
+
+    def _ready(self, i: int, now: float) -> None:
+        t = self.tasks[i]
+        at = self.ready_at[i]
+        if t.lane is None:
+            t.start = at
+            heapq.heappush(self.timers, (at + t.ms, 0, i))
+            return
+        if t.lane[0] != "compute":
+            heapq.heappush(self.queues[t.lane], (at, i))
+        if at > now:
+            heapq.heappush(self.timers, (at, 1, i))
+        self.dirty.add(t.lane)
+
+    def _dispatch(self, now: float) -> None:
+        dirty, self.dirty = self.dirty, set()
+        for lane in dirty:
+            if self.running.get(lane) is not None:
+                continue
+            i = self._next(lane, now)
+            if i is not None:
+                self._start(i, now)
+
+    def _next(self, lane: tuple[str, int], now: float) -> int | None:
+        if lane in self.strict:
+            order, k = self.strict[lane], self.cursor[lane]
+            if k < len(order) and self.waiting[order[k]] == 0 and self.ready_at[order[k]] <= now:
+                self.cursor[lane] = k + 1
+                return order[k]
+            return None
+        queue = self.queues[lane]
+        if queue and queue[0][0] <= now:
+            return heapq.heappop(queue)[1]
+        return None
+
+    def _start(self, i: int, now: float) -> None:
+        t = self.tasks[i]
+        t.start = now
+        self.running[t.lane] = i  # type: ignore[index]
+        if t.nbytes > 0 and t.links:
+            self._progress(0.0)
+            self.copies[i] = float(t.nbytes)
+            self._rebalance()
+        else:
+            heapq.heappush(self.timers, (now + t.ms, 0, i))
+
+    def _progress(self, dt: float) -> None:
+        for i in self.copies:
+            self.copies[i] -= self.rates[i] * dt
+
+    def _rebalance(self) -> None:
+        load: dict[tuple[str, int], int] = defaultdict(int)
+        for i in self.copies:
+            for link in self.tasks[i].links:
+                load[link] += 1
+        self.rates = {
+            i: min(self.caps[link] / load[link] for link in self.tasks[i].links)
+            for i in self.copies
+        }
+
+    def _finish_copies(self, now: float) -> None:
+        finished = [i for i, r in self.copies.items() if r <= 1e-6 * max(1.0, self.tasks[i].nbytes)]
+        for i in finished:
+            del self.copies[i]
+        if finished:
+            self._rebalance()
+        for i in finished:
+            self._finish(i, now)
+
+    def _finish(self, i: int, now: float) -> None:
+        t = self.tasks[i]
+        t.end = now
+        self.done += 1
+        if t.lane is not None:
+            self.running[t.lane] = None
+            self.dirty.add(t.lane)
+        for s, delay in self.succ[i]:
+            self.ready_at[s] = max(self.ready_at[s], now + delay)
+            self.waiting[s] -= 1
+            if self.waiting[s] == 0:
+                self._ready(s, now)
+
+    def _deadlock(self) -> None:
+        stuck = next(t.action for i, t in enumerate(self.tasks) if math.isnan(t.end)
+                     and self.waiting[i] == 0) if any(
+            math.isnan(t.end) and self.waiting[i] == 0 for i, t in enumerate(self.tasks)) else next(
+            t.action for t in self.tasks if math.isnan(t.end))
+        raise PlanError(f"{self.plan.schedule}: the simulation cannot progress at {stuck}\n"
+                        + format_grid(self.plan, mark=stuck, limit=24))
+
+
+def _link_caps(machine: Machine, num_devices: int) -> dict[tuple[str, int], float]:
+    caps: dict[tuple[str, int], float] = {}
+    for d in range(num_devices):
+        caps[("h2d", d)] = machine.h2d_gbps * _GB
+        caps[("d2h", d)] = machine.d2h_gbps * _GB
+        caps[("p2p_out", d)] = caps[("p2p_in", d)] = (machine.p2p_gbps or 1e-9) * _GB
+    if machine.host_link_gbps:
+        caps[("host", 0)] = machine.host_link_gbps * _GB
+    return caps
+
+
+# ---- simulate ----------------------------------------------------------------------------------
+def simulate(
+    plan: Plan,
+    costs: LayerCosts,
+    *,
+    machine: Machine | None = None,
+    optimizer: str | None = None,
+    early_recompute: bool | None = None,
+    align_recompute: bool = True,
+    comm_ms: float | None = None,
+) -> SimResult:
+    """Simulate ``plan`` (one or several iterations) with ``costs``.
+
+    Without a machine: the conventions of the published table (compute only, ``comm_ms`` -
+    default ``costs.comm_ms`` - on every cross-device edge). With one: a compute-only plan is
+    lowered first (transfers, optimizer steps) and every transfer moves bytes over links.
+    ``optimizer`` "sync" puts a barrier (or the optimizer step) between iterations; "async"
+    lets iteration i+1 run on weights from step i-1. Default: the plan's, else "sync".
+    """
+    optimizer = optimizer or plan.optimizer or "sync"
+    if optimizer not in ("sync", "async"):
+        raise ValueError(f"optimizer must be 'sync' or 'async', got {optimizer!r}")
+    if machine is not None and all(a.is_compute for a in plan.actions):
+        plan = schedules.lower(plan, optimizer=optimizer)
+    early = _early_default(plan) if early_recompute is None else early_recompute
+    comm = costs.comm_ms if comm_ms is None else comm_ms
+    builder = _Builder(plan, costs, machine, comm, early)
+    tasks = builder.build()
+    if optimizer == "sync" and not any(a.op is Op.OPT for a in plan.actions):
+        _add_barriers(tasks, builder)
+    _Engine(tasks, plan, machine).run()
+    if align_recompute:
+        _align_recompute(tasks)
+    return _result(plan, tasks, builder)
+
+
+def _add_barriers(tasks: list[_Task], builder: _Builder) -> None:
+    """Synchronous optimizer without OPT actions: iteration i+1 starts after iteration i."""
+    by_iter: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(tasks):
+        if t.busy:
+            by_iter[t.action.iteration].append(i)
+    for it in sorted(by_iter)[1:]:
+        barrier = len(tasks)
+        tasks.append(_Task(tasks[by_iter[it - 1][0]].action, "barrier", None,
+                           deps=[(i, 0.0) for i in by_iter[it - 1]]))
+        for i in by_iter[it]:
+            if tasks[i].action.op is Op.FWD and builder.first[tasks[i].action] == i:
+                tasks[i].deps.append((barrier, 0.0))
+
+
+def _align_recompute(tasks: list[_Task]) -> None:
+    """Move each early recompute to end when its backward phase starts (display, fill)."""
+    for i, t in enumerate(tasks[:-1]):
+        nxt = tasks[i + 1]
+        if t.phase == "recompute" and nxt.phase == "bwd" and nxt.action == t.action:
+            gap = nxt.start - t.end
+            if gap > 0:
+                t.start, t.end = t.start + gap, t.end + gap
+
+
+def _result(plan: Plan, tasks: list[_Task], builder: _Builder) -> SimResult:
+    n, iters = plan.num_devices, len(plan.iterations)
+    intervals = tuple(
+        Interval(t.lane[1] if t.lane else t.action.device, t.lane[0] if t.lane else "none",
+                 t.phase, t.start, t.end, t.action, t.busy)
+        for t in tasks if t.lane is not None and t.end > t.start
+    )
+    busy = [iv for iv in intervals if iv.busy]
+    makespan = max((t.end for t in tasks), default=0.0)
+    busy_total = sum(iv.end_ms - iv.start_ms for iv in busy)
+    ends = defaultdict(float)
+    for iv in busy:
+        ends[iv.action.iteration] = max(ends[iv.action.iteration], iv.end_ms)
+    seq = [ends[it] for it in sorted(ends)]
+    if len(seq) >= 3:
+        iteration_ms = (seq[-1] - seq[1]) / (len(seq) - 2)
+    elif len(seq) == 2:
+        iteration_ms = seq[1] - seq[0]
+    else:
+        iteration_ms = makespan
+    busy_per_iter = busy_total / max(iters, 1)
+    bubble = 1.0 - busy_per_iter / (n * iteration_ms) if iteration_ms > 0 else 0.0
+    return SimResult(
+        schedule=plan.schedule,
+        num_devices=n,
+        num_iterations=iters,
+        num_fwd_stages=plan.num_fwd_stages,
+        num_bwd_stages=plan.num_bwd_stages,
+        makespan_ms=makespan,
+        iteration_ms=iteration_ms,
+        busy_ms=busy_per_iter,
+        bubble_ratio=bubble,
+        bubble_ratio_fill_drain=_fill_drain(busy, n, makespan, busy_total) if iters == 1 else None,
+        intervals=intervals,
+        peak_memory_bytes=_peak_memory(plan, tasks, builder),
+        bytes_moved=_bytes_moved(tasks),
+    )
+
+
+def _fill_drain(busy: Sequence[Interval], n: int, makespan: float, busy_total: float) -> float:
+    edge = 0.0
+    for d in range(n):
+        mine = [iv for iv in busy if iv.device == d]
+        if mine:
+            edge += min(iv.start_ms for iv in mine) + makespan - max(iv.end_ms for iv in mine)
+        else:
+            edge += makespan
+    return (n * makespan - busy_total - edge) / (n * makespan) if makespan > 0 else 0.0
+
+
+def _bytes_moved(tasks: Sequence[_Task]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for t in tasks:
+        if t.kind and t.nbytes:
+            out[t.kind] += int(t.nbytes)
+    return dict(out)
+
+
+def _peak_memory(plan: Plan, tasks: Sequence[_Task], builder: _Builder) -> tuple[int, ...]:
+    """Peak bytes per device over time (same accounting as schedules.validate, with the
+    simulated start and end times): weights, gradients, working sets, received activations."""
+    from .actions import _compute_groups
+
+    st = builder.st
+    events: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    lowered = any(a.op is Op.UPLOAD for a in plan.actions)
+    offloaded = lowered or plan.schedule in schedules.OFFLOADED_SCHEDULES
+
+    def span(a: Action) -> tuple[float, float]:
+        return tasks[builder.first[a]].start, tasks[builder.last[a]].end
+
+    for d, groups in _compute_groups(plan).items():
+        if d == HOST:
+            continue
+        if not offloaded:
+            slots = {plan.slot(a) for g in groups for a in g}
+            static = sum(st.param_bytes[s] if s < plan.num_fwd_stages else st.grad_bytes[s]
+                         for s in slots)
+            events[d].append((0.0, static))
+        for g in groups:
+            slot, t0, t1 = plan.slot(g[0]), span(g[0])[0], span(g[-1])[1]
+            held = st.grad_bytes[slot] + (0 if lowered or not offloaded else st.param_bytes[slot])
+            if offloaded:
+                release = _free_time(plan, tasks, builder, g[0]) if lowered else t1
+                events[d] += [(t0, held), (release, -held)]
+            for a in g:
+                s0, s1 = span(a)
+                events[d] += [(s0, st.work_bytes[slot]), (s1, -st.work_bytes[slot])]
+                if not offloaded and a.op is Op.FWD:  # stashed checkpoint until its backward
+                    events[d].append((s1, st.boundary_bytes))
+                elif not offloaded:
+                    events[d].append((s1, -st.boundary_bytes))
+    for a in plan.actions:
+        if a.op is Op.UPLOAD:
+            events[a.device].append((tasks[builder.first[a]].start, st.param_bytes[a.stage]))
+        elif a.op is Op.FREE:
+            events[a.device].append((tasks[builder.first[a]].end, -st.param_bytes[a.stage]))
+        elif a.op is Op.SEND and builder.machine is not None:
+            events[a.device].append((tasks[builder.last[a]].start, st.boundary_bytes))
+            consumers = [c for c in plan.per_device(a.device) if a in plan.deps.get(c, ())]
+            until = max((span(c)[1] for c in consumers), default=tasks[builder.last[a]].end)
+            events[a.device].append((until, -st.boundary_bytes))
+    peaks = []
+    for d in range(plan.num_devices):
+        level = peak = 0
+        for _, delta in sorted(events.get(d, []), key=lambda e: (e[0], e[1])):
+            level += delta
+            peak = max(peak, level)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _free_time(plan: Plan, tasks: Sequence[_Task], builder: _Builder, first: Action) -> float:
+    free = Action(Op.FREE, plan.slot(first), first.microbatch, first.device, first.iteration)
+    return tasks[builder.first[free]].end if free in builder.first else math.inf
+
+
+# ---- command line ------------------------------------------------------------------------------
+def _parse_ints(text: str | None) -> tuple[int, ...] | None:
+    return None if text is None else tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m rp_engine.plan.simulate",
+        description="Simulate a pipeline schedule on per-layer costs; print one JSON object.",
+    )
+    p.add_argument("--costs", required=True, help="COSTS.json (see partition.LayerCosts)")
+    p.add_argument("--schedule", required=True, choices=[
+        "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "mobius", "roundpipe-sync",
+        "roundpipe-async"])
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--stage-layers", help="layers per (virtual) stage of a bound schedule")
+    p.add_argument("--fwd-cuts", help="RoundPipe forward stages (layers each)")
+    p.add_argument("--bwd-cuts", help="RoundPipe backward stages, head stage first")
+    p.add_argument("--machine", help=f"machine preset ({', '.join(preset_names())}) or JSON; "
+                   "default: the simulation conventions (compute + comm_ms)")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="iterations back to back (default 4 for roundpipe-async, else 1)")
+    p.add_argument("--memory-gb", type=float, default=None, help="partitioner memory budget")
+    p.add_argument("--trace", help="write a Chrome trace JSON here")
+    p.add_argument("--png", help="write a Gantt chart PNG here")
+    p.add_argument("--text", action="store_true", help="print the text grid to stderr")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return p
+
+
+def _cli_plan(args: argparse.Namespace, costs: LayerCosts, machine: Machine | None,
+              iterations: int) -> tuple[Plan, dict[str, object]]:
+    from .partition import balanced_stage_layers, partition
+
+    name, n, m = args.schedule, args.devices, args.microbatches
+    extra: dict[str, object] = {}
+    if name.startswith("roundpipe"):
+        fwd, bwd = _parse_ints(args.fwd_cuts), _parse_ints(args.bwd_cuts)
+        if fwd is None or bwd is None:
+            budget = int(args.memory_gb * 2**30) if args.memory_gb else (
+                machine.memory_bytes if machine else None)
+            part = partition(costs, num_devices=n, num_microbatches=m,
+                             memory_budget_bytes=budget,
+                             async_optimizer=name == "roundpipe-async")
+            fwd, bwd = part.fwd_cuts, part.bwd_cuts
+            extra["partitioner"] = True
+        plan = schedules.build("roundpipe", num_iterations=iterations, fwd_cuts=fwd,
+                               bwd_cuts=bwd, num_devices=n, num_microbatches=m)
+        return plan, extra
+    stage_layers = _parse_ints(args.stage_layers)
+    if stage_layers is None:
+        per_device = 3 if name in ("interleaved-1f1b", "looped-bfs") else 1
+        stage_layers = balanced_stage_layers(costs, min(per_device * n, costs.num_layers + 1))
+    kwargs: dict[str, object] = {"num_devices": n, "num_microbatches": m}
+    if name == "mobius":
+        kwargs["fwd_cuts"] = stage_layers
+        if machine is not None and machine.device_order is not None:
+            kwargs["device_order"] = machine.device_order
+    else:
+        kwargs["stage_layers"] = stage_layers
+    return schedules.build(name, num_iterations=iterations, **kwargs), extra
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from . import render
+    from .partition import load_costs
+
+    args = _parser().parse_args(argv)
+    costs = load_costs(args.costs)
+    raw = json.loads(Path(args.costs).read_text())
+    machine = load_machine(args.machine) if args.machine else None
+    if raw.get("pcie_gbps"):
+        base = machine or load_machine("rtx4090_pcie4_8x")
+        machine = dataclasses.replace(base, h2d_gbps=float(raw["pcie_gbps"]),
+                                      d2h_gbps=float(raw["pcie_gbps"]))
+    is_async = args.schedule == "roundpipe-async"
+    iterations = args.iterations or (4 if is_async else 1)
+    plan, extra = _cli_plan(args, costs, machine, iterations)
+    result = simulate(plan, costs, machine=machine, optimizer="async" if is_async else "sync")
+    out = result.to_json()
+    out.update(schedule=args.schedule, fwd_cuts=list(plan.fwd_cuts),
+               bwd_cuts=list(plan.bwd_cuts), machine=machine.name if machine else "conventions",
+               **extra)
+    if is_async and iterations > 1:  # the published estimate, from one iteration
+        single = schedules.build("roundpipe", fwd_cuts=plan.fwd_cuts, bwd_cuts=plan.bwd_cuts,
+                                 num_devices=args.devices, num_microbatches=args.microbatches)
+        one = simulate(single, costs, machine=machine, optimizer="async")
+        out["bubble_ratio_fill_drain"] = round(one.bubble_ratio_fill_drain or 0.0, 6)
+    if args.trace:
+        render.write_chrome_trace(result, args.trace)
+    if args.png:
+        render.write_png(result, args.png)
+    if args.text:
+        print(render.text_grid(result), file=sys.stderr)
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,594 @@
+"""The executor: runs a Plan's compute actions on a device pool, with real tensors.
+
+For each action, in the plan's global issue order, a handler (table ``Op -> method``) queues work
+on the action's device: weight upload (H2D_PARAM, gated by the layer's version), input arrival
+(kept on the device when the producer ran there, else D2H on the producer and H2D_ACT here),
+compute, and downloads (saved stage inputs, gradients). Streams only meet through events, so a
+device computes stage k while stage k+1's weights upload and stage k-1's gradients download.
+
+Per-layer protocol (see optim/stepper.py): an upload of layer l waits until the compute weights
+of l hold the version this iteration must read; a gradient download into l's host buffer waits
+until the previous step has consumed it; when a run closes an optimizer step, each layer is
+reported ready the moment its last gradient has landed.
+
+Errors: any exception on any stream comes back from ``run`` in the caller's thread as a
+DeviceError naming the device and the action ("F2.3@1"); the pool is reset so the next run works.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rp_engine.device.base import Device, DeviceError, Event, StreamRole
+from rp_engine.model.host_store import HostStore
+from rp_engine.plan.actions import Action, Op
+from rp_engine.runtime.replica import Replica
+from rp_engine.runtime.stages import StageMap
+from rp_engine.transfer import State, WeightUpload, download_state, upload_state, upload_weights
+
+__all__ = ["Executor", "RunSpec", "RunResult", "TimelineRecord", "GradSink", "Carry", "layer_seed"]
+
+
+@dataclass(frozen=True)
+class TimelineRecord:
+    """One compute action as it ran: device, action text, start/end seconds from run start."""
+
+    device: int
+    action: str
+    start: float
+    end: float
+
+
+class GradSink:
+    """Where gradients go: the host store plus the optimizer protocol hooks.
+
+    ``wait_free(layer)`` blocks until the layer's buffer may receive this step's gradients;
+    ``ready(layer)`` is called once the layer's gradient for a closing run is complete.
+    """
+
+    def __init__(
+        self,
+        store: HostStore,
+        *,
+        wait_free: Callable[[int], None] = lambda layer: None,
+        ready: Callable[[int], None] = lambda layer: None,
+    ) -> None:
+        self.store = store
+        self.wait_free = wait_free
+        self.ready = ready
+
+
+@dataclass
+class RunSpec:
+    """One call of ``Executor.run``."""
+
+    actions: Sequence[Action]  # compute actions (FWD/HEAD/BWD) in a valid global issue order
+    batches: Sequence[State]  # host micro-batches, indexed by Action.microbatch
+    version: int  # compute-weight version every upload must see
+    step: int  # boundary step these gradients belong to (RNG seeds, bookkeeping)
+    train: bool = True
+    grad_scale: float = 1.0  # multiplies d(loss) in the fused head backward
+    closes_step: bool = False  # report layers ready to the optimizer when their grads land
+    defer_head: bool = False  # keep the head's gradients on the device (imperative loop)
+    microbatch_offset: int = 0  # global micro-batch number of batches[0] (RNG seeds)
+    profile: bool = False
+    carry: Carry | None = None  # from the forward run of the imperative loop
+    head_factor: float = 1.0  # d(user loss)/d(our loss), applied to the carried head gradients
+
+
+@dataclass
+class Carry:
+    """What a forward run of the imperative loop leaves for its backward run: the saved stage
+    inputs (host) and the head's device-side gradients, kept unscaled until the user's loss
+    scaling is known at ``engine.backward(loss)``."""
+
+    saved: dict[tuple[int, int], State]
+    head_device: int
+    head_grads: dict[int, torch.Tensor]
+    grad_in: torch.Tensor | None
+    microbatch: int
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    timeline: list[TimelineRecord]
+    layer_ms: dict[int, list[float]] = field(default_factory=dict)  # fwd ms per layer
+    bwd_ms: dict[int, list[float]] = field(default_factory=dict)  # backward ms per bwd stage
+    peak_bytes: list[int] = field(default_factory=list)
+    carry: Carry | None = None
+
+
+class _Ctx:
+    """Per-run scratch space. Producers write before recording the event consumers wait on."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.acts: dict[Any, State] = {}
+        self.act_where: dict[Any, tuple[int, Event]] = {}
+        self.saved: dict[tuple[int, int], State] = {}
+        self.saved_ev: dict[tuple[int, int], Event] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.timeline: list[TimelineRecord] = []
+        self.layer_ms: dict[int, list[float]] = {}
+        self.bwd_ms: dict[int, list[float]] = {}
+        self.remaining: dict[int, int] = {}
+        self.head_out: tuple[int, dict[int, torch.Tensor], torch.Tensor | None, int] | None = None
+        self.t0 = time.perf_counter()
+
+
+class Executor:
+    """Runs plans for one model on one pool. Holds replicas; all state lives in the store."""
+
+    def __init__(
+        self,
+        *,
+        modules: Sequence[torch.nn.Module],
+        stages: StageMap,
+        devices: Sequence[Device],
+        sink: GradSink,
+        seed: int = 0,
+        use_rng: bool = False,
+        prefetch_depth: int = 1,
+    ) -> None:
+        self.modules = list(modules)
+        self.stages = stages
+        self.devices = list(devices)
+        self.sink = sink
+        self.store = sink.store
+        self.seed = seed
+        self.use_rng = use_rng
+        self.prefetch_depth = prefetch_depth
+        self._replicas: dict[tuple[int, int], Replica] = {}
+        self._saved_at = stages.saved_inputs()
+        self._handlers: dict[Op, Callable[[_Ctx, Action], None]] = {
+            Op.FWD: self._forward,
+            Op.HEAD: self._head,
+            Op.BWD: self._backward,
+        }
+        self._compute_done: dict[int, list[Event]] = {}
+
+    # --- public -----------------------------------------------------------------------------
+    def run(self, spec: RunSpec) -> RunResult:
+        """Execute the plan's compute actions; blocks until every stream has drained."""
+        ctx = _Ctx(spec)
+        self._compute_done = {d.index: [] for d in self.devices}
+        if spec.train:
+            for j, idx in enumerate(self.stages.bwd):
+                n = sum(1 for a in spec.actions if _is_bwd(a) and a.stage == j)
+                for layer in idx:
+                    ctx.remaining[layer] = n
+        for device in self.devices:
+            device.reset_peak()
+        if spec.carry is not None:
+            self._resume_from(ctx, spec.carry)
+        for action in spec.actions:
+            handler = self._handlers.get(action.op)
+            if handler is not None:  # transfer/optimizer actions are lowered by the handlers
+                handler(ctx, action)
+        self._drain()
+        carry = None
+        if spec.defer_head and spec.train:
+            carry = Carry(ctx.saved, *ctx.head_out)  # type: ignore[misc]
+        return RunResult(
+            carry=carry,
+            losses=[float(ctx.losses[m]) for m in sorted(ctx.losses)],
+            timeline=sorted(ctx.timeline, key=lambda r: (r.start, r.device)),
+            layer_ms=ctx.layer_ms,
+            bwd_ms=ctx.bwd_ms,
+            peak_bytes=[d.memory_stats()["peak"] for d in self.devices],
+        )
+
+    def _resume_from(self, ctx: _Ctx, carry: Carry) -> None:
+        """Start a backward run from a forward run's carry: scale the head's gradients by the
+        factor the user's loss implies, queue their download, hand grad_in to stage 1."""
+        device = self.devices[carry.head_device]
+        compute = device.stream(StreamRole.COMPUTE)
+        factor = ctx.spec.head_factor
+
+        def scale() -> None:
+            for g in carry.head_grads.values():
+                g.mul_(factor)
+            if carry.grad_in is not None:
+                carry.grad_in.mul_(factor)
+
+        compute.submit(scale, label="H.scale")
+        done = compute.record()
+        ctx.saved.update(carry.saved)
+        for key in carry.saved:
+            ctx.saved_ev[key] = None  # type: ignore[assignment]
+        if carry.grad_in is not None:
+            key = ("G", 1, carry.microbatch)
+            ctx.acts[key] = {"hidden": carry.grad_in}
+            ctx.act_where[key] = (carry.head_device, done)
+        head_layers = self.stages.bwd[0]
+        for layer in head_layers:
+            ctx.remaining[layer] = 1
+        self._download_grads(ctx, device, carry.head_grads, head_layers, done, label="H.grads")
+
+    def close(self) -> None:
+        self._replicas.clear()
+
+    # --- handlers -----------------------------------------------------------------------------
+    def _forward(self, ctx: _Ctx, a: Action) -> None:
+        device = self.devices[a.device]
+        layers = self.stages.fwd[a.stage]
+        weights = self._upload(ctx, device, layers, a)
+        in_key = ("B", a.microbatch) if a.stage == 0 else ("F", a.stage - 1, a.microbatch)
+        if a.stage == 0:
+            self._put_host(ctx, in_key, ctx.spec.batches[a.microbatch])
+        arrived = self._arrive(ctx, in_key, device, str(a))
+        compute = device.stream(StreamRole.COMPUTE)
+        compute.wait(weights.event)  # type: ignore[arg-type]
+        compute.wait(arrived)
+        out_key = ("F", a.stage, a.microbatch)
+        last_stage = len(self.stages.fwd) - 1
+        saves = ctx.spec.train
+        to_save = [self._saved_at[layer] for layer in layers if layer in self._saved_at and saves]
+
+        def run() -> None:
+            start = time.perf_counter()
+            state = x_in = ctx.acts.pop(in_key)
+            with torch.no_grad():
+                for layer in layers:
+                    if layer in self._saved_at and saves:
+                        ctx.acts[("S", self._saved_at[layer], a.microbatch)] = state
+                    state = self._call(ctx, device, layer, state, a.microbatch, weights)
+            _free(device, x_in)
+            if a.stage < last_stage or not self.stages.head_reads_saved:
+                _track(device, state)
+                ctx.acts[out_key] = state
+            self._finish_compute(ctx, device, weights, layers, a, start)
+
+        compute.submit(run, label=str(a))
+        done = compute.record()
+        self._compute_done[a.device].append(done)
+        ctx.act_where[out_key] = (a.device, done)
+        for j in to_save:
+            key = (j, a.microbatch)
+            ctx.saved_ev[key] = download_state(
+                device,
+                lambda key=key: ctx.acts.pop(("S", *key)),
+                lambda st, key=key: ctx.saved.__setitem__(key, st),
+                after=done,
+                label=f"{a}.save{j}",
+            )
+
+    def _head(self, ctx: _Ctx, a: Action) -> None:
+        device = self.devices[a.device]
+        layers = self.stages.bwd[0]
+        blocks, head = layers[:-1], layers[-1]
+        weights = self._upload(ctx, device, layers, a)
+        if self.stages.head_reads_saved:  # recompute its blocks from the saved input
+            in_key: Any = ("X", 0, a.microbatch)
+            self._put_saved(ctx, in_key, a)
+        else:
+            in_key = ("F", len(self.stages.fwd) - 1, a.microbatch)
+        arrived = self._arrive(ctx, in_key, device, str(a))
+        compute = device.stream(StreamRole.COMPUTE)
+        compute.wait(weights.event)  # type: ignore[arg-type]
+        compute.wait(arrived)
+        spec = ctx.spec
+        grads_holder: dict[int, torch.Tensor] = {}
+
+        def run() -> None:
+            start = time.perf_counter()
+            x = ctx.acts.pop(in_key)
+            if not spec.train:
+                with torch.no_grad():
+                    for layer in layers:
+                        x = self._call(ctx, device, layer, x, a.microbatch, weights, head=False)
+                    ctx.losses[a.microbatch] = x["loss"].detach()
+                self._finish_compute(ctx, device, weights, layers, a, start)
+                return
+            x = _with_grad_input(x) if blocks else x
+            with torch.enable_grad():
+                y = x
+                for layer in blocks:
+                    y = self._call(ctx, device, layer, y, a.microbatch, weights)
+                head_in = {**y, "hidden": y["hidden"].detach()}
+                replica = self._load(device, head, weights)
+                loss, grad_hidden = replica.module.forward_backward(
+                    head_in, grad_scale=1.0 if spec.defer_head else spec.grad_scale
+                )
+                if blocks:
+                    torch.autograd.backward(y["hidden"], grad_hidden)
+                    grad_in = x["hidden"].grad
+                else:
+                    grad_in = grad_hidden
+            ctx.losses[a.microbatch] = loss.detach()
+            _free(device, x)
+            grads_holder.update(self._grads(device, layers))
+            if grad_in is not None and len(self.stages.bwd) > 1:
+                ctx.acts[("G", 1, a.microbatch)] = {"hidden": grad_in}
+                _track(device, ctx.acts[("G", 1, a.microbatch)])
+                if spec.defer_head:
+                    ctx.head_out = (a.device, grads_holder, grad_in, a.microbatch)
+            self._finish_compute(ctx, device, weights, layers, a, start, backward=True)
+
+        compute.submit(run, label=str(a))
+        done = compute.record()
+        self._compute_done[a.device].append(done)
+        ctx.act_where[("G", 1, a.microbatch)] = (a.device, done)
+        if not spec.train:
+            return
+        if spec.defer_head:
+            ctx.head_out = (a.device, grads_holder, None, a.microbatch)
+            return
+        self._download_grads(ctx, device, grads_holder, layers, done, label=f"{a}.grads")
+
+    def _backward(self, ctx: _Ctx, a: Action) -> None:
+        device = self.devices[a.device]
+        layers = self.stages.bwd[a.stage]
+        weights = self._upload(ctx, device, layers, a)
+        x_key: Any = ("X", a.stage, a.microbatch)
+        if layers[0] == 0 and self.stages.has_prefix:
+            self._put_host(ctx, x_key, ctx.spec.batches[a.microbatch])
+        else:
+            self._put_saved(ctx, x_key, a)
+        x_ready = self._arrive(ctx, x_key, device, str(a))
+        g_key = ("G", a.stage, a.microbatch)
+        g_ready = self._arrive(ctx, g_key, device, str(a))
+        compute = device.stream(StreamRole.COMPUTE)
+        compute.wait(weights.event)  # type: ignore[arg-type]
+        compute.wait(x_ready)
+        compute.wait(g_ready)
+        grads_holder: dict[int, torch.Tensor] = {}
+        last = a.stage == len(self.stages.bwd) - 1
+
+        def run() -> None:
+            start = time.perf_counter()
+            x = _with_grad_input(ctx.acts.pop(x_key))
+            grad_out = ctx.acts.pop(g_key)["hidden"]
+            with torch.enable_grad():
+                y = x
+                for layer in layers:  # recompute, same RNG seeds as the forward
+                    y = self._call(ctx, device, layer, y, a.microbatch, weights)
+                torch.autograd.backward(y["hidden"], grad_out)
+            _free(device, x)
+            _free(device, {"hidden": grad_out})
+            grads_holder.update(self._grads(device, layers))
+            if not last:
+                grad_in = x["hidden"].grad
+                ctx.acts[("G", a.stage + 1, a.microbatch)] = {"hidden": grad_in}
+                _track(device, ctx.acts[("G", a.stage + 1, a.microbatch)])
+            self._finish_compute(ctx, device, weights, layers, a, start, backward=True)
+
+        compute.submit(run, label=str(a))
+        done = compute.record()
+        self._compute_done[a.device].append(done)
+        ctx.act_where[("G", a.stage + 1, a.microbatch)] = (a.device, done)
+        self._download_grads(ctx, device, grads_holder, layers, done, label=f"{a}.grads")
+
+    # --- building blocks ----------------------------------------------------------------------
+    def _upload(self, ctx: _Ctx, device: Device, layers: Sequence[int], a: Action) -> WeightUpload:
+        """Queue the stage's weights; waits for the memory of the stage two slots back."""
+        seen: dict[int, torch.Tensor] = {}
+        for layer in layers:
+            hl = self.store.layers[layer]
+            for _, t in itertools.chain(hl.params, hl.buffers):
+                seen.setdefault(id(t), t)
+        # Prefetch depth d: this upload may start once the compute d+1 slots back on this device
+        # has finished, so at most d+1 stages' weights are resident at once.
+        done = self._compute_done[device.index]
+        depth = self.prefetch_depth
+        after = [done[-(depth + 1)]] if len(done) > depth else []
+        version = ctx.spec.version
+
+        def wait_versions() -> None:
+            for layer in layers:
+                self.store.wait_version(layer, version)
+
+        return upload_weights(
+            device, list(seen.values()), after=after, before=wait_versions, label=str(a)
+        )
+
+    def _put_saved(self, ctx: _Ctx, key: Any, a: Action) -> None:
+        saved = (a.stage, a.microbatch)
+        if saved not in ctx.saved_ev:
+            raise RuntimeError(f"{a}: its forward input was never saved (plan order?)")
+        self._put_host(ctx, key, None, ready=ctx.saved_ev[saved], host_key=saved)
+
+    def _put_host(
+        self,
+        ctx: _Ctx,
+        key: Any,
+        state: State | None,
+        *,
+        ready: Event | None = None,
+        host_key: tuple[int, int] | None = None,
+    ) -> None:
+        """Register a host-resident input: a micro-batch, or a saved input not yet downloaded."""
+        ctx.act_where[key] = (-1, ready)  # type: ignore[assignment]
+        if state is not None:
+            ctx.acts[key] = state
+        else:
+            ctx.acts[("H", key)] = host_key  # type: ignore[assignment]
+
+    def _arrive(self, ctx: _Ctx, key: Any, device: Device, label: str) -> Event | None:
+        """Make ``ctx.acts[key]`` available on ``device``; returns the event to wait for."""
+        src_index, event = ctx.act_where[key]
+        if src_index == device.index:
+            return event
+        if src_index >= 0:  # on another device: through the host (consumer GPUs have no P2P)
+            src = self.devices[src_index]
+            host: dict[str, State] = {}
+            down = download_state(
+                src,
+                lambda: ctx.acts.pop(key),
+                lambda st: host.__setitem__("s", st),
+                after=event,
+                label=f"{label}.send",
+            )
+            stream = device.stream(StreamRole.H2D_ACT)
+            stream.wait(down)
+            return self._upload_state(ctx, device, key, lambda: host.pop("s"), label)
+        # host-resident input (micro-batch or a saved stage input)
+        stream = device.stream(StreamRole.H2D_ACT)
+        if event is not None:
+            stream.wait(event)
+        host_key = ctx.acts.pop(("H", key), None)
+        if host_key is not None:
+            return self._upload_state(ctx, device, key, lambda: ctx.saved.pop(host_key), label)
+        state = ctx.acts.pop(key)
+        return self._upload_state(ctx, device, key, lambda: state, label)
+
+    def _upload_state(
+        self, ctx: _Ctx, device: Device, key: Any, get: Callable[[], State], label: str
+    ) -> Event:
+        stream = device.stream(StreamRole.H2D_ACT)
+
+        def run() -> None:
+            ctx.acts[key] = {k: device.to_device(v) for k, v in get().items()}
+
+        stream.submit(run, label=f"{label}.in")
+        return stream.record()
+
+    def _call(
+        self,
+        ctx: _Ctx,
+        device: Device,
+        layer: int,
+        state: State,
+        microbatch: int,
+        weights: WeightUpload,
+        *,
+        head: bool = True,
+    ) -> State:
+        replica = self._load(device, layer, weights)
+        start = time.perf_counter()
+        if self.use_rng:
+            mb = ctx.spec.microbatch_offset + microbatch
+            with device.rng_scope(layer_seed(self.seed, ctx.spec.step, mb, layer)):
+                out = replica.module(state)
+        else:
+            out = replica.module(state)
+        if ctx.spec.profile:
+            ctx.layer_ms.setdefault(layer, []).append((time.perf_counter() - start) * 1e3)
+        if layer == self.stages.head_index and not isinstance(out, dict):
+            return {"loss": out}
+        return out
+
+    def _load(self, device: Device, layer: int, weights: WeightUpload) -> Replica:
+        key = (device.index, layer)
+        replica = self._replicas.get(key)
+        if replica is None:
+            replica = self._replicas[key] = Replica(self.modules[layer])
+        replica.load(weights.tensors, training=self.modules[layer].training)
+        return replica
+
+    def _grads(self, device: Device, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        grads: dict[int, torch.Tensor] = {}
+        for layer in layers:
+            replica = self._replicas[(device.index, layer)]
+            grads.update(replica.grads())
+        return grads
+
+    def _finish_compute(
+        self,
+        ctx: _Ctx,
+        device: Device,
+        weights: WeightUpload,
+        layers: Sequence[int],
+        a: Action,
+        start: float,
+        *,
+        backward: bool = False,
+    ) -> None:
+        for layer in layers:
+            replica = self._replicas.get((device.index, layer))
+            if replica is not None:
+                replica.release()
+        weights.release(device)
+        end = time.perf_counter()
+        if ctx.spec.profile and backward:
+            ctx.bwd_ms.setdefault(a.stage, []).append((end - start) * 1e3)
+        ctx.timeline.append(TimelineRecord(device.index, str(a), start - ctx.t0, end - ctx.t0))
+
+    def _download_grads(
+        self,
+        ctx: _Ctx,
+        device: Device,
+        grads: dict[int, torch.Tensor],
+        layers: Sequence[int],
+        after: Event,
+        *,
+        label: str,
+    ) -> None:
+        stream = device.stream(StreamRole.D2H)
+        stream.wait(after)
+        params = {id(p): p for layer in layers for p in self.store.trainable_of(layer)}
+        owners = {id(p): layer for layer in layers for p in self.store.trainable_of(layer)}
+
+        def run() -> None:
+            host = {k: device.to_host(g) for k, g in grads.items() if k in params}
+            device.host_sync()  # the copies must land before host code adds them up
+            for key, grad in host.items():
+                self.sink.wait_free(owners[key])
+                self.store.accumulate(params[key], grad)
+            for grad in grads.values():
+                device.free(grad)
+            grads.clear()
+            for layer in layers:
+                ctx.remaining[layer] = ctx.remaining.get(layer, 1) - 1
+                if ctx.remaining[layer] == 0 and ctx.spec.closes_step:
+                    self.sink.ready(layer)
+
+        stream.submit(run, label=label)
+
+    def _drain(self) -> None:
+        """Wait for every stream of every device; re-raise the first device error."""
+        errors: list[BaseException] = []
+        for device in self.devices:
+            for role in StreamRole:
+                try:
+                    device.stream(role).record().synchronize()
+                except BaseException as exc:  # noqa: BLE001 - collected, re-raised below
+                    errors.append(exc)
+        if errors:
+            for device in self.devices:
+                device.reset()
+            self._replicas_reset()
+            first = next((e for e in errors if isinstance(e, DeviceError)), errors[0])
+            raise first
+
+    def _replicas_reset(self) -> None:
+        for replica in self._replicas.values():
+            replica.release()
+
+
+def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
+    """The RNG seed of one layer's forward (and its recomputation): dropout masks depend only on
+    (seed, step, global micro-batch, layer), never on the device or thread that ran it."""
+    return ((seed * 1_000_003 + step * 10_007 + microbatch) * 1_009 + layer) & 0x7FFF_FFFF
+
+
+def _is_bwd(a: Action) -> bool:
+    return a.op in (Op.BWD, Op.HEAD)
+
+
+def _with_grad_input(state: State) -> State:
+    """Detach the stage input and make its floating 'hidden' a leaf that collects a gradient."""
+    out = {k: v.detach() for k, v in state.items()}
+    hidden = out.get("hidden")
+    if hidden is not None and hidden.is_floating_point():
+        hidden.requires_grad_(True)
+    return out
+
+
+def _track(device: Device, state: State) -> None:
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            device.track(v)
+
+
+def _free(device: Device, state: State) -> None:
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            device.free(v)

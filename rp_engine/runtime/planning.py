@@ -1,0 +1,170 @@
+"""Choosing cuts and issuing plans: config cuts, an estimate, then one re-plan from measurements.
+
+The planner owns the rolling start device (RoundPipe never resets rounds between iterations)
+and the cost profile of the first iterations. It calls the pure ``plan`` package for the
+partition search and the schedule, and turns cuts into a :class:`StageMap` for the executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rp_engine.plan import schedules
+from rp_engine.plan.actions import Action, Op
+from typing import Any as LayerCosts  # TEMP
+from rp_engine.runtime.stages import StageMap
+
+__all__ = ["Planner", "ModelShape"]
+
+log = logging.getLogger("rp_engine.planning")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about the model before any measurement."""
+
+    num_blocks: int
+    has_prefix: bool
+    block_param_bytes: tuple[int, ...]
+    head_param_bytes: int
+    prefix_param_bytes: int
+
+
+class Planner:
+    """Cuts, stage map and plans for one engine; see the module docstring."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        *,
+        num_devices: int,
+        num_microbatches: int,
+        schedule: str = "roundpipe",
+        fwd_cuts: Sequence[int] | None = None,
+        bwd_cuts: Sequence[int] | None = None,
+        memory_budget_bytes: int | None = None,
+        profile_iterations: int = 2,
+    ) -> None:
+        self.shape = shape
+        self.num_devices = num_devices
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.memory_budget_bytes = memory_budget_bytes
+        self.fixed = fwd_cuts is not None and bwd_cuts is not None
+        self.profile_left = 0 if self.fixed else profile_iterations
+        self._fwd_samples: dict[int, list[float]] = {}
+        self._bwd_samples: dict[int, list[float]] = {}
+        self.start_device = 0
+        self.replanned = False
+        if self.fixed:
+            self.set_cuts(tuple(fwd_cuts or ()), tuple(bwd_cuts or ()))
+        else:
+            self.set_cuts(*self._search(self._estimate()))
+
+    # --- cuts ---------------------------------------------------------------------------------
+    def set_cuts(self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...]) -> None:
+        self.fwd_cuts, self.bwd_cuts = fwd_cuts, bwd_cuts
+        self.stages = StageMap.from_cuts(
+            num_blocks=self.shape.num_blocks,
+            has_prefix=self.shape.has_prefix,
+            fwd_cuts=fwd_cuts,
+            bwd_cuts=bwd_cuts,
+        )
+
+    def _estimate(self) -> LayerCosts:
+        """Costs before any measurement: time proportional to parameter bytes (a dense layer's
+        FLOPs per token are ~2x its parameters), backward = 2x forward, recompute = forward."""
+        unit = 1e-6
+        fwd = [max(b, 1) * unit for b in self.shape.block_param_bytes]
+        return _costs(self.shape, fwd, [2 * f for f in fwd], self.shape.head_param_bytes * unit)
+
+    def _search(self, costs: LayerCosts) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        part = partition(
+            costs,
+            num_devices=self.num_devices,
+            num_microbatches=self.num_microbatches,
+            memory_budget_bytes=self.memory_budget_bytes,
+        )
+        return tuple(part.fwd_cuts), tuple(part.bwd_cuts)
+
+    # --- plans --------------------------------------------------------------------------------
+    def actions(self, num_microbatches: int, *, ops: frozenset[Op] | None = None) -> list[Action]:
+        """Compute actions of one iteration, starting on the rolling start device."""
+        build = schedules.mobius if self.schedule == "mobius" else schedules.roundpipe
+        plan = build(
+            fwd_cuts=self.fwd_cuts,
+            bwd_cuts=self.bwd_cuts,
+            num_devices=self.num_devices,
+            num_microbatches=num_microbatches,
+            start_device=self.start_device,
+        )
+        if ops is None or Op.BWD in ops:  # the iteration (or its backward half) is issued
+            self.start_device = plan.next_start_device
+        wanted = ops or frozenset({Op.FWD, Op.HEAD, Op.BWD})
+        return [a for a in plan.actions if a.op in wanted]
+
+    # --- profiling ----------------------------------------------------------------------------
+    def observe(self, fwd_ms: dict[int, list[float]], bwd_ms: dict[int, list[float]]) -> bool:
+        """Feed one profiled iteration; re-plans once after ``profile_iterations``.
+
+        ``fwd_ms``: layer index -> forward times; ``bwd_ms``: backward stage -> stage times.
+        Returns True when the cuts changed.
+        """
+        if self.profile_left <= 0:
+            return False
+        for layer, times in fwd_ms.items():
+            self._fwd_samples.setdefault(layer, []).extend(times)
+        for stage, times in bwd_ms.items():
+            self._bwd_samples.setdefault(stage, []).extend(times)
+        self.profile_left -= 1
+        if self.profile_left > 0:
+            return False
+        costs = self._measured()
+        if costs is None:
+            return False
+        old = (self.fwd_cuts, self.bwd_cuts)
+        self.set_cuts(*self._search(costs))
+        self.replanned = (self.fwd_cuts, self.bwd_cuts) != old
+        log.info(
+            "re-planned from measurements: fwd_cuts %s bwd_cuts %s", self.fwd_cuts, self.bwd_cuts
+        )
+        return self.replanned
+
+    def _measured(self) -> LayerCosts | None:
+        p = 1 if self.shape.has_prefix else 0
+        n = self.shape.num_blocks
+        med = {k: statistics.median(v) for k, v in self._fwd_samples.items() if v}
+        if any(p + i not in med for i in range(n)):
+            return None
+        fwd = [med[p + i] for i in range(n)]
+        # Backward stage time = recompute + backward of its layers; split the backward part
+        # over the stage's layers in proportion to their forward times.
+        bwd = [2 * f for f in fwd]
+        for j, times in self._bwd_samples.items():
+            layers = [i - p for i in self.stages.bwd[j] if p <= i < p + n]
+            if j == 0 or not layers:
+                continue
+            stage_f = sum(fwd[i] for i in layers)
+            back = max(statistics.median(times) - stage_f, 0.0)
+            for i in layers:
+                bwd[i] = back * fwd[i] / stage_f if stage_f > 0 else back / len(layers)
+        head = med.get(self.stages.head_index, 0.0)
+        head_stage = self._bwd_samples.get(0)
+        head_total = statistics.median(head_stage) if head_stage else 3 * head
+        return _costs(self.shape, fwd, bwd, head_total / 3)
+
+
+def _costs(shape: ModelShape, fwd: list[float], bwd: list[float], head_fwd: float) -> LayerCosts:
+    return LayerCosts(
+        fwd_ms=tuple(fwd),
+        bwd_ms=tuple(bwd),
+        recompute_ms=tuple(fwd),
+        param_bytes=shape.block_param_bytes,
+        act_bytes=tuple(0 for _ in fwd),
+        head_fwd_ms=head_fwd,
+        head_bwd_ms=2 * head_fwd,
+        head_param_bytes=shape.head_param_bytes,
+    )

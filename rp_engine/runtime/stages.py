@@ -1,0 +1,113 @@
+"""Stage map: which host layers each forward / head / backward stage of a plan runs.
+
+Layer indices follow the LayerSequence order ``[prefix?] + blocks + [head]``. Cuts count decoder
+blocks, with the plan package's convention (``sum(fwd_cuts) == sum(bwd_cuts) == L``):
+
+- forward stage s runs ``fwd_cuts[s]`` blocks (stage 0 also runs the prefix);
+- the HEAD stage (backward stage 0) runs the last ``bwd_cuts[0]`` blocks and the head, forward
+  and backward at once; with ``bwd_cuts[0] == 0`` it starts from the last forward stage's output,
+  else from the input saved before its first block (like any backward stage);
+- backward stage j >= 1 runs the next ``bwd_cuts[j]`` blocks toward the input (the last one
+  also runs the prefix), recomputing them from the input saved during the forward.
+
+Example, 5 blocks, fwd_cuts (3, 2), bwd_cuts (0, 2, 3), with prefix P and head H::
+
+    index      0  1  2  3  4  5  6
+    layer      P  b0 b1 b2 b3 b4 H
+    forward   [F0 ------ ][F1 -]
+    backward  [B2 ------ ][B1 -][HEAD]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StageMap"]
+
+
+@dataclass(frozen=True)
+class StageMap:
+    """Layer indices per stage; ``bwd[0]`` is the HEAD stage (its last index is the head)."""
+
+    fwd: tuple[tuple[int, ...], ...]
+    bwd: tuple[tuple[int, ...], ...]
+    has_prefix: bool
+    num_blocks: int
+
+    @classmethod
+    def from_cuts(
+        cls,
+        *,
+        num_blocks: int,
+        has_prefix: bool,
+        fwd_cuts: tuple[int, ...],
+        bwd_cuts: tuple[int, ...],
+    ) -> StageMap:
+        """Build from block counts; raises ValueError naming the cuts when they do not add up."""
+        p = 1 if has_prefix else 0
+        if not bwd_cuts or sum(bwd_cuts) != num_blocks or any(c < 0 for c in bwd_cuts):
+            raise ValueError(
+                f"roundpipe.bwd_cuts {list(bwd_cuts)} must be non-negative and sum to the "
+                f"{num_blocks} decoder blocks"
+            )
+        if not fwd_cuts or sum(fwd_cuts) != num_blocks or any(c <= 0 for c in fwd_cuts):
+            raise ValueError(
+                f"roundpipe.fwd_cuts {list(fwd_cuts)} must be positive and sum to the "
+                f"{num_blocks} decoder blocks"
+            )
+        if any(c <= 0 for c in bwd_cuts[1:]):
+            raise ValueError(
+                f"roundpipe.bwd_cuts {list(bwd_cuts)}: stages after the first need >= 1 block"
+            )
+        fwd: list[tuple[int, ...]] = []
+        start = 0
+        for s, n in enumerate(fwd_cuts):
+            idx = list(range(p + start, p + start + n))
+            if s == 0 and has_prefix:
+                idx.insert(0, 0)
+            fwd.append(tuple(idx))
+            start += n
+        head_blocks = bwd_cuts[0]
+        head_idx = p + num_blocks
+        bwd: list[tuple[int, ...]] = [tuple(range(head_idx - head_blocks, head_idx + 1))]
+        end = num_blocks - head_blocks
+        for n in bwd_cuts[1:]:
+            bwd.append(tuple(range(p + end - n, p + end)))
+            end -= n
+        if has_prefix:
+            if len(bwd) == 1:
+                raise ValueError(
+                    "roundpipe.bwd_cuts: the prefix needs a backward stage after the head stage"
+                )
+            bwd[-1] = (0, *bwd[-1])
+        return cls(tuple(fwd), tuple(bwd), has_prefix, num_blocks)
+
+    @property
+    def head_index(self) -> int:
+        return self.bwd[0][-1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.head_index + 1
+
+    def saved_inputs(self) -> dict[int, int]:
+        """layer index -> backward stage j whose saved input is the state entering that layer.
+
+        Stage j's input is saved by whichever forward stage computes it; the prefix's input is
+        the micro-batch itself (already on the host) and is not listed.
+        """
+        saved = {self.bwd[j][0]: j for j in range(1, len(self.bwd)) if self.bwd[j][0] != 0}
+        if self.head_reads_saved:
+            saved[self.bwd[0][0]] = 0
+        return saved
+
+    @property
+    def head_reads_saved(self) -> bool:
+        """Whether the HEAD stage holds blocks (then it starts from a saved input)."""
+        return len(self.bwd[0]) > 1
+
+    def bwd_stage_of(self, layer: int) -> int:
+        for j, idx in enumerate(self.bwd):
+            if layer in idx:
+                return j
+        raise KeyError(layer)

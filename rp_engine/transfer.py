@@ -1,0 +1,145 @@
+"""Moving tensors between host and devices on the copy streams.
+
+Three kinds of traffic, each on its own stream so none waits behind another::
+
+    H2D_PARAM  |== w(stage k+1) chunk ==|== chunk ==|      |== w(stage k+2) ==|   low priority
+    H2D_ACT        |= act m =|      |= act m+1 =|                                 high priority
+    COMPUTE    |====== stage k ======|======= stage k+1 =======|
+    D2H                              |= act/grad out =|
+
+Weights are uploaded in chunks packed largest-first (LPT) into a bounded number of bytes each, so
+a critical activation copy that shares the link waits at most one chunk. An activation whose next
+stage runs on the same device never leaves it. Everything that crosses a stage boundary is a
+``dict[str, Tensor]`` ("state"); only ``state["hidden"]`` carries gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from rp_engine.device.base import Device, Event, StreamRole
+
+__all__ = [
+    "State",
+    "pack_largest_first",
+    "WeightUpload",
+    "upload_weights",
+    "upload_state",
+    "download_state",
+    "state_bytes",
+]
+
+State = dict[str, torch.Tensor]
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def pack_largest_first(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]]:
+    """Pack item indices into chunks of at most ``chunk_bytes`` (an item larger than that gets a
+    chunk of its own), largest items first: LPT bin filling, so big tensors never trail behind.
+
+    Returns the chunks in upload order; every index appears exactly once.
+    """
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    chunks: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for c, free in enumerate(room):
+            if sizes[i] <= free:
+                chunks[c].append(i)
+                room[c] -= sizes[i]
+                break
+        else:
+            chunks.append([i])
+            room.append(max(chunk_bytes - sizes[i], 0))
+    return chunks
+
+
+class WeightUpload:
+    """Device copies of a stage's weights, filled by closures on the H2D_PARAM stream.
+
+    ``tensors`` maps ``id(host tensor)`` to its device copy; read it only after ``event``.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.event: Event | None = None
+
+    def release(self, device: Device) -> None:
+        for t in self.tensors.values():
+            device.free(t)
+        self.tensors = {}
+
+
+def upload_weights(
+    device: Device,
+    host_tensors: Sequence[torch.Tensor],
+    *,
+    after: Iterable[Event] = (),
+    before: Callable[[], None] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    label: str = "",
+) -> WeightUpload:
+    """Queue uploads of ``host_tensors`` on ``device``'s weight stream; returns the handle.
+
+    ``after``: events the upload must wait for (e.g. memory freed by an earlier stage).
+    ``before``: a host-side wait run on the copy thread first (the layer-version protocol).
+    """
+    stream = device.stream(StreamRole.H2D_PARAM)
+    for ev in after:
+        stream.wait(ev)
+    handle = WeightUpload()
+    if before is not None:
+        stream.submit(before, label=label)
+    sizes = [t.numel() * t.element_size() for t in host_tensors]
+    for chunk in pack_largest_first(sizes, chunk_bytes):
+
+        def copy_chunk(chunk: list[int] = chunk) -> None:
+            for i in chunk:
+                host = host_tensors[i]
+                handle.tensors[id(host)] = device.to_device(host.detach())
+
+        stream.submit(copy_chunk, label=label)
+    handle.event = stream.record()
+    return handle
+
+
+def upload_state(
+    device: Device, holder: dict[str, State], key: str, host_state: State, *, label: str = ""
+) -> Event:
+    """Copy a host state to ``device`` on its activation stream into ``holder[key]``."""
+    stream = device.stream(StreamRole.H2D_ACT)
+
+    def run() -> None:
+        holder[key] = {k: device.to_device(v) for k, v in host_state.items()}
+
+    stream.submit(run, label=label)
+    return stream.record()
+
+
+def download_state(
+    device: Device,
+    get_state: Callable[[], State],
+    put: Callable[[State], None],
+    *,
+    after: Event,
+    label: str = "",
+) -> Event:
+    """Copy a device state to the host on the D2H stream once ``after`` has completed."""
+    stream = device.stream(StreamRole.D2H)
+    stream.wait(after)
+
+    def run() -> None:
+        state = get_state()
+        put({k: device.to_host(v) for k, v in state.items()})
+        for v in state.values():
+            device.free(v)  # the device copy is dropped once it is on the host
+
+    stream.submit(run, label=label)
+    return stream.record()
+
+
+def state_bytes(state: State) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values())

@@ -1,0 +1,105 @@
+"""Helpers for engine tests: configs, a plain-PyTorch reference trainer, per-layer RNG hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import rp_engine
+from rp_engine.runtime.executor import layer_seed
+
+
+def config(
+    *,
+    devices: int = 2,
+    gas: int = 2,
+    mbs: int = 2,
+    lr: float = 1e-3,
+    fwd_cuts: Sequence[int] | None = None,
+    bwd_cuts: Sequence[int] | None = None,
+    async_optimizer: bool = False,
+    clip: float = 0.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    rp: dict[str, Any] = {"devices": f"cpu:{devices}", "async_optimizer": async_optimizer}
+    if fwd_cuts is not None:
+        rp["fwd_cuts"] = list(fwd_cuts)
+        rp["bwd_cuts"] = list(bwd_cuts or ())
+    rp.update(extra.pop("roundpipe", {}))
+    return {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+        "roundpipe": rp,
+        **extra,
+    }
+
+
+def engine_for(model: nn.Module, cfg: dict[str, Any]) -> Any:
+    engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+    return engine
+
+
+def layer_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules, in LayerSequence order, whose forward draws random numbers per layer."""
+    from rp_engine.model.layers import to_layers
+
+    seq = to_layers(model, loss_fn=getattr(model, "loss_fn", None))
+    return list(seq.modules())
+
+
+def seeded_layers(model: nn.Module, *, seed: int = 42) -> Callable[[int, int], None]:
+    """Install pre-forward hooks reseeding the RNG per layer exactly as the engine does.
+
+    Returns ``set_position(step, microbatch)``, to be called before each micro-batch's forward.
+    The hooks sit on the modules the engine runs as layers (HF decoder layers, Sequential
+    children), so dropout masks match the engine's, whatever device ran each layer.
+    """
+    pos = {"step": 1, "mb": 0}
+    for index, module in enumerate(layer_modules(model)):
+        target = getattr(module, "layer", module)  # HF blocks wrap the decoder layer
+
+        def hook(_m: nn.Module, _args: Any, index: int = index) -> None:
+            torch.manual_seed(layer_seed(seed, pos["step"], pos["mb"], index))
+
+        target.register_forward_pre_hook(hook)
+
+    def set_position(step: int, microbatch: int) -> None:
+        pos["step"], pos["mb"] = step, microbatch
+
+    return set_position
+
+
+def reference_losses(
+    model: nn.Module,
+    batches: Sequence[Any],
+    *,
+    steps: int,
+    gas: int,
+    lr: float = 1e-3,
+    loss_of: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    set_position: Callable[[int, int], None] | None = None,
+) -> list[float]:
+    """Plain PyTorch on one device: GAS micro-batches per step, AdamW(weight_decay=0)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    loss_of = loss_of or (lambda m, b: m(**b).loss)
+    out = []
+    it = iter(batches)
+    mb = 0
+    for step in range(1, steps + 1):
+        total = 0.0
+        for _ in range(gas):
+            if set_position is not None:
+                set_position(step, mb)
+            loss = loss_of(model, next(it))
+            (loss / gas).backward()
+            total += float(loss)
+            mb += 1
+        opt.step()
+        opt.zero_grad()
+        out.append(total / gas)
+    return out

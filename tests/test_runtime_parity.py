@@ -1,0 +1,128 @@
+"""Parity: rp_engine on 1..4 CPU virtual devices == plain PyTorch on one device (fp32).
+
+Per-step losses and final weights, for a tiny Qwen3, a tiny Llama, an nn.Sequential MLP and a
+LoRA-wrapped Qwen3, with dropout off and on (the engine seeds each layer's RNG from (step,
+micro-batch, layer) and restores it for the recomputation; the reference uses the same seeds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import config, engine_for, reference_losses, seeded_layers
+from models import lora_qwen3, mlp_batch, random_batch, tiny_llama, tiny_mlp, tiny_qwen3
+
+STEPS, GAS = 5, 2
+
+# (fwd_cuts, bwd_cuts) per device count for 4 decoder blocks: different shapes on purpose,
+# including a head stage that holds a block (bwd_cuts[0] > 0) and more stages than devices.
+CUTS = {
+    1: ([4], [0, 4]),
+    2: ([2, 2], [0, 2, 2]),
+    3: ([3, 1], [1, 1, 2]),
+    4: ([1, 2, 1], [0, 1, 1, 1, 1]),
+}
+
+
+def _lm_batches(vocab: int, n: int) -> list[dict[str, torch.Tensor]]:
+    return [random_batch(vocab, batch=2, seq=12, seed=100 + i) for i in range(n)]
+
+
+def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _run_engine(model, batches, *, devices: int, dropout: bool, **kw) -> list[float]:
+    fwd, bwd = CUTS[devices]
+    engine = engine_for(model, config(devices=devices, gas=GAS, fwd_cuts=fwd, bwd_cuts=bwd, **kw))
+    try:
+        it = iter(batches)
+        losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    return losses
+
+
+LM_FACTORIES = {"qwen3": tiny_qwen3, "llama": tiny_llama, "lora-qwen3": lora_qwen3}
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 4])
+@pytest.mark.parametrize("family", sorted(LM_FACTORIES))
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_causal_lm_matches_pytorch(family: str, devices: int, dropout: float) -> None:
+    make = LM_FACTORIES[family]
+    model, ref = make(0, layers=4, dropout=dropout), make(0, layers=4, dropout=dropout)
+    batches = _lm_batches(128, STEPS * GAS)
+    set_position = seeded_layers(ref) if dropout else None
+    expected = reference_losses(ref, batches, steps=STEPS, gas=GAS, set_position=set_position)
+    got = _run_engine(model, batches, devices=devices, dropout=dropout > 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    _assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 4])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_sequential_mlp_matches_pytorch(devices: int, dropout: float) -> None:
+    model, ref = tiny_mlp(0, layers=5, dropout=dropout), tiny_mlp(0, layers=5, dropout=dropout)
+    model.loss_fn = F.cross_entropy
+    ref.loss_fn = F.cross_entropy
+    batches = [mlp_batch(seed=i) for i in range(STEPS * GAS)]
+    set_position = seeded_layers(ref) if dropout else None
+    expected = reference_losses(
+        ref, batches, steps=STEPS, gas=GAS, set_position=set_position,
+        loss_of=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+    )  # fmt: skip
+    got = _run_engine(model, batches, devices=devices, dropout=dropout > 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    _assert_same_weights(model, ref)
+
+
+def test_lora_frozen_base_gets_no_state() -> None:
+    model = lora_qwen3(0, layers=4)
+    engine = engine_for(model, config(devices=2, fwd_cuts=[2, 2], bwd_cuts=[0, 2, 2]))
+    try:
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        before = [p.detach().clone() for p in frozen]
+        engine.train_batch(iter(_lm_batches(128, GAS)))
+        engine.synchronize()
+        masters = {id(hp.param) for hp in engine.store.owned_params()}
+        assert frozen and not any(id(p) in masters for p in frozen)
+        state_params = sum(len(g["params"]) for g in engine.optimizer.param_groups)
+        assert state_params == sum(1 for p in model.parameters() if p.requires_grad)
+        for p, b in zip(frozen, before, strict=True):
+            torch.testing.assert_close(p, b, rtol=0, atol=0)
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_imperative_loop_matches_train_batch(devices: int) -> None:
+    """engine(batch); engine.backward(loss); engine.step() gives train_batch's losses/weights."""
+    a, b = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    batches = _lm_batches(128, STEPS * GAS)
+    fwd, bwd = CUTS[devices]
+    cfg = config(devices=devices, gas=GAS, fwd_cuts=fwd, bwd_cuts=bwd)
+    fast, slow = engine_for(a, cfg), engine_for(b, cfg)
+    try:
+        it = iter(batches)
+        fast_losses = [float(fast.train_batch(it)) for _ in range(STEPS)]
+        slow_losses = []
+        for step in range(STEPS):
+            total = 0.0
+            for k in range(GAS):
+                out = slow(**batches[step * GAS + k])
+                scaled = slow.backward(out.loss)
+                torch.testing.assert_close(scaled, out.loss.detach() / GAS)
+                slow.step()
+                total += float(out.loss)
+            slow_losses.append(total / GAS)
+        fast.synchronize()
+        slow.synchronize()
+        torch.testing.assert_close(slow_losses, fast_losses, rtol=1e-5, atol=1e-6)
+        _assert_same_weights(a, b)
+    finally:
+        fast.destroy()
+        slow.destroy()
