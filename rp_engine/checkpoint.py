@@ -359,8 +359,7 @@ def _commit_folder(save_dir: str, tag: str, files: Mapping[str, Any]) -> None:
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
     old = os.path.join(save_dir, f".{tag}.old-{os.getpid()}")
-    for stale in (tmp, old):
-        shutil.rmtree(stale, ignore_errors=True)
+    _recover_interrupted(save_dir, remove_stale=True)
     try:
         os.makedirs(tmp)
         for name, obj in files.items():
@@ -370,8 +369,8 @@ def _commit_folder(save_dir: str, tag: str, files: Mapping[str, Any]) -> None:
                 os.fsync(f.fileno())
         _fsync_dir(tmp)
         if os.path.isdir(final):
-            # Two renames: between them no folder named <tag> exists; the old one is kept as
-            # .<tag>.old-<pid> and load() names it if a crash lands exactly there.
+            # Two renames: between them no folder named <tag> exists; a crash right there leaves
+            # the old one as .<tag>.old-<pid>, which the next save or load renames back.
             os.rename(final, old)
         os.rename(tmp, final)
     except BaseException:
@@ -379,6 +378,35 @@ def _commit_folder(save_dir: str, tag: str, files: Mapping[str, Any]) -> None:
         raise
     _fsync_dir(save_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+_ASIDE = re.compile(r"^\.(?P<tag>.+)\.(?P<kind>old|tmp)-(?P<pid>\d+)$")
+
+
+def _recover_interrupted(folder: str, *, remove_stale: bool) -> None:
+    """Undo what a save killed mid-way left behind: a tag folder renamed aside but not replaced
+    (``.<tag>.old-<pid>`` without ``<tag>``) is renamed back; with ``remove_stale``, half-written
+    folders and replaced old folders of processes no longer running are deleted."""
+    for name in _listdir(folder):
+        m = _ASIDE.match(name)
+        if m is None:
+            continue
+        path, final = os.path.join(folder, name), os.path.join(folder, m["tag"])
+        if m["kind"] == "old" and not os.path.exists(final):
+            log.warning("restoring checkpoint %s from an interrupted save (%s)", final, name)
+            os.rename(path, final)
+        elif remove_stale and (int(m["pid"]) == os.getpid() or not _pid_alive(int(m["pid"]))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but belongs to someone else, or the platform cannot tell
+        return True
+    return True
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -475,6 +503,7 @@ def load(
             return None, None
         with open(latest) as f:
             tag = f.read().strip()
+    _recover_interrupted(load_dir, remove_stale=False)
     folder = _tag_folder(load_dir, str(tag))
     model_path = _find_file(folder, model_file_name(engine._config.zero.stage), "*_model_states.pt")
     ckpt = _torch_load(model_path)
@@ -513,7 +542,9 @@ def _tag_folder(load_dir: str, tag: str) -> str:
         return folder
     tags = _available_tags(load_dir)
     aside = sorted(
-        n for n in _listdir(load_dir) if n.startswith(f".{tag}.old-") or n.startswith(f".{tag}.tmp-")
+        n
+        for n in _listdir(load_dir)
+        if n.startswith(f".{tag}.old-") or n.startswith(f".{tag}.tmp-")
     )
     hint = f"; an interrupted save left {aside} there" if aside else ""
     raise FileNotFoundError(
@@ -566,11 +597,15 @@ def _torch_load(path: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
-        log.warning("%s holds Python objects besides tensors; loading it with weights_only=False", path)
+        log.warning(
+            "%s holds Python objects besides tensors; loading it with weights_only=False", path
+        )
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
-def _load_optimizer(engine: Any, ckpt: Mapping[str, Any], osd: Mapping[str, Any], *, strict: bool) -> None:
+def _load_optimizer(
+    engine: Any, ckpt: Mapping[str, Any], osd: Mapping[str, Any], *, strict: bool
+) -> None:
     """fp32 masters (by name: exact), inner optimizer state, loss scaler, overflow flag."""
     stage = int(osd[_ZERO_STAGE])
     flats = osd[_FP32_FLAT_GROUPS] if stage >= 3 else osd[_SINGLE_PARTITION]
@@ -613,12 +648,35 @@ def _load_optimizer(engine: Any, ckpt: Mapping[str, Any], osd: Mapping[str, Any]
                 "saved with other param groups or another optimizer type. Pass "
                 "load_optimizer_states=False to load weights only"
             ) from exc
+    _resync_cpu_adam(engine.optimizer.optimizer)
     scaler_state = osd.get(_LOSS_SCALER)
     if scaler_state is not None:
         engine.optimizer.loss_scaler.load_state_dict(
             _scaler_dict(scaler_state, engine.optimizer.loss_scaler)
         )
     engine.optimizer.overflow = bool(osd.get("overflow", False))
+
+
+def _resync_cpu_adam(inner: Any) -> None:
+    """Bring DeepSpeed CPU Adam's C++ bias-correction cache to the loaded step, bit-exactly.
+
+    The kernel keeps beta^t per optimizer and updates it by one multiplication per step; a fresh
+    optimizer asked for step t computes ``pow(beta, t)`` instead, which can differ in the last
+    bit, and so would every update after a resume. Replaying steps 1..t on empty tensors rebuilds
+    the cache exactly as training did (microseconds per step; nothing else is touched).
+    """
+    kernel = getattr(inner, "ds_opt_adam", None)
+    steps = [int(s["step"]) for s in inner.state.values() if "step" in s]
+    if kernel is None or not steps or not inner.param_groups:
+        return
+    g = inner.param_groups[0]  # one C++ state per optimizer: the betas of the first group
+    beta1, beta2 = g["betas"]
+    empty = torch.empty(0, dtype=torch.float32)
+    for step in range(1, max(steps) + 1):
+        kernel.adam_update(
+            inner.opt_id, step, g["lr"], beta1, beta2, g["eps"], g["weight_decay"],
+            g["bias_correction"], empty, empty, empty, empty,
+        )  # fmt: skip
 
 
 def _split_flat(
@@ -708,6 +766,7 @@ def build_dataloader(training_data: Any, cfg: Any, collate_fn: Any = None) -> Da
     repeats the same permutation; keeping it gives exactly DeepSpeed's sample order. Batches are
     assembled in this process (workers would fork a process that runs threads).
     """
+    sampler: DistributedSampler[Any] | None
     if isinstance(training_data, IterableDataset):
         sampler = None
     elif hasattr(training_data, "__getitem__") and hasattr(training_data, "__len__"):

@@ -65,10 +65,7 @@ class RoundPipeEngine:
         if summary:
             log.info(summary)
         # DeepSpeed casts the module at initialize; the host copy *is* the compute weights.
-        if cfg.bf16.enabled:
-            model.to(torch.bfloat16)
-        elif cfg.fp16.enabled:
-            model.half()
+        model.to(_compute_dtype(cfg))
         self.module = model
         self.pool = make_devices(
             rp.devices,
@@ -137,7 +134,7 @@ class RoundPipeEngine:
             sink=GradSink(
                 self.store,
                 wait_free=lambda layer: self.stepper.wait_grads_free(layer, self.global_steps + 1),
-                ready=self.stepper.layer_ready,
+                ready=lambda layer: self.stepper.layer_ready(layer),
             ),
             seed=self._config.roundpipe.seed,
             use_rng=_uses_dropout(self.module),
@@ -328,7 +325,13 @@ class RoundPipeEngine:
         else:
             raw = inputs
         batch = self.seq.batch_to_dict(raw)
-        return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        dtype = _compute_dtype(self._config)
+        # As DeepSpeed's PipelineEngine: floating inputs follow the fp16/bf16 model; labels don't.
+        return {
+            k: v.to(dtype) if v.is_floating_point() and not k.startswith("labels") else v
+            for k, v in batch.items()
+            if isinstance(v, torch.Tensor)
+        }
 
     def _take(self, data_iter: Iterator[Any] | None, n: int) -> list[Any]:
         if data_iter is None:
@@ -452,6 +455,12 @@ class RoundPipeEngine:
         if name == "module" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.__dict__["module"], name)
+
+
+def _compute_dtype(cfg: DSConfig) -> torch.dtype:
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    return torch.float16 if cfg.fp16.enabled else torch.float32
 
 
 def _ckpt() -> Any:

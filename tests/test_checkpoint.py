@@ -97,7 +97,9 @@ class FakeEngine:
             model.to(torch.bfloat16)
         self.module = model
         self.store = HostStore(model.layers())
-        masters = [(n, self.store.master_of(p)) for n, p in model.named_parameters() if p.requires_grad]
+        masters = [
+            (n, self.store.master_of(p)) for n, p in model.named_parameters() if p.requires_grad
+        ]
         if two_groups:  # weight decay on matrices only: group order differs from module order
             groups = [
                 {"params": [m for n, m in masters if m.dim() >= 2], "weight_decay": 0.1},
@@ -192,8 +194,18 @@ def _load(path: str) -> Any:
         (1, True, "mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
         (2, False, "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
         (2, True, "mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-        (3, False, "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-        (3, True, "zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        (
+            3,
+            False,
+            "zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        ),
+        (
+            3,
+            True,
+            "zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        ),
     ],
 )
 def test_layout_and_file_names(
@@ -242,13 +254,17 @@ def test_param_shapes_follow_the_flat_group_order(tmp_path: Any, make_engine: An
     engine = trained(make_engine, two_groups=True)
     engine.save(tmp_path, tag="t")
     state = _load(tmp_path / "t" / "mp_rank_00_model_states.pt")
-    osd = _load(tmp_path / "t" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    osd = _load(tmp_path / "t" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")[
+        "optimizer_state_dict"
+    ]
     masters = engine.masters()
     assert [list(s) for s in state["param_shapes"]] == [
         ["embed.weight", "block.linear.weight", "out.1.weight"],
         ["block.linear.bias", "out.0.weight", "out.0.bias"],
     ]
-    for shapes, flat in zip(state["param_shapes"], osd["single_partition_of_fp32_groups"], strict=True):
+    for shapes, flat in zip(
+        state["param_shapes"], osd["single_partition_of_fp32_groups"], strict=True
+    ):
         expected = torch.cat([masters[n].reshape(-1) for n in shapes])
         assert torch.equal(flat, expected)
     assert osd["partition_count"] == [1, 1]
@@ -321,7 +337,9 @@ def test_resume_is_bit_exact(tmp_path: Any, make_engine: Any, stage: int, bf16: 
     second = make_engine(stage=stage, bf16=bf16, two_groups=True, seed=1)
     path, client = second.load(tmp_path)
     assert path == str(tmp_path / "global_step3" / ckpt.model_file_name(stage))
-    assert client is not None and client["epoch"] == 4 and torch.equal(client["rng"], torch.arange(3))
+    assert (
+        client is not None and client["epoch"] == 4 and torch.equal(client["rng"], torch.arange(3))
+    )
     assert not set(client) & {"module", "global_steps", "ds_config", "param_shapes"}
     assert (second.global_steps, second.global_samples, second.skipped_steps) == (3, 6, 1)
     assert second.optimizer.loss_scaler.cur_iter == 7
@@ -355,7 +373,7 @@ def test_load_without_optimizer_or_scheduler_states(tmp_path: Any, make_engine: 
     for hp in fresh.store.owned_params():
         assert torch.equal(hp.master, hp.param.detach().float())
     assert len(fresh.optimizer.state) == 0
-    assert fresh.lr_scheduler.state_dict() == {"last_batch_iteration": 0}
+    assert fresh.lr_scheduler.state_dict() == {"last_batch_iteration": -1}  # untouched
     assert fresh.global_steps == 3  # counters are restored unless module_only
 
     other = make_engine(bf16=True, seed=1)
@@ -460,7 +478,9 @@ def test_save_16bit_loads_into_a_fresh_model(tmp_path: Any, make_engine: Any, st
     state = _load(tmp_path / "pytorch_model.bin")
     fresh = TinyLM(seed=3, lora=True, tied=True).to(torch.bfloat16)
     fresh.load_state_dict(state)
-    for (name, a), b in zip(fresh.state_dict().items(), engine.module.state_dict().values(), strict=True):
+    for (name, a), b in zip(
+        fresh.state_dict().items(), engine.module.state_dict().values(), strict=True
+    ):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
     assert ckpt.save_16bit(engine, tmp_path, "adapter.bin", exclude_frozen=True)
@@ -499,3 +519,81 @@ def test_repeat_cycles_epochs() -> None:
     assert iter(it) is it
     with pytest.raises(ValueError, match="no batch"):
         next(ckpt.repeat([]))
+
+
+def test_interrupted_swap_is_recovered(tmp_path: Any, make_engine: Any) -> None:
+    engine = trained(make_engine, steps=1)
+    engine.save(tmp_path, tag="t")
+    engine.save(tmp_path, tag="u")
+    # A process killed between "rename <tag> aside" and "rename the new folder in" leaves the
+    # old folder aside (and maybe its half-written temp folder): load and save put it back.
+    os.rename(tmp_path / "t", tmp_path / ".t.old-999999999")
+    os.makedirs(tmp_path / ".u.tmp-999999999")
+    fresh = make_engine(seed=1)
+    assert fresh.load(tmp_path, tag="t")[0] is not None
+    assert (tmp_path / "t").is_dir()
+    os.rename(tmp_path / "t", tmp_path / ".t.old-999999999")
+    engine.save(tmp_path, tag="v")
+    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".py")) == [
+        "latest", "t", "u", "v",
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# the real engine
+@pytest.mark.parametrize(
+    ("factory", "torch_adam", "extra"),
+    [
+        # DeepSpeed CPU Adam (the default): bit-exact only with _resync_cpu_adam.
+        ("tiny_qwen3", False, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}),
+        ("lora_qwen3", True, {"zero_optimization": {"stage": 3}}),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_real_engine_save_load_resume(
+    tmp_path: Any, factory: str, torch_adam: bool, extra: dict[str, Any]
+) -> None:
+    import engine_helpers
+    import models
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    cfg = engine_helpers.config(
+        devices=2,
+        gas=2,
+        lr=1e-2,
+        fwd_cuts=[2, 2],
+        bwd_cuts=[0, 2, 2],
+        async_optimizer=True,
+        **extra,
+    )
+    if torch_adam:
+        cfg["optimizer"]["params"]["torch_adam"] = True
+    data = [models.random_batch(128, batch=2, seq=8, seed=100 + i) for i in range(6)]
+    make = getattr(models, factory)
+    first = engine_helpers.engine_for(make(0, layers=4), cfg)
+    second = engine_helpers.engine_for(make(1, layers=4), cfg)
+    try:
+        it = iter(data)
+        first.train_batch(it)
+        first.train_batch(it)
+        first.save_checkpoint(str(tmp_path), client_state={"epoch": 1})
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+        names = {id(p): n for n, p in first.module.named_parameters()}
+        for hp in first.store.owned_params():
+            assert torch.equal(fp32[names[id(hp.param)]], hp.master)
+        first.train_batch(it)
+        first.synchronize()
+
+        path, client = second.load_checkpoint(str(tmp_path))
+        assert path is not None and client == {"epoch": 1} and second.global_steps == 2
+        second.train_batch(iter(data[4:]))
+        second.synchronize()
+        for (name, a), b in zip(
+            first.module.state_dict().items(), second.module.state_dict().values(), strict=True
+        ):
+            assert torch.equal(a, b), name
+        for a, b in zip(first.store.owned_params(), second.store.owned_params(), strict=True):
+            assert torch.equal(a.master, b.master), a.name
+    finally:
+        first.destroy()
+        second.destroy()

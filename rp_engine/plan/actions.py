@@ -59,6 +59,10 @@ class Op(enum.Enum):
     OPT = "O"  # optimizer step of one layer on the host
     FREE = "X"  # release of an upload's weights on the device
 
+    # members are singletons: identity hashing is correct and far cheaper than Enum.__hash__,
+    # which matters because plans hash thousands of actions
+    __hash__ = object.__hash__
+
 
 COMPUTE_OPS = frozenset({Op.FWD, Op.BWD, Op.HEAD})
 TRANSFER_OPS = frozenset({Op.UPLOAD, Op.DOWNLOAD, Op.SEND, Op.FREE})
@@ -70,7 +74,7 @@ class PlanError(ValueError):
     """An impossible or inconsistent plan. The message carries the device x step grid."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Action:
     """One unit of work: ``op`` on ``stage`` for ``microbatch`` on ``device`` in ``iteration``."""
 
@@ -171,12 +175,19 @@ class Plan:
 
     def slot_layers(self, slot: int) -> range:
         """Decoder layers of a slot (backward stage 0 also holds the head)."""
-        if slot < self.num_fwd_stages:
-            start = sum(self.fwd_cuts[:slot])
-            return range(start, start + self.fwd_cuts[slot])
-        j = slot - self.num_fwd_stages
-        start = self.num_layers - sum(self.bwd_cuts[: j + 1])
-        return range(start, start + self.bwd_cuts[j])
+        return self._slot_ranges[slot]
+
+    @functools.cached_property
+    def _slot_ranges(self) -> tuple[range, ...]:
+        ranges, start = [], 0
+        for n in self.fwd_cuts:
+            ranges.append(range(start, start + n))
+            start += n
+        end = self.num_layers
+        for n in self.bwd_cuts:
+            ranges.append(range(end - n, end))
+            end -= n
+        return tuple(ranges)
 
     def per_device(self, device: int) -> list[Action]:
         """Actions of one device (``HOST`` for the optimizer) in execution order."""
@@ -284,7 +295,7 @@ def _derive_deps(plan: Plan) -> dict[Action, tuple[Action, ...]]:
     for action in plan.actions:
         if action.is_compute:
             deps[action] += ctx.compute_deps(action)
-    for action in plan.actions:
+    for action in plan.actions if ctx.lowered else ():
         handler = ctx.handlers.get(action.op)
         if handler is not None:
             deps[action] += handler(action)
@@ -304,7 +315,8 @@ class _DepContext:
             if a.is_compute:
                 self.compute[(a.op, a.stage, a.microbatch, a.iteration)] = a
                 self.by_slot[(plan.slot(a), a.microbatch, a.iteration)] = a
-        self.groups = _compute_groups(plan)
+        self.lowered = any(not a.is_compute for a in plan.actions)
+        self.groups = _compute_groups(plan) if self.lowered else {}
         self.group_of: dict[Action, tuple[int, int]] = {}
         self.group_index: dict[tuple[int, int, int, int], int] = {}  # (dev, slot, m0, it) -> gi
         self.slot_groups: dict[tuple[int, int], list[tuple[int, list[Action]]]] = defaultdict(list)
@@ -320,7 +332,13 @@ class _DepContext:
         self.device_pos = {
             a: i for row in self.device_compute.values() for i, a in enumerate(row)
         }
-        self.fwd_start = [sum(plan.fwd_cuts[:s]) for s in range(plan.num_fwd_stages)]
+        self.fwd_starting_at: dict[int, list[int]] = defaultdict(list)
+        self.producer = [0] * (plan.num_layers + 1)  # position p -> fwd stage computing it
+        for s in range(plan.num_fwd_stages):
+            layers = plan.slot_layers(s)
+            self.fwd_starting_at[layers.start].append(s)
+            for layer in layers:
+                self.producer[layer + 1] = s
         self.send_consumers: dict[Action, list[Action]] = defaultdict(list)
         self.handlers = {
             Op.UPLOAD: self.upload_deps,
@@ -332,6 +350,8 @@ class _DepContext:
 
     # -- compute ---------------------------------------------------------------------------------
     def compute_deps(self, a: Action) -> list[Action]:
+        if not self.lowered:
+            return self.data_sources(a)
         deps = [self._via_send(a, src) for src in self.data_sources(a)]
         upload = self._group_transfer(a, Op.UPLOAD)
         return deps + ([upload] if upload is not None else [])
@@ -357,16 +377,11 @@ class _DepContext:
         """
         p = self.plan.slot_layers(self.plan.slot(a)).start
         m, it = a.microbatch, a.iteration
-        for s, start in enumerate(self.fwd_start):
+        for s in self.fwd_starting_at.get(p, ()):
             fwd = self.compute.get((Op.FWD, s, m, it))
-            if start == p and fwd is not None and fwd.device == a.device:
+            if fwd is not None and fwd.device == a.device:
                 return (Op.FWD, s, m, it)
-        if p == 0:
-            return (Op.FWD, 0, m, it)
-        for s, start in enumerate(self.fwd_start):
-            if start <= p - 1 < start + self.plan.fwd_cuts[s]:
-                return (Op.FWD, s, m, it)
-        raise PlanError(f"no forward stage computes layer {p - 1}")  # unreachable: cuts sum to L
+        return (Op.FWD, self.producer[p], m, it)
 
     def _present(self, keys: Iterable[tuple[Op, int, int, int]]) -> list[Action]:
         return [self.compute[k] for k in dict.fromkeys(keys) if k in self.compute]

@@ -55,6 +55,7 @@ __all__ = [
 
 _PRESETS = Path(__file__).with_name("presets")
 _GB = 1e6  # bytes per millisecond at 1 GB/s
+_TOL = 1e-9  # ms: events this close together happen at the same time
 
 
 @dataclass(frozen=True)
@@ -325,26 +326,23 @@ class _Builder:
         return [self._add(_Task(a, "opt", ("cpu", HOST), ms=1e3 * params / rate))]
 
     def _wire(self, a: Action) -> None:
-        """Dependencies of the action's first phase (grad edges: its backward phase)."""
+        """Each dependency gates the phase that needs it; later phases follow the first."""
         first, last = self.first[a], self.last[a]
         for dep in self.plan.deps[a]:
-            delay = self.comm if (self.machine is None and dep.is_compute and a.is_compute
-                                  and dep.device != a.device) else 0.0
-            target = first
-            if a.op is Op.SEND and first != last and not dep.is_compute:
-                target = last
-            elif a.op is Op.SEND and first != last and dep.stage != a.stage:
-                target = last  # the prefetch gate holds the H2D half, not the D2H half
-            elif a.op is Op.BWD and first != last and self._grad_gates_backward(a, dep):
-                target = last
+            cross = dep.is_compute and a.is_compute and dep.device != a.device
+            delay = self.comm if self.machine is None and cross else 0.0
+            target = last if self._gates_last_phase(a, dep) else first
             self.tasks[target].deps.append((self.last[dep], delay))
-        if first != last:  # later phases follow the first (same stream order, or D2H -> H2D)
+        if a.is_compute:
             for t in range(first + 1, last + 1):
-                if a.is_compute:
-                    self.tasks[t].deps.append((t - 1, 0.0))
+                self.tasks[t].deps.append((t - 1, 0.0))
 
-    def _grad_gates_backward(self, a: Action, dep: Action) -> bool:
-        return self.early and self.plan.is_grad_edge(a, dep)
+    def _gates_last_phase(self, a: Action, dep: Action) -> bool:
+        if a.op is Op.SEND:  # the source gates the D2H half; the prefetch gate the H2D half
+            source = (self.plan.slot(dep), dep.microbatch, dep.iteration) == (
+                a.stage, a.microbatch, a.iteration)
+            return not (dep.is_compute and source)
+        return a.op is Op.BWD and self.early and self.plan.is_grad_edge(a, dep)
 
 
 class _Engine:
@@ -388,7 +386,7 @@ class _Engine:
             self._progress(t_next - now)
             now = t_next
             self._finish_copies(now)
-            while self.timers and self.timers[0][0] <= now + 1e-9:
+            while self.timers and self.timers[0][0] <= now + _TOL:
                 _, kind, i = heapq.heappop(self.timers)
                 if kind == 0:
                     self._finish(i, now)
@@ -420,12 +418,13 @@ class _Engine:
     def _next(self, lane: tuple[str, int], now: float) -> int | None:
         if lane in self.strict:
             order, k = self.strict[lane], self.cursor[lane]
-            if k < len(order) and self.waiting[order[k]] == 0 and self.ready_at[order[k]] <= now:
+            ready = k < len(order) and self.waiting[order[k]] == 0
+            if ready and self.ready_at[order[k]] <= now + _TOL:
                 self.cursor[lane] = k + 1
                 return order[k]
             return None
         queue = self.queues[lane]
-        if queue and queue[0][0] <= now:
+        if queue and queue[0][0] <= now + _TOL:
             return heapq.heappop(queue)[1]
         return None
 
@@ -477,10 +476,8 @@ class _Engine:
                 self._ready(s, now)
 
     def _deadlock(self) -> None:
-        stuck = next(t.action for i, t in enumerate(self.tasks) if math.isnan(t.end)
-                     and self.waiting[i] == 0) if any(
-            math.isnan(t.end) and self.waiting[i] == 0 for i, t in enumerate(self.tasks)) else next(
-            t.action for t in self.tasks if math.isnan(t.end))
+        pending = [i for i, t in enumerate(self.tasks) if math.isnan(t.end)]
+        stuck = self.tasks[min(pending, key=lambda i: (self.waiting[i] > 0, i))].action
         raise PlanError(f"{self.plan.schedule}: the simulation cannot progress at {stuck}\n"
                         + format_grid(self.plan, mark=stuck, limit=24))
 
@@ -649,6 +646,11 @@ def _peak_memory(plan: Plan, tasks: Sequence[_Task], builder: _Builder) -> tuple
                     events[d].append((s1, st.boundary_bytes))
                 elif not offloaded:
                     events[d].append((s1, -st.boundary_bytes))
+    consumers: dict[Action, list[Action]] = defaultdict(list)
+    for c in plan.actions:
+        for dep in plan.deps[c]:
+            if dep.op is Op.SEND and c.is_compute:
+                consumers[dep].append(c)
     for a in plan.actions:
         if a.op is Op.UPLOAD:
             events[a.device].append((tasks[builder.first[a]].start, st.param_bytes[a.stage]))
@@ -656,8 +658,7 @@ def _peak_memory(plan: Plan, tasks: Sequence[_Task], builder: _Builder) -> tuple
             events[a.device].append((tasks[builder.first[a]].end, -st.param_bytes[a.stage]))
         elif a.op is Op.SEND and builder.machine is not None:
             events[a.device].append((tasks[builder.last[a]].start, st.boundary_bytes))
-            consumers = [c for c in plan.per_device(a.device) if a in plan.deps.get(c, ())]
-            until = max((span(c)[1] for c in consumers), default=tasks[builder.last[a]].end)
+            until = max((span(c)[1] for c in consumers[a]), default=tasks[builder.last[a]].end)
             events[a.device].append((until, -st.boundary_bytes))
     peaks = []
     for d in range(plan.num_devices):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from rp_engine.plan import schedules
 from rp_engine.plan.actions import Action, Op
-from typing import Any as LayerCosts  # TEMP
+from rp_engine.plan.partition import LayerCosts, partition
 from rp_engine.runtime.stages import StageMap
 
 __all__ = ["Planner", "ModelShape"]

@@ -1,0 +1,160 @@
+"""Render a simulated timeline: text grid, Chrome trace JSON, PNG Gantt chart.
+
+Owns the three views of a ``SimResult``. The text grid is a device x time picture (one character
+per time bucket) for terminals, tests and logs; the Chrome trace opens in chrome://tracing or
+https://ui.perfetto.dev (one process per device, one thread per lane); the PNG is a Gantt chart
+in the style of the RoundPipe paper's schedule figure. matplotlib is imported only inside
+``write_png``.
+
+    d0 |FFFFFFFF..rrrBBBBBBB|      F forward   r recompute   B backward
+    d1 |..FFFFFFFFhhhHHHHHH.|      h head fwd  H head bwd    . idle
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from .actions import HOST
+from .simulate import Interval, SimResult
+
+__all__ = ["PHASE_CHARS", "text_grid", "chrome_trace", "write_chrome_trace", "write_png"]
+
+PHASE_CHARS = {
+    "fwd": "F",
+    "recompute": "r",
+    "bwd": "B",
+    "head_fwd": "h",
+    "head_bwd": "H",
+    "upload": "U",
+    "download": "D",
+    "send": "S",
+    "send_d2h": "s",
+    "send_h2d": "S",
+    "opt": "O",
+}
+_COLORS = {
+    "fwd": "#4C72B0",
+    "recompute": "#A1C9F4",
+    "bwd": "#DD8452",
+    "head_fwd": "#55A868",
+    "head_bwd": "#2E7D32",
+    "upload": "#8172B3",
+    "download": "#937860",
+    "send": "#DA8BC3",
+    "send_d2h": "#DA8BC3",
+    "send_h2d": "#C44E52",
+    "opt": "#8C8C8C",
+}
+_LANES = ("compute", "h2d_param", "h2d_act", "d2h", "cpu")
+
+
+def text_grid(result: SimResult, *, width: int = 100, lanes: Sequence[str] = ("compute",)) -> str:
+    """Device x time grid; each column is makespan / width ms; a cell shows the phase running
+    at its midpoint (``PHASE_CHARS``), '.' when idle."""
+    span = result.makespan_ms or 1.0
+    step = span / width
+    rows = [f"{'':>8} 0 ms{'':{width - 12}}{span:8.1f} ms"]
+    for device, lane in _rows(result, lanes):
+        cells = ["."] * width
+        for iv in _lane(result, device, lane):
+            lo = int(iv.start_ms / step + 0.5)
+            hi = max(int(iv.end_ms / step + 0.5), lo + 1) if iv.end_ms > iv.start_ms else lo
+            for c in range(lo, min(hi, width)):
+                cells[c] = PHASE_CHARS.get(iv.phase, "#")
+        name = "host" if device == HOST else f"d{device}"
+        rows.append(f"{name + ('' if lane == 'compute' else ':' + lane):>8} |{''.join(cells)}|")
+    legend = "  ".join(f"{c}={p}" for p, c in PHASE_CHARS.items() if p in _phases(result))
+    rows.append(f"{'':>8} {legend}   bubble {100 * result.bubble_ratio:.1f} %")
+    return "\n".join(rows)
+
+
+def chrome_trace(result: SimResult) -> dict[str, object]:
+    """Trace Event Format: complete events ("ph": "X", microseconds), process = device."""
+    events: list[dict[str, object]] = []
+    for device, lane in _rows(result, _LANES):
+        pid = 1_000 if device == HOST else device
+        tid = _LANES.index(lane)
+        events.append({"ph": "M", "name": "process_name", "pid": pid,
+                       "args": {"name": "host" if device == HOST else f"device {device}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                       "args": {"name": lane}})
+        for iv in _lane(result, device, lane):
+            events.append({
+                "ph": "X",
+                "name": iv.label,
+                "cat": iv.phase,
+                "pid": pid,
+                "tid": tid,
+                "ts": round(iv.start_ms * 1e3, 3),
+                "dur": round((iv.end_ms - iv.start_ms) * 1e3, 3),
+                "args": {"action": str(iv.action), "phase": iv.phase,
+                         "iteration": iv.action.iteration},
+            })
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"schedule": result.schedule, "bubble_ratio": result.bubble_ratio,
+                          "makespan_ms": result.makespan_ms}}
+
+
+def write_chrome_trace(result: SimResult, path: str | os.PathLike[str]) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(result), f)
+
+
+def write_png(
+    result: SimResult,
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    lanes: Sequence[str] = ("compute",),
+) -> None:
+    """Gantt chart: one row per device (and lane), boxes coloured by phase and labelled with
+    stage.micro-batch when wide enough, like the paper's schedule figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = list(_rows(result, lanes))
+    fig_w = 14.0
+    fig, ax = plt.subplots(figsize=(fig_w, 0.45 * len(rows) + 1.6))
+    span = result.makespan_ms or 1.0
+    for r, (device, lane) in enumerate(rows):
+        for iv in _lane(result, device, lane):
+            width = iv.end_ms - iv.start_ms
+            ax.broken_barh([(iv.start_ms, width)], (r - 0.4, 0.8),
+                           facecolors=_COLORS.get(iv.phase, "#999999"), edgecolors="white",
+                           linewidth=0.3)
+            if width / span * fig_w * 72 > 22:  # room for a label (points)
+                ax.text(iv.start_ms + width / 2, r, f"{iv.action.stage}.{iv.action.microbatch}",
+                        ha="center", va="center", fontsize=5, color="white")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(["host" if d == HOST else f"GPU {d}" + ("" if ln == "compute" else f" {ln}")
+                        for d, ln in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, span)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title or f"{result.schedule}: bubble {100 * result.bubble_ratio:.1f} %, "
+                 f"iteration {result.iteration_ms:.1f} ms")
+    present = _phases(result)
+    ax.legend(handles=[Patch(color=c, label=p) for p, c in _COLORS.items() if p in present],
+              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=8, fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def _rows(result: SimResult, lanes: Sequence[str]) -> list[tuple[int, str]]:
+    present = {(iv.device, iv.lane) for iv in result.intervals}
+    devices = sorted({d for d, _ in present}, key=lambda d: (d == HOST, d))
+    return [(d, ln) for d in devices for ln in lanes if (d, ln) in present]
+
+
+def _lane(result: SimResult, device: int, lane: str) -> list[Interval]:
+    return [iv for iv in result.intervals if iv.device == device and iv.lane == lane]
+
+
+def _phases(result: SimResult) -> set[str]:
+    return {iv.phase for iv in result.intervals}

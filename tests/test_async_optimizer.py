@@ -1,0 +1,185 @@
+"""The asynchronous CPU optimizer: staleness 1, per-layer stepping, overflow, errors, draining.
+
+Iteration t reads the weights of step max(t-2, 0) in async mode (t-1 in sync mode); the step of
+iteration t runs on the host while iteration t+1 computes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import config, engine_for
+from models import mlp_batch, random_batch, tiny_mlp, tiny_qwen3
+
+STEPS, GAS = 6, 2
+CUTS = {"fwd_cuts": [2, 2], "bwd_cuts": [0, 2, 2]}
+
+
+def _batches(n: int) -> list[dict[str, torch.Tensor]]:
+    return [random_batch(128, batch=2, seq=12, seed=200 + i) for i in range(n)]
+
+
+def _staleness_one_reference(model: torch.nn.Module, batches, *, steps: int, lr: float) -> list[float]:
+    """By hand: w_t = AdamW(w_{t-1}, grad at w_{max(t-2,0)}); returns per-iteration mean loss."""
+    master = model
+    opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.0)
+    history = [copy.deepcopy(master.state_dict())]
+    compute = copy.deepcopy(model)
+    losses, it = [], iter(batches)
+    for t in range(1, steps + 1):
+        compute.load_state_dict(history[max(t - 2, 0)])
+        compute.zero_grad()
+        total = 0.0
+        for _ in range(GAS):
+            loss = compute(**next(it)).loss
+            (loss / GAS).backward()
+            total += float(loss.detach())
+        losses.append(total / GAS)
+        for p, q in zip(master.parameters(), compute.parameters(), strict=True):
+            p.grad = q.grad.clone()
+        opt.step()
+        history.append(copy.deepcopy(master.state_dict()))
+    return losses
+
+
+def test_async_matches_staleness_one_reference() -> None:
+    model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    batches = _batches(STEPS * GAS)
+    expected = _staleness_one_reference(ref, batches, steps=STEPS, lr=1e-2)
+    engine = engine_for(model, config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, **CUTS))
+    try:
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(STEPS)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+    # and it really is stale: sync mode gives different losses from step 2 on
+    sync_model = tiny_qwen3(0, layers=4)
+    sync = engine_for(sync_model, config(devices=2, gas=GAS, lr=1e-2, **CUTS))
+    try:
+        it = iter(batches)
+        sync_losses = [float(sync.train_batch(it)) for _ in range(STEPS)]
+    finally:
+        sync.destroy()
+    assert sync_losses[0] == pytest.approx(got[0]) and sync_losses[2] != pytest.approx(got[2])
+
+
+def test_layers_step_as_their_gradients_land() -> None:
+    """Without clipping, a layer's step is issued before the earlier layers' gradients exist."""
+    engine = engine_for(tiny_qwen3(0, layers=4), config(devices=2, async_optimizer=True, **CUTS))
+    log: list[tuple[str, int]] = []
+    stepper = engine.stepper
+    ready, enqueue = stepper.layer_ready, stepper._enqueue
+    stepper.layer_ready = lambda layer: (log.append(("ready", layer)), ready(layer))[1]
+    stepper._enqueue = lambda layer, st, **kw: (log.append(("step", layer)), enqueue(layer, st, **kw))[1]
+    try:
+        engine.train_batch(iter(_batches(GAS)))
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    head = engine.planner.stages.head_index
+    assert log.index(("step", head)) < log.index(("ready", 0)), log
+
+
+def test_clipping_waits_for_the_global_norm() -> None:
+    """With clipping every step is issued after the last gradient (the norm needs them all)."""
+    engine = engine_for(
+        tiny_qwen3(0, layers=4), config(devices=2, async_optimizer=True, clip=1.0, **CUTS)
+    )
+    log: list[str] = []
+    stepper = engine.stepper
+    ready, enqueue = stepper.layer_ready, stepper._enqueue
+    stepper.layer_ready = lambda layer: (log.append("ready"), ready(layer))[1]
+    stepper._enqueue = lambda layer, st, **kw: (log.append("step"), enqueue(layer, st, **kw))[1]
+    try:
+        engine.train_batch(iter(_batches(GAS)))
+        norm = engine.get_global_grad_norm()
+    finally:
+        engine.destroy()
+    last_ready = len(log) - 1 - log[::-1].index("ready")
+    assert log.index("step") > last_ready
+    assert norm is not None and norm > 0
+
+
+def _fp16_mlp_engine(async_optimizer: bool):
+    model = tiny_mlp(0, layers=4)
+    model.loss_fn = F.cross_entropy
+    cfg = config(
+        devices=2, gas=1, mbs=4, async_optimizer=async_optimizer,
+        fwd_cuts=[2, 1], bwd_cuts=[0, 1, 2],
+        fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+        scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 2e-3,
+                                                  "warmup_num_steps": 10, "warmup_type": "linear"}},
+    )  # fmt: skip
+    return model, engine_for(model, cfg)
+
+
+@pytest.mark.parametrize("async_optimizer", [True, False])
+def test_fp16_overflow_skips_the_step_for_all_layers(async_optimizer: bool) -> None:
+    model, engine = _fp16_mlp_engine(async_optimizer)
+    try:
+        good = mlp_batch(batch=4, seed=1)
+        engine.train_batch(iter([good]))
+        engine.synchronize()
+        before = [p.detach().clone() for p in model.parameters()]
+        masters = [hp.master.clone() for hp in engine.store.owned_params()]
+        lr, scale = engine.get_lr(), engine.optimizer.cur_scale
+        huge = (good[0] * 1e6, good[1])  # fp16 activations overflow -> inf gradients
+        engine.train_batch(iter([huge]))
+        engine.synchronize()
+        assert not engine.was_step_applied() and engine.skipped_steps == 1
+        assert engine.global_steps == 2 and engine.get_lr() == lr  # scheduler skipped too
+        assert engine.optimizer.cur_scale == scale / 2
+        for p, b in zip(model.parameters(), before, strict=True):
+            torch.testing.assert_close(p, b, rtol=0, atol=0)
+        for hp, m in zip(engine.store.owned_params(), masters, strict=True):
+            torch.testing.assert_close(hp.master, m, rtol=0, atol=0)
+            assert hp.master.grad is None or not hp.master.grad.any()
+        engine.train_batch(iter([good]))  # training goes on after a skipped step
+        engine.synchronize()
+        assert engine.was_step_applied()
+        assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    finally:
+        engine.destroy()
+
+
+def test_optimizer_error_surfaces_at_next_call_naming_the_layer() -> None:
+    engine = engine_for(tiny_qwen3(0, layers=4), config(devices=2, async_optimizer=True, **CUTS))
+    real = engine.optimizer.step_params
+    target = engine.store.layers[2].owned[0].master
+
+    def failing(params, **kw):
+        if any(p is target for p in params):
+            raise ValueError("injected")
+        return real(params, **kw)
+
+    engine.optimizer.step_params = failing
+    try:
+        batches = iter(_batches(4 * GAS))
+        with pytest.raises(RuntimeError, match="layer 2"):
+            for _ in range(4):  # the error appears at the first engine call after it happened
+                engine.train_batch(batches)
+            engine.synchronize()
+    finally:
+        engine.destroy()
+
+
+def test_synchronize_publishes_latest_weights() -> None:
+    model = tiny_qwen3(0, layers=4)
+    engine = engine_for(model, config(devices=2, async_optimizer=True, lr=1e-2, **CUTS))
+    try:
+        it = iter(_batches(3 * GAS))
+        for _ in range(3):
+            engine.train_batch(it)
+        engine.synchronize()
+        for hp in engine.store.owned_params():
+            torch.testing.assert_close(hp.param.detach(), hp.master, rtol=0, atol=0)
+        assert all(engine.store.version(i) == 3 for i in range(len(engine.store.layers)))
+    finally:
+        engine.destroy()
