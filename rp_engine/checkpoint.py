@@ -123,11 +123,14 @@ def save(
     tag: str | None,
     client_state: Mapping[str, Any],
     save_latest: bool,
+    exclude_frozen: bool = False,
 ) -> None:
     """Write a checkpoint of ``engine`` (already synchronized: module weights are the newest).
 
     ``engine`` is a RoundPipeEngine (duck-typed): ``module``, ``store``, ``optimizer``,
-    ``lr_scheduler``, counters and ``_config`` are read.
+    ``lr_scheduler``, counters and ``_config`` are read. ``exclude_frozen``
+    (``exclude_frozen_parameters``) leaves frozen weights out, as DeepSpeed: a LoRA checkpoint
+    then holds the adapters only and loads with ``load_module_strict=False``.
     """
     save_dir = os.fspath(save_dir)
     if not save_dir:
@@ -144,7 +147,7 @@ def save(
     stage = int(cfg.zero.stage)
     names = _ParamNames(engine.module)
     groups = _optimized_groups(engine, names)
-    model_state = _model_states(engine, names, groups, stage=stage)
+    model_state = _model_states(engine, names, groups, stage=stage, exclude_frozen=exclude_frozen)
     model_state.update(client_state)
     files: dict[str, Any] = {model_file_name(stage): model_state}
     if engine.optimizer is not None:
@@ -152,7 +155,10 @@ def save(
 
     os.makedirs(save_dir, exist_ok=True)
     _commit_folder(save_dir, tag, files)
-    _copy_recovery_scripts(save_dir)
+    try:
+        _copy_recovery_scripts(save_dir)
+    except OSError as exc:  # a convenience copy must not keep `latest` from moving on
+        log.warning("could not copy zero_to_fp32.py into %s: %s", save_dir, exc)
     if save_latest:
         _write_atomic(os.path.join(save_dir, "latest"), tag.encode())
     log.info("saved checkpoint %s", os.path.join(save_dir, tag))
@@ -227,14 +233,20 @@ def _optimized_groups(engine: Any, names: _ParamNames) -> list[_Group]:
 
 
 def _model_states(
-    engine: Any, names: _ParamNames, groups: list[_Group], *, stage: int
+    engine: Any, names: _ParamNames, groups: list[_Group], *, stage: int, exclude_frozen: bool
 ) -> dict[str, Any]:
     module = engine.module
     optimized = {id(p) for g in groups for p in g.params}
     frozen_shapes: OrderedDict[str, torch.Size] = OrderedDict()
     frozen_fragments: OrderedDict[str, torch.Tensor] = OrderedDict()
+    state = module.state_dict()
     for name, p in names.params:
         if id(p) in optimized:
+            continue
+        if exclude_frozen:
+            if not p.requires_grad:  # DeepSpeed's module_state_dict(exclude_frozen_parameters)
+                for key in [name, *(a for a, primary in names.shared.items() if primary == name)]:
+                    state.pop(key, None)
             continue
         frozen_shapes[name] = p.shape
         # zero_to_fp32 concatenates ZeRO-3 fragments along dim 0 (they are flat partitions);
@@ -243,15 +255,15 @@ def _model_states(
         frozen_fragments[name] = t.reshape(-1) if stage >= 3 else t
     scheduler = engine.lr_scheduler
     return {
-        "module": _compact(module.state_dict()),
+        "module": _compact(state),
         "buffer_names": _buffer_names(module),
         "optimizer": None,  # ZeRO layout: the optimizer lives in the optim-states file
         "param_shapes": [
             OrderedDict((n, m.shape) for n, m in zip(g.names, g.masters, strict=True))
             for g in groups
         ],
-        "frozen_param_shapes": frozen_shapes,
-        "frozen_param_fragments": _compact(frozen_fragments),
+        "frozen_param_shapes": None if exclude_frozen else frozen_shapes,
+        "frozen_param_fragments": None if exclude_frozen else _compact(frozen_fragments),
         "shared_params": dict(names.shared),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
         "data_sampler": None,

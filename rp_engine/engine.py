@@ -86,7 +86,8 @@ class RoundPipeEngine:
             self.store,
             self.optimizer,
             clip=cfg.gradient_clipping,
-            async_mode=rp.async_optimizer,
+            # The Mobius baseline steps synchronously, as Mobius does.
+            async_mode=rp.async_optimizer and rp.schedule != "mobius",
             fp16=cfg.fp16.enabled,
         )
         self.planner = Planner(

@@ -22,7 +22,7 @@ def record(engine, batches, *, backward_ret) -> list[dict]:
         engine.step()
         rows.append(
             {
-                "loss": float(out.loss),
+                "loss": float(out.loss.detach()),
                 "backward": float(ret),
                 "micro_steps": engine.micro_steps,
                 "global_steps": engine.global_steps,

@@ -97,7 +97,7 @@ def reference_losses(
                 set_position(step, mb)
             loss = loss_of(model, next(it))
             (loss / gas).backward()
-            total += float(loss)
+            total += float(loss.detach())
             mb += 1
         opt.step()
         opt.zero_grad()

@@ -30,7 +30,7 @@ import functools
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "HOST",
@@ -83,6 +83,15 @@ class Action:
     microbatch: int
     device: int
     iteration: int = 0
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # plans hash every action many times: compute it once
+        key = (self.op, self.stage, self.microbatch, self.device, self.iteration)
+        object.__setattr__(self, "_hash", hash(key))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         where = "h" if self.device == HOST else str(self.device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -248,7 +249,7 @@ def partition(
     async_optimizer: bool = True,
     fwd_cuts: Sequence[int] | None = None,
     bwd_cuts: Sequence[int] | None = None,
-    max_evaluations: int = 160,
+    max_work: int = 150_000,
 ) -> Partition:
     """Choose RoundPipe forward and backward cuts for ``costs`` on ``num_devices`` devices.
 
@@ -256,7 +257,8 @@ def partition(
     (``async_optimizer=False``) or the steady-state iteration of back-to-back iterations with
     the optimizer overlapped (``True``). Explicit ``fwd_cuts`` and ``bwd_cuts`` are checked
     against the memory budget and estimated instead. Raises ValueError naming the layer and the
-    budget when one layer cannot fit. ``max_evaluations`` bounds the timing-model runs.
+    budget when one layer cannot fit. ``max_work`` bounds the search: the number of actions the
+    timing model may simulate over all candidates (about 1 s of pure Python at the default).
     """
     search = _Search(costs, memory_budget_bytes, num_devices, num_microbatches, async_optimizer)
     if fwd_cuts is not None or bwd_cuts is not None:
@@ -264,8 +266,8 @@ def partition(
             raise ValueError("give both fwd_cuts and bwd_cuts, or neither")
         search.check_cuts(tuple(fwd_cuts), tuple(bwd_cuts))
         cuts = (tuple(fwd_cuts), tuple(bwd_cuts))
-        return Partition(*cuts, est_iteration_ms=search.evaluate(cuts))
-    return search.run(max_evaluations)
+        return Partition(*cuts, est_iteration_ms=search.evaluate(cuts))  # type: ignore[arg-type]
+    return search.run(max_work)
 
 
 def estimate_iteration_ms(
@@ -277,19 +279,48 @@ def estimate_iteration_ms(
     num_microbatches: int,
     async_optimizer: bool = True,
 ) -> float:
-    """Iteration time of RoundPipe with these cuts under the simulation conventions: one
-    iteration's makespan (sync) or the steady-state iteration of two chained ones (async)."""
-    iterations = 2 if async_optimizer else 1
-    plan = schedules.build(
-        "roundpipe",
-        num_iterations=iterations,
-        fwd_cuts=fwd_cuts,
-        bwd_cuts=bwd_cuts,
-        num_devices=num_devices,
-        num_microbatches=num_microbatches,
-    )
-    ends = simulate.iteration_ends(plan, costs)
-    return ends[-1] - ends[-2] if async_optimizer else ends[-1]
+    """Iteration time of RoundPipe with these cuts under the simulation conventions.
+
+    Sync: the makespan of one iteration. Async: the steady-state iteration of three chained
+    iterations (each on the weights of two steps before), and at least the per-device load in
+    the long run (see ``_load_bound``).
+    """
+    if not async_optimizer:
+        return _quick(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches, 1).makespan_ms
+    ends = _quick(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches, 3).iteration_ends
+    load = _load_bound(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches)
+    return max((ends[2] - ends[0]) / 2, load)
+
+
+def _quick(
+    costs: LayerCosts,
+    fwd_cuts: Sequence[int],
+    bwd_cuts: Sequence[int],
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int,
+) -> simulate.QuickTimes:
+    plan = schedules.build("roundpipe", num_iterations=iterations, fwd_cuts=fwd_cuts,
+                           bwd_cuts=bwd_cuts, num_devices=num_devices,
+                           num_microbatches=num_microbatches)
+    return simulate.quick_times(plan, costs, optimizer="async")
+
+
+def _load_bound(
+    costs: LayerCosts,
+    fwd_cuts: Sequence[int],
+    bwd_cuts: Sequence[int],
+    num_devices: int,
+    num_microbatches: int,
+) -> float:
+    """Long-run iteration time forced by per-device load. Slot i of round r runs on device
+    (r * S + i) mod N, so a device only ever gets the slots i = d (mod gcd(S, N)); the
+    heaviest such class, shared by N / gcd devices, bounds the steady state from below."""
+    st = costs.stages(fwd_cuts, bwd_cuts)
+    num_slots = len(st.pre_ms)
+    g = math.gcd(num_slots, num_devices)
+    heaviest = max(sum(st.busy_ms(i) for i in range(c, num_slots, g)) for c in range(g))
+    return heaviest * num_microbatches * g / num_devices
 
 
 class _Search:
@@ -308,12 +339,15 @@ class _Search:
         self.L = L = costs.num_layers
         self.head_ms = costs.head_fwd_ms + costs.head_bwd_ms
         self.pf = _prefix(costs.fwd_ms)
-        self.pb = _prefix(r + b for r, b in zip(costs.recompute_ms, costs.bwd_ms, strict=True))
+        wb = [r + b for r, b in zip(costs.recompute_ms, costs.bwd_ms, strict=True)]
+        self.pb = _prefix(wb)
+        self.pb_rev = _prefix(reversed(wb))  # from the head toward the input
         self._check_single_layers()
         self.fwd_reach = [self._reach_fwd(i) for i in range(L)]  # max end of a stage from i
         self.bwd_reach = [self._reach_bwd(j) for j in range(L + 1)]  # min start of one ending j
         self.head_reach = min((i for i in range(L + 1) if self._fits_bwd(i, L, True)), default=L)
         self.scores: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+        self.work_left = 10**12
 
     # -- memory ------------------------------------------------------------------------------
     def _stage_bytes(self, i: int, j: int, *, backward: bool, head: bool) -> int:
@@ -403,12 +437,13 @@ class _Search:
             j = i
         return tuple(cuts)
 
-    def even_fwd(self, k: int) -> tuple[int, ...]:
-        return tuple(_even_split(self.pf, 0, self.L, k))
+    def split_fwd(self, k: int, mode: str) -> tuple[int, ...]:
+        return tuple(_split(self.pf, 0, self.L, k, mode))
 
-    def even_bwd(self, head_layers: int, k: int) -> tuple[int, ...]:
-        sizes = _even_split(self.pb, 0, self.L - head_layers, k)  # input -> output
-        return (head_layers, *reversed(sizes))
+    def split_bwd(self, head_layers: int, k: int, mode: str) -> tuple[int, ...]:
+        """Head stage, then k balanced stages from the head toward the input ("front" puts the
+        larger ones next to the head)."""
+        return (head_layers, *_split(self.pb_rev, head_layers, self.L, k, mode))
 
     def caps(self) -> list[float]:
         """Candidate caps: contiguous sums on both sides and head + backward suffixes."""
@@ -421,8 +456,14 @@ class _Search:
 
     # -- scoring -------------------------------------------------------------------------------
     def evaluate(self, cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> float:
+        """The objective (``estimate_iteration_ms``), memoised; +inf for new cuts once the work
+        budget (actions simulated) is spent, so the search time is bounded."""
         if cuts not in self.scores:
             n, m, async_opt = self.shape
+            work = (len(cuts[0]) + len(cuts[1])) * m * (3 if async_opt else 1)
+            if work > self.work_left:
+                return math.inf
+            self.work_left -= work
             self.scores[cuts] = estimate_iteration_ms(
                 self.costs, cuts[0], cuts[1], num_devices=n, num_microbatches=m,
                 async_optimizer=async_opt,
@@ -439,45 +480,81 @@ class _Search:
             return False
         return True
 
-    def run(self, max_evaluations: int) -> Partition:
-        shapes: dict[tuple[int, int, int], tuple[float, tuple, tuple]] = {}
+    def shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Greedy cuts of each shape (S_f, head layers, S_b) at its smallest cap, ordered by
+        cap (many small stages first)."""
+        seen: dict[tuple[int, int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         for cap in self.caps():
             fwd, bwd = self.greedy_fwd(cap), self.greedy_bwd(cap)
-            shapes.setdefault((len(fwd), bwd[0], len(bwd) - 1), (cap, fwd, bwd))
-        # 1. every shape at its smallest cap, greedy cuts, ranked by the estimate
-        ranked = sorted(shapes.values(), key=lambda v: self._budgeted(v[1:], max_evaluations))
-        # 2. balanced variants and neighbouring shapes of the best few
-        for cap, fwd, bwd in ranked[:6]:
-            for cand in self._variants(fwd, bwd):
-                self._budgeted(cand, max_evaluations)
-        # 3. one-layer moves of any cut, from the best so far, while they help
-        best = min(self.scores, key=self.scores.__getitem__)
+            seen.setdefault((len(fwd), bwd[0], len(bwd)), (fwd, bwd))
+        return list(seen.values())
+
+    def run(self, max_work: int) -> Partition:
+        self.work_left = max_work
+        chain = self.shapes()
+        # 1. coarse scan of the shape chain (a quarter of the budget), refined around its
+        #    three best local minima (the objective is not unimodal along the chain)
+        seeds = self._scan(chain, max_work // 4)
+        # 2. neighbouring shapes of each seed: one stage more or fewer on either side, one
+        #    layer less in the head stage; balanced cuts, larger stages first
+        for fwd, bwd in seeds:
+            kf, h, kb = len(fwd), bwd[0], len(bwd) - 1
+            for dkf, dkb, dh in _NEIGHBOURS:
+                self._try(self._balanced(kf + dkf, h + dh, kb + dkb, "front", "front"))
+        # 3. where the remainders go: larger stages first, last, or spread, on each side
+        for fwd, bwd in self._best(2):
+            for fm in _MODES:
+                for bm in _MODES:
+                    self._try(self._balanced(len(fwd), bwd[0], len(bwd) - 1, fm, bm))
+        # 4. one-layer moves of any cut, from the best, while they help and budget lasts
+        best = self._best(1)[0]
         improved = True
-        while improved and len(self.scores) < max_evaluations:
+        while improved:
             improved = False
             for cand in _one_layer_moves(best):
-                if self._valid(cand) and self._budgeted(cand, max_evaluations) < self.scores[best]:
+                if self._valid(cand) and self.evaluate(cand) < self.scores[best] - _EPS:
                     best, improved = cand, True
+                    break
         return Partition(best[0], best[1], est_iteration_ms=self.scores[best])
 
-    def _budgeted(self, cuts: tuple, max_evaluations: int) -> float:
-        """Estimate, unless the evaluation budget is spent (then +inf for new cuts)."""
-        cuts = (tuple(cuts[0]), tuple(cuts[1]))
-        if cuts in self.scores or len(self.scores) < max_evaluations:
-            return self.evaluate(cuts)
-        return float("inf")
+    def _best(self, k: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return sorted(self.scores, key=self.scores.__getitem__)[:k]
 
-    def _variants(self, fwd: tuple[int, ...], bwd: tuple[int, ...]) -> list[tuple]:
-        kf, h, kb = len(fwd), bwd[0], len(bwd) - 1
-        out = []
-        for dkf in (0, -1, 1):
-            for dkb in (0, 1, -1, 2):
-                for dh in (0, -1):
-                    k1, k2, hh = kf + dkf, kb + dkb, h + dh
-                    if 1 <= k1 <= self.L and hh >= 0 and 0 <= k2 <= self.L - hh and (
-                            k2 > 0 or hh == self.L):
-                        out.append((self.even_fwd(k1), self.even_bwd(hh, k2)))
-        return [c for c in out if self._valid(c)]
+    def _try(self, cuts: tuple[tuple[int, ...], tuple[int, ...]] | None) -> None:
+        if cuts is not None and self._valid(cuts):
+            self.evaluate(cuts)
+
+    def _balanced(self, kf: int, h: int, kb: int, fmode: str, bmode: str) -> tuple | None:
+        if not (1 <= kf <= self.L and 0 <= h and 1 <= kb <= self.L - h):
+            return None
+        return (self.split_fwd(kf, fmode), self.split_bwd(h, kb, bmode))
+
+    def _scan(self, chain: list, work: int) -> list:
+        """Evaluate evenly spaced shapes of the chain within ``work``, then halve the step
+        around the three best local minima; returns those minima."""
+        per_shape = max(1, sum(len(f) + len(b) for f, b in chain) // max(len(chain), 1))
+        n, m, async_opt = self.shape
+        affordable = max(4, work // (per_shape * m * (3 if async_opt else 1)))
+        step = max(1, -(-len(chain) // affordable))
+        score = lambda i: self.evaluate(chain[i])  # noqa: E731
+        probed = list(range(0, len(chain), step))
+        values = [score(i) for i in probed]
+        minima = [probed[k] for k in range(len(probed))
+                  if values[k] <= min(values[max(k - 1, 0) : k + 2])]
+        minima = sorted(minima, key=score)[:3]
+        seeds = []
+        for best in minima:
+            s = step
+            while s > 1:
+                s = (s + 1) // 2
+                window = [i for i in (best - s, best + s) if 0 <= i < len(chain)]
+                best = min([best, *window], key=score)
+            seeds.append(chain[best])
+        return seeds
+
+
+_MODES = ("front", "back", "nearest")
+_NEIGHBOURS = [(dkf, dkb, dh) for dkf in (0, -1, 1) for dkb in (0, 1, -1, 2) for dh in (0, -1)]
 
 
 def pb_max(prefix: Sequence[float]) -> float:
@@ -491,21 +568,28 @@ def _prefix(values: object) -> list[float]:
     return out
 
 
-def _even_split(prefix: Sequence[float], lo: int, hi: int, k: int) -> list[int]:
-    """Split items lo..hi-1 into k non-empty contiguous groups whose sums are as even as
-    possible: cut where the running sum is nearest to each multiple of total / k."""
-    if k <= 0:
-        return []
-    total, cuts = prefix[hi] - prefix[lo], [lo]
-    for g in range(1, k):
-        target = prefix[lo] + total * g / k
-        i = bisect.bisect_left(prefix, target, lo, hi + 1)
-        if i > lo and (i > hi or target - prefix[i - 1] <= prefix[i] - target):
-            i -= 1
-        i = min(max(i, cuts[-1] + 1), hi - (k - g))
-        cuts.append(i)
-    cuts.append(hi)
-    return [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+def _split(prefix: Sequence[float], lo: int, hi: int, k: int, mode: str) -> list[int]:
+    """Split items lo..hi-1 (weights given by ``prefix``) into k non-empty contiguous groups,
+    each aiming at (what is left) / (groups left): "front" rounds each group up (larger groups
+    first), "back" rounds down (larger groups last), "nearest" to the nearest item."""
+    sizes, i = [], lo
+    for left in range(k, 0, -1):
+        if left == 1:
+            j = hi
+        else:
+            target = prefix[i] + (prefix[hi] - prefix[i]) / left
+            up = bisect.bisect_left(prefix, target - _EPS, i + 1, hi + 1)
+            down = bisect.bisect_right(prefix, target + _EPS, i + 1, hi + 1) - 1
+            if mode == "front":
+                j = up
+            elif mode == "back":
+                j = down
+            else:
+                j = up if up <= hi and prefix[up] - target < target - prefix[down] else down
+            j = min(max(j, i + 1), hi - (left - 1))
+        sizes.append(j - i)
+        i = j
+    return sizes
 
 
 def _one_layer_moves(cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> list[tuple]:

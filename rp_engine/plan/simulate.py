@@ -2,7 +2,7 @@
 
 Owns ``Machine`` (device links, P2P, a shared host link, CPU optimizer throughput; presets in
 ``presets/*.json``), ``simulate`` -> ``SimResult`` (makespan, steady-state iteration, bubble
-ratio, per-device timelines, peak device memory, bytes moved), ``iteration_ends`` (the fast
+ratio, per-device timelines, peak device memory, bytes moved), ``quick_times`` (the fast
 compute-only timing pass the partitioner uses) and ``main`` (``python -m
 rp_engine.plan.simulate``).
 
@@ -47,7 +47,8 @@ __all__ = [
     "Interval",
     "SimResult",
     "simulate",
-    "iteration_ends",
+    "QuickTimes",
+    "quick_times",
     "load_machine",
     "preset_names",
     "main",
@@ -175,41 +176,105 @@ class SimResult:
 
 
 # ---- fast path: compute-only plans under the conventions -------------------------------------
-def iteration_ends(
+@dataclass(frozen=True)
+class QuickTimes:
+    """What the fast timing pass measures: each iteration's end, and per device the (aligned)
+    start of its first action and the end of its last (for the fill/drain figure)."""
+
+    iteration_ends: tuple[float, ...]
+    first_start: Mapping[int, float]
+    last_end: Mapping[int, float]
+    busy_ms: float
+
+    @property
+    def makespan_ms(self) -> float:
+        return self.iteration_ends[-1]
+
+    def fill_drain_ms(self, num_devices: int) -> float:
+        """Sum over devices of the time before their first and after their last action."""
+        mk = self.makespan_ms
+        return sum(self.first_start.get(d, mk) + mk - self.last_end.get(d, 0.0)
+                   for d in range(num_devices))
+
+
+def quick_times(
     plan: Plan,
     costs: LayerCosts,
     *,
     comm_ms: float | None = None,
     early_recompute: bool | None = None,
-) -> list[float]:
-    """End time of each iteration of a compute-only plan (no barrier between iterations).
+    optimizer: str = "async",
+) -> QuickTimes:
+    """Timing of a compute-only plan under the conventions, in one pass in issue order.
 
-    One pass in issue order: the order is topological and each device runs its actions in
-    that order, so every start time is max(device free, inputs arrived). Same result as
-    ``simulate`` without a machine, in a fraction of the time (the partitioner calls it).
+    The issue order is topological and each device runs its actions in that order, so every
+    start is max(device free, inputs arrived, weights updated). Same times as ``simulate``
+    without a machine, in a fraction of the time (the partitioner calls it per candidate).
     """
     st = costs.stages(plan.fwd_cuts, plan.bwd_cuts, fused_head=plan.fused_head)
     comm = costs.comm_ms if comm_ms is None else comm_ms
     early = _early_default(plan) if early_recompute is None else early_recompute
-    deps, slot_of = plan.deps, plan.slot
+    lag, num_fwd = _LAG[optimizer], plan.num_fwd_stages
+    gates = _weight_gates(plan) if len(plan.iterations) > lag else {}
+    deps, grad_edge, fwd_op = plan.deps, plan.is_grad_edge, Op.FWD
     end: dict[Action, float] = {}
-    free = defaultdict(float)
+    free: dict[int, float] = defaultdict(float)
+    updated: dict[tuple[int, int], float] = defaultdict(float)  # (iteration, bwd slot) -> end
     ends: dict[int, float] = defaultdict(float)
+    first: dict[int, float] = {}
+    busy = 0.0
     for a in plan.actions:
         if not a.is_compute:
-            raise ValueError("iteration_ends takes a compute-only plan; use simulate()")
-        d, slot = a.device, slot_of(a)
+            raise ValueError("quick_times takes a compute-only plan; use simulate()")
+        d, it = a.device, a.iteration
+        slot = a.stage if a.op is fwd_op else num_fwd + a.stage
         t_in = t_grad = free[d]
         for dep in deps[a]:
             arrive = end[dep] + (comm if dep.device != d else 0.0)
-            if early and plan.is_grad_edge(a, dep):
+            if early and grad_edge(a, dep):
                 t_grad = max(t_grad, arrive)
             else:
                 t_in = max(t_in, arrive)
-        t = max(t_in + st.pre_ms[slot], t_grad) + st.post_ms[slot]
-        end[a] = free[d] = t
-        ends[a.iteration] = max(ends[a.iteration], t)
-    return [ends[it] for it in sorted(ends)]
+        if it >= lag and gates:
+            t_in = max([t_in] + [updated[(it - lag, j)] for j in gates[slot]])
+        pre, post = st.pre_ms[slot], st.post_ms[slot]
+        t_post = max(t_in + pre, t_grad)
+        first.setdefault(d, max(t_in, t_post - pre))  # recompute aligned to end at the gradient
+        end[a] = free[d] = t = t_post + post
+        busy += pre + post
+        ends[it] = max(ends[it], t)
+        if slot >= num_fwd:
+            updated[(it, slot)] = max(updated[(it, slot)], t)
+    return QuickTimes(
+        iteration_ends=tuple(ends[it] for it in sorted(ends)),
+        first_start=first,
+        last_end=dict(free),
+        busy_ms=busy,
+    )
+
+
+_LAG = {"sync": 1, "async": 2}  # iteration i waits for the weight update of i - lag
+
+
+def _weight_gates(plan: Plan) -> dict[int, tuple[int, ...]]:
+    """For each slot, the backward slots whose weight update its compute must wait for
+    (overlapping layers; the head; the prefix updates with layer 0's backward stage)."""
+    num_fwd = plan.num_fwd_stages
+    head_slots = {num_fwd} | (set() if plan.fused_head else {num_fwd - 1})
+    out: dict[int, tuple[int, ...]] = {}
+    for slot in range(plan.num_slots):
+        mine = plan.slot_layers(slot)
+        if slot == 0:
+            mine = range(0, max(mine.stop, 1))
+        out[slot] = tuple(
+            j for j in range(num_fwd, plan.num_slots)
+            if _overlap(mine, plan.slot_layers(j)) or (slot in head_slots and j == num_fwd)
+        )
+    return out
+
+
+def _overlap(a: range, b: range) -> bool:
+    return max(a.start, b.start) < min(a.stop, b.stop)
 
 
 def _early_default(plan: Plan) -> bool:
@@ -509,8 +574,9 @@ def simulate(
     Without a machine: the conventions of the published table (compute only, ``comm_ms`` -
     default ``costs.comm_ms`` - on every cross-device edge). With one: a compute-only plan is
     lowered first (transfers, optimizer steps) and every transfer moves bytes over links.
-    ``optimizer`` "sync" puts a barrier (or the optimizer step) between iterations; "async"
-    lets iteration i+1 run on weights from step i-1. Default: the plan's, else "sync".
+    ``optimizer`` "sync": iteration i computes on the weights of step i-1; "async" (staleness
+    1): on those of step i-2, so the optimizer overlaps the next iteration. Default: the
+    plan's, else "sync".
     """
     optimizer = optimizer or plan.optimizer or "sync"
     if optimizer not in ("sync", "async"):
@@ -521,27 +587,32 @@ def simulate(
     comm = costs.comm_ms if comm_ms is None else comm_ms
     builder = _Builder(plan, costs, machine, comm, early)
     tasks = builder.build()
-    if optimizer == "sync" and not any(a.op is Op.OPT for a in plan.actions):
-        _add_barriers(tasks, builder)
+    if not any(a.op is Op.OPT for a in plan.actions):
+        _add_weight_gates(tasks, builder, _LAG[optimizer])
     _Engine(tasks, plan, machine).run()
     if align_recompute:
         _align_recompute(tasks)
     return _result(plan, tasks, builder)
 
 
-def _add_barriers(tasks: list[_Task], builder: _Builder) -> None:
-    """Synchronous optimizer without OPT actions: iteration i+1 starts after iteration i."""
-    by_iter: dict[int, list[int]] = defaultdict(list)
-    for i, t in enumerate(tasks):
-        if t.busy:
-            by_iter[t.action.iteration].append(i)
-    for it in sorted(by_iter)[1:]:
-        barrier = len(tasks)
-        tasks.append(_Task(tasks[by_iter[it - 1][0]].action, "barrier", None,
-                           deps=[(i, 0.0) for i in by_iter[it - 1]]))
-        for i in by_iter[it]:
-            if tasks[i].action.op is Op.FWD and builder.first[tasks[i].action] == i:
-                tasks[i].deps.append((barrier, 0.0))
+def _add_weight_gates(tasks: list[_Task], builder: _Builder, lag: int) -> None:
+    """Without OPT actions: compute of iteration i waits until the backward slots holding its
+    layers finished iteration i - lag (the optimizer step itself takes no time)."""
+    plan, num_fwd = builder.plan, builder.plan.num_fwd_stages
+    finished: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for a in plan.actions:
+        if a.is_compute and plan.slot(a) >= num_fwd:
+            finished[(a.iteration, plan.slot(a))].append(builder.last[a])
+    barrier = {}
+    for key, ids in finished.items():
+        barrier[key] = len(tasks)
+        tasks.append(_Task(tasks[ids[0]].action, "weights", None, deps=[(i, 0.0) for i in ids]))
+    gates = _weight_gates(plan)
+    for a in plan.actions:
+        if a.is_compute and a.iteration >= lag:
+            for j in gates[plan.slot(a)]:
+                if (a.iteration - lag, j) in barrier:
+                    tasks[builder.first[a]].deps.append((barrier[(a.iteration - lag, j)], 0.0))
 
 
 def _align_recompute(tasks: list[_Task]) -> None:

@@ -61,6 +61,11 @@ class Planner:
         self.replanned = False
         if self.fixed:
             self.set_cuts(tuple(fwd_cuts or ()), tuple(bwd_cuts or ()))
+        elif schedule == "mobius":
+            # Mobius binds one block of layers per GPU, forward and backward alike.
+            blocks = _even_split(shape.num_blocks, min(num_devices, shape.num_blocks))
+            self.fixed, self.profile_left = True, 0
+            self.set_cuts(blocks, blocks[::-1])
         else:
             self.set_cuts(*self._search(self._estimate()))
 
@@ -155,6 +160,11 @@ class Planner:
         head_stage = self._bwd_samples.get(0)
         head_total = statistics.median(head_stage) if head_stage else 3 * head
         return _costs(self.shape, fwd, bwd, head_total / 3)
+
+
+def _even_split(n: int, parts: int) -> tuple[int, ...]:
+    """``n`` items in ``parts`` contiguous groups, sizes differing by at most one."""
+    return tuple(n // parts + (1 if i < n % parts else 0) for i in range(parts))
 
 
 def _costs(shape: ModelShape, fwd: list[float], bwd: list[float], head_fwd: float) -> LayerCosts:

@@ -1,0 +1,292 @@
+"""Engine benchmarks on this machine (CPU virtual devices), measured side by side in one run.
+
+    python benchmarks/engine_bench.py overhead      # rp_engine cpu:1 vs plain PyTorch + recompute
+    python benchmarks/engine_bench.py async         # async vs sync optimizer, emulated PCIe
+    python benchmarks/engine_bench.py adam          # DeepSpeedCPUAdam vs torch AdamW, params/s
+    python benchmarks/engine_bench.py memory        # host bytes per trainable parameter
+    python benchmarks/engine_bench.py convergence   # sync vs async loss curves (PNG)
+    python benchmarks/engine_bench.py timeline      # PNG of one 4-device iteration
+
+Every figure is a ratio of runs interleaved in one process (A B A B ...), so machine noise
+hits both sides alike. Results are printed as JSON lines; RESULTS.md quotes them with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions")
+)
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import rp_engine  # noqa: E402
+from rp_engine.cli import batches, build_tiny_model, stdlib_corpus  # noqa: E402
+
+
+def _cfg(devices: str, *, gas: int = 4, mbs: int = 4, **rp: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "roundpipe": {"devices": devices, **rp},
+    }
+
+
+def _interleaved(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            out[name].append(fn())
+    return out
+
+
+def overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """rp_engine on one CPU device vs plain PyTorch with per-layer recomputation (same model,
+    same data, same AdamW), seconds per optimizer step."""
+    seq, gas, mbs = args.seq_len, 4, 4
+    data = list(_take(batches(stdlib_corpus(), seq_len=seq, micro_batch=mbs), gas * 64))
+    plain = build_tiny_model(layers=args.layers, hidden=args.hidden)
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain.train()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=False)
+    engine, _, _, _ = rp_engine.initialize(
+        model=build_tiny_model(layers=args.layers, hidden=args.hidden),
+        config=_cfg("cpu:1", gas=gas, mbs=mbs, async_optimizer=False),
+    )
+    it_plain, it_rp = iter(data), iter(data)
+    for _ in range(3):  # warm-up (and the engine's profiling re-plan)
+        engine.train_batch(it_rp)
+
+    def plain_step() -> float:
+        start = time.perf_counter()
+        for _ in range(gas):
+            (plain(**next(it_plain)).loss / gas).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    def rp_step() -> float:
+        start = time.perf_counter()
+        engine.train_batch(it_rp)
+        return time.perf_counter() - start
+
+    plain_step()
+    times = _interleaved({"plain": plain_step, "rp_engine": rp_step}, args.repeats)
+    engine.destroy()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "bench": "overhead",
+        "model": f"qwen3 L{args.layers} H{args.hidden} seq{seq} mbs{mbs} gas{gas} fp32",
+        "plain_s_per_step": med["plain"],
+        "rp_engine_s_per_step": med["rp_engine"],
+        "rp_over_plain_time": med["rp_engine"] / med["plain"],
+    }
+
+
+def async_vs_sync(args: argparse.Namespace) -> dict[str, Any]:
+    """Iteration time with the async optimizer vs the sync one, 2 CPU devices, emulated PCIe."""
+    seq, gas, mbs = args.seq_len, 4, 2
+    data = list(_take(batches(stdlib_corpus(), seq_len=seq, micro_batch=mbs), gas * 64))
+    engines = {}
+    for mode in ("sync", "async"):
+        engines[mode], _, _, _ = rp_engine.initialize(
+            model=build_tiny_model(layers=args.layers, hidden=args.hidden),
+            config=_cfg("cpu:2", gas=gas, mbs=mbs, async_optimizer=mode == "async",
+                        pcie_gbps=args.pcie_gbps),
+        )  # fmt: skip
+    iters = {k: iter(data) for k in engines}
+    for k, e in engines.items():
+        for _ in range(3):
+            e.train_batch(iters[k])
+
+    def step(mode: str) -> Callable[[], float]:
+        def run() -> float:
+            start = time.perf_counter()
+            engines[mode].train_batch(iters[mode])
+            return time.perf_counter() - start
+
+        return run
+
+    times = _interleaved({"sync": step("sync"), "async": step("async")}, args.repeats)
+    for e in engines.values():
+        e.destroy()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "bench": "async",
+        "model": f"qwen3 L{args.layers} H{args.hidden} seq{seq} mbs{mbs} gas{gas} fp32, cpu:2, "
+        f"pcie {args.pcie_gbps} GB/s",
+        "sync_s_per_step": med["sync"],
+        "async_s_per_step": med["async"],
+        "sync_over_async_time": med["sync"] / med["async"],
+    }
+
+
+def adam(args: argparse.Namespace) -> dict[str, Any]:
+    """Optimizer step throughput on one fp32 tensor of ``--adam-params`` elements."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    n = args.adam_params
+    tensors = {}
+    opts: dict[str, torch.optim.Optimizer] = {}
+    for name in ("deepspeed_cpu_adam", "torch_adamw", "torch_adamw_fused"):
+        p = torch.zeros(n, requires_grad=True)
+        p.grad = torch.randn(n)
+        tensors[name] = p
+    opts["deepspeed_cpu_adam"] = DeepSpeedCPUAdam([tensors["deepspeed_cpu_adam"]], lr=1e-3)
+    opts["torch_adamw"] = torch.optim.AdamW([tensors["torch_adamw"]], lr=1e-3)
+    opts["torch_adamw_fused"] = torch.optim.AdamW([tensors["torch_adamw_fused"]], lr=1e-3, fused=True)
+
+    def run(name: str) -> Callable[[], float]:
+        def go() -> float:
+            start = time.perf_counter()
+            opts[name].step()
+            return time.perf_counter() - start
+
+        return go
+
+    for name in opts:
+        run(name)()
+    times = _interleaved({k: run(k) for k in opts}, args.repeats)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out: dict[str, Any] = {"bench": "adam", "params": n, "threads": torch.get_num_threads()}
+    for k, v in med.items():
+        out[f"{k}_params_per_s"] = n / v
+    out["cpu_adam_over_torch_adamw"] = med["torch_adamw"] / med["deepspeed_cpu_adam"]
+    return out
+
+
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Host bytes per trainable parameter after one step (weights, masters, grads, Adam m, v)."""
+    out: dict[str, Any] = {"bench": "memory"}
+    for dtype in ("fp32", "bf16"):
+        cfg = _cfg("cpu:1", gas=1, mbs=1)
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        model = build_tiny_model(layers=args.layers, hidden=args.hidden)
+        engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+        engine.train_batch(_take(batches(stdlib_corpus(), seq_len=32, micro_batch=1), 1))
+        engine.synchronize()
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        masters = sum(hp.master.numel() * 4 for hp in engine.store.owned_params())
+        grads = sum(hp.master.numel() * 4 for hp in engine.store.owned_params())
+        states = sum(
+            t.numel() * t.element_size()
+            for s in engine.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        engine.destroy()
+        out[f"{dtype}_bytes_per_param"] = (weights + masters + grads + states) / trainable
+    return out
+
+
+def convergence(args: argparse.Namespace) -> dict[str, Any]:
+    """Loss curves of the default rp-train task, sync vs async optimizer, same data and seed."""
+    curves: dict[str, list[float]] = {}
+    for mode in ("sync", "async"):
+        model = build_tiny_model(seed=0, layers=args.layers, hidden=args.hidden)
+        cfg = _cfg("cpu:2", gas=4, mbs=4, async_optimizer=mode == "async")
+        cfg["optimizer"]["params"]["lr"] = 2e-3
+        engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+        data = batches(stdlib_corpus(), seq_len=args.seq_len, micro_batch=4, seed=0)
+        curves[mode] = [float(engine.train_batch(data)) for _ in range(args.steps)]
+        engine.destroy()
+    tail = 5
+    final = {k: statistics.mean(v[-tail:]) for k, v in curves.items()}
+    png = HERE / "convergence_async_vs_sync.png"
+    _plot_curves(curves, png)
+    return {
+        "bench": "convergence",
+        "steps": args.steps,
+        "final_loss_sync": final["sync"],
+        "final_loss_async": final["async"],
+        "relative_gap": abs(final["async"] - final["sync"]) / final["sync"],
+        "png": str(png.relative_to(HERE.parent)),
+    }
+
+
+def timeline(args: argparse.Namespace) -> dict[str, Any]:
+    """One 4-device train_batch of the default model, rendered as a Gantt chart."""
+    from rp_engine.plan.render import write_timeline_png
+
+    engine, _, _, _ = rp_engine.initialize(
+        model=build_tiny_model(layers=8, hidden=args.hidden),
+        config=_cfg("cpu:4", gas=8, mbs=2, fwd_cuts=[4, 4], bwd_cuts=[0, 2, 2, 2, 2]),
+    )
+    data = batches(stdlib_corpus(), seq_len=args.seq_len, micro_batch=2)
+    for _ in range(2):
+        engine.train_batch(data)
+    records = engine.last_timeline()
+    engine.destroy()
+    png = HERE / "timeline_cpu4.png"
+    write_timeline_png(records, png, title="rp_engine: one iteration on 4 CPU virtual devices")
+    return {"bench": "timeline", "png": str(png.relative_to(HERE.parent)), "actions": len(records)}
+
+
+def _plot_curves(curves: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=f"{name} optimizer")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title("rp-train default task: async (staleness 1) vs sync CPU Adam")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _take(it: Any, n: int) -> Any:
+    for _ in range(n):
+        yield next(it)
+
+
+BENCHES = {
+    "overhead": overhead,
+    "async": async_vs_sync,
+    "adam": adam,
+    "memory": memory,
+    "convergence": convergence,
+    "timeline": timeline,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bench", choices=[*BENCHES, "all"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--pcie-gbps", type=float, default=1.0)
+    p.add_argument("--adam-params", type=int, default=50_000_000)
+    args = p.parse_args(argv)
+    names = list(BENCHES) if args.bench == "all" else [args.bench]
+    for name in names:
+        print(json.dumps(BENCHES[name](args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

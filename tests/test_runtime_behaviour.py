@@ -1,0 +1,101 @@
+"""Runtime behaviour on CPU virtual devices: the round-robin timeline, device memory that does
+not grow with depth, errors that name the device and leave the engine usable."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from engine_helpers import config, engine_for
+from models import random_batch, tiny_qwen3
+
+from rp_engine.device.base import DeviceError
+
+
+def _batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    return [random_batch(128, batch=2, seq=12, seed=seed + i) for i in range(n)]
+
+
+def test_timeline_dispatches_round_robin_over_all_devices() -> None:
+    engine = engine_for(
+        tiny_qwen3(0, layers=4),
+        config(devices=4, gas=4, fwd_cuts=[2, 2], bwd_cuts=[0, 1, 1, 2]),
+    )
+    try:
+        engine.train_batch(iter(_batches(4)))
+        timeline = engine.last_timeline()
+    finally:
+        engine.destroy()
+    assert {r.device for r in timeline} == {0, 1, 2, 3}  # every device busy
+    assert all(r.end >= r.start for r in timeline)
+    # decoder block 0 (layer index 1) runs forward in F0 and backward in B3: different devices
+    fwd = {r.device for r in timeline if r.action.startswith("F0.")}
+    bwd = {r.device for r in timeline if r.action.startswith("B3.")}
+    assert fwd and bwd and fwd.isdisjoint(bwd)
+    # each device's actions do not overlap in time (one compute stream per device)
+    for d in range(4):
+        spans = sorted((r.start, r.end) for r in timeline if r.device == d)
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
+
+
+def _peak(layers: int) -> int:
+    # same layer size, same stage shape (2-block forward stages, 1-block backward stages)
+    fwd = [2] * (layers // 2)
+    bwd = [0] + [1] * layers
+    engine = engine_for(
+        tiny_qwen3(0, layers=layers),
+        config(devices=2, gas=2, fwd_cuts=fwd, bwd_cuts=bwd, roundpipe={"device_memory_gb": 1.0}),
+    )
+    try:
+        engine.train_batch(iter(_batches(2)))
+        engine.train_batch(iter(_batches(2, seed=10)))
+        return max(d.memory_stats()["peak"] for d in engine.pool)
+    finally:
+        engine.destroy()
+
+
+def test_device_memory_does_not_grow_with_depth() -> None:
+    shallow, deep = _peak(4), _peak(16)
+    assert shallow > 0
+    assert abs(deep - shallow) / shallow < 0.10, (shallow, deep)
+
+
+def test_layer_that_cannot_fit_fails_before_training() -> None:
+    model = tiny_qwen3(0, layers=4, hidden=64, vocab=128)
+    with pytest.raises(ValueError, match=r"layer .* budget|budget .* layer"):
+        engine_for(model, config(devices=2, roundpipe={"device_memory_gb": 1e-5}))
+
+
+def test_error_in_a_layer_names_the_device_and_next_call_works() -> None:
+    """A layer that raises while running on virtual device 2: the caller gets a DeviceError
+    naming device 2 and the action; the failed step is dropped; the next call trains."""
+    model = tiny_qwen3(0, layers=4)
+    engine = engine_for(model, config(devices=3, gas=3, fwd_cuts=[2, 2], bwd_cuts=[0, 2, 2]))
+    block = model.model.layers[1]
+    real_forward = block.forward
+    armed = {"on": False}
+
+    def exploding(*args, **kwargs):
+        if armed["on"] and threading.current_thread().name == "rp-cpu2-compute":
+            raise ArithmeticError("boom inside layer")
+        return real_forward(*args, **kwargs)
+
+    block.forward = exploding  # replicas copy the module, so they call the patched forward
+    try:
+        engine.train_batch(iter(_batches(3)))
+        before = [p.detach().clone() for p in model.parameters()]
+        armed["on"] = True
+        with pytest.raises(DeviceError) as err:
+            engine.train_batch(iter(_batches(3, seed=5)))
+        assert err.value.device == 2 and "device 2" in str(err.value)
+        assert "boom inside layer" in str(err.value) and err.value.where
+        assert engine.global_steps == 1  # the failed step was not counted
+        engine.synchronize()
+        for p, b in zip(model.parameters(), before, strict=True):  # nothing half-applied
+            torch.testing.assert_close(p, b, rtol=0, atol=0)
+        armed["on"] = False
+        loss = engine.train_batch(iter(_batches(3, seed=7)))
+        assert torch.isfinite(loss) and engine.global_steps == 2
+    finally:
+        engine.destroy()
