@@ -422,7 +422,10 @@ class RoundPipeEngine:
         save_latest: bool = True, exclude_frozen_parameters: bool = False,
     ) -> bool:  # fmt: skip
         self.synchronize()
-        _ckpt().save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+        _ckpt().save(
+            self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+            exclude_frozen=exclude_frozen_parameters,
+        )  # fmt: skip
         return True
 
     def load_checkpoint(
@@ -435,6 +438,7 @@ class RoundPipeEngine:
             self, load_dir, tag=tag, strict=load_module_strict,
             optimizer_states=load_optimizer_states and not load_module_only,
             scheduler_states=load_lr_scheduler_states and not load_module_only,
+            module_only=load_module_only,
         )  # fmt: skip
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False) -> bool:

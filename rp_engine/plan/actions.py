@@ -42,6 +42,7 @@ __all__ = [
     "PlanError",
     "parse_action",
     "format_grid",
+    "format_bytes",
 ]
 
 HOST = -1  # device index of host-side actions (the CPU optimizer)
@@ -84,11 +85,13 @@ class Action:
     device: int
     iteration: int = 0
     _hash: int = field(default=0, init=False, repr=False, compare=False)
+    is_compute: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # plans hash every action many times: compute it once
+        # plans hash and classify every action many times: do it once
         key = (self.op, self.stage, self.microbatch, self.device, self.iteration)
         object.__setattr__(self, "_hash", hash(key))
+        object.__setattr__(self, "is_compute", self.op in COMPUTE_OPS)
 
     def __hash__(self) -> int:
         return self._hash
@@ -97,10 +100,6 @@ class Action:
         where = "h" if self.device == HOST else str(self.device)
         suffix = f"#{self.iteration}" if self.iteration else ""
         return f"{self.op.value}{self.stage}.{self.microbatch}@{where}{suffix}"
-
-    @property
-    def is_compute(self) -> bool:
-        return self.op in COMPUTE_OPS
 
 
 def parse_action(text: str) -> Action:
@@ -316,16 +315,30 @@ class _DepContext:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.compute: dict[tuple[Op, int, int, int], Action] = {}
-        self.by_slot: dict[tuple[int, int, int], Action] = {}  # (slot, mb, it) -> compute
-        self.by_key: dict[tuple[Op, int, int, int, int], Action] = {}
-        for a in plan.actions:
-            self.by_key[(a.op, a.stage, a.microbatch, a.device, a.iteration)] = a
-            if a.is_compute:
-                self.compute[(a.op, a.stage, a.microbatch, a.iteration)] = a
-                self.by_slot[(plan.slot(a), a.microbatch, a.iteration)] = a
+        num_fwd = plan.num_fwd_stages
+        self.compute: dict[tuple[Op, int, int, int], Action] = {
+            (a.op, a.stage, a.microbatch, a.iteration): a for a in plan.actions if a.is_compute
+        }
+        self.head_op = Op.HEAD if plan.fused_head else Op.BWD
+        self.fwd_starting_at: dict[int, list[int]] = defaultdict(list)
+        self.producer = [0] * (plan.num_layers + 1)  # position p -> fwd stage computing it
+        for s in range(num_fwd):
+            layers = plan.slot_layers(s)
+            self.fwd_starting_at[layers.start].append(s)
+            for layer in layers:
+                self.producer[layer + 1] = s
+        self.bwd_input = [plan.slot_layers(num_fwd + j).start for j in range(plan.num_bwd_stages)]
         self.lowered = any(not a.is_compute for a in plan.actions)
-        self.groups = _compute_groups(plan) if self.lowered else {}
+        if self.lowered:
+            self._index_transfers()
+
+    def _index_transfers(self) -> None:
+        plan = self.plan
+        self.by_key = {(a.op, a.stage, a.microbatch, a.device, a.iteration): a
+                       for a in plan.actions}
+        self.by_slot = {(plan.slot(a), a.microbatch, a.iteration): a
+                        for a in self.compute.values()}
+        self.groups = _compute_groups(plan)
         self.group_of: dict[Action, tuple[int, int]] = {}
         self.group_index: dict[tuple[int, int, int, int], int] = {}  # (dev, slot, m0, it) -> gi
         self.slot_groups: dict[tuple[int, int], list[tuple[int, list[Action]]]] = defaultdict(list)
@@ -341,13 +354,6 @@ class _DepContext:
         self.device_pos = {
             a: i for row in self.device_compute.values() for i, a in enumerate(row)
         }
-        self.fwd_starting_at: dict[int, list[int]] = defaultdict(list)
-        self.producer = [0] * (plan.num_layers + 1)  # position p -> fwd stage computing it
-        for s in range(plan.num_fwd_stages):
-            layers = plan.slot_layers(s)
-            self.fwd_starting_at[layers.start].append(s)
-            for layer in layers:
-                self.producer[layer + 1] = s
         self.send_consumers: dict[Action, list[Action]] = defaultdict(list)
         self.handlers = {
             Op.UPLOAD: self.upload_deps,
@@ -367,16 +373,16 @@ class _DepContext:
 
     def data_sources(self, a: Action) -> list[Action]:
         """Compute actions whose outputs ``a`` consumes (same iteration and micro-batch)."""
-        plan, m, it = self.plan, a.microbatch, a.iteration
+        m, it, get = a.microbatch, a.iteration, self.compute.get
         if a.op is Op.FWD:
-            return self._present([(Op.FWD, a.stage - 1, m, it)] if a.stage > 0 else [])
-        sources = [self.input_source(a)]
+            prev = get((Op.FWD, a.stage - 1, m, it)) if a.stage > 0 else None
+            return [prev] if prev is not None else []
+        keys = [self.input_source(a)]
         if a.op is Op.BWD and a.stage == 0:
-            sources.append((Op.FWD, plan.num_fwd_stages - 1, m, it))  # loss from the head
+            keys.append((Op.FWD, self.plan.num_fwd_stages - 1, m, it))  # loss from the head
         elif a.op is Op.BWD:
-            op = Op.HEAD if a.stage == 1 and plan.fused_head else Op.BWD
-            sources.append((op, a.stage - 1, m, it))
-        return self._present(sources)
+            keys.append((self.head_op if a.stage == 1 else Op.BWD, a.stage - 1, m, it))
+        return self._present(keys)
 
     def input_source(self, a: Action) -> tuple[Op, int, int, int]:
         """Producer of a backward stage's saved input (the hidden state entering its layers).
@@ -384,7 +390,7 @@ class _DepContext:
         A bound stage keeps its forward input on its device (source: its own FWD); otherwise
         the input comes from the forward stage that computed it (the prefix output for p == 0).
         """
-        p = self.plan.slot_layers(self.plan.slot(a)).start
+        p = self.bwd_input[a.stage]
         m, it = a.microbatch, a.iteration
         for s in self.fwd_starting_at.get(p, ()):
             fwd = self.compute.get((Op.FWD, s, m, it))
@@ -393,7 +399,8 @@ class _DepContext:
         return (Op.FWD, self.producer[p], m, it)
 
     def _present(self, keys: Iterable[tuple[Op, int, int, int]]) -> list[Action]:
-        return [self.compute[k] for k in dict.fromkeys(keys) if k in self.compute]
+        found = (self.compute.get(k) for k in keys)
+        return list(dict.fromkeys(a for a in found if a is not None))
 
     def _via_send(self, consumer: Action, src: Action) -> Action:
         if src.device == consumer.device:
@@ -483,6 +490,15 @@ def _compute_groups(plan: Plan) -> dict[int, list[list[Action]]]:
                 runs.append([a])
         groups[d] = runs
     return groups
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable size for messages: '512 B', '3.0 MiB', '22.50 GiB'."""
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n:.0f} B" if abs(n) < 2**10 else f"{n / 2**10:.1f} KiB"
 
 
 # ---- small text helpers ----------------------------------------------------------------------

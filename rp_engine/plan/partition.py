@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import schedules, simulate
+from .actions import format_bytes
 
 __all__ = [
     "LayerCosts",
@@ -368,19 +369,19 @@ class _Search:
     def _check_single_layers(self) -> None:
         if self.budget is None:
             return
-        gib = self.budget / 2**30
+        budget = format_bytes(self.budget)
         for layer in range(self.L):
             need = self._stage_bytes(layer, layer + 1, backward=True, head=False)
             if need > self.budget:
                 raise ValueError(
-                    f"layer {layer} needs {need / 2**30:.2f} GiB as a backward stage (weights, "
-                    f"gradients, activations) but the device memory budget is {gib:.2f} GiB; "
+                    f"layer {layer} needs {format_bytes(need)} as a backward stage (weights, "
+                    f"gradients, activations) but the device memory budget is {budget}; "
                     "raise the budget (roundpipe.device_memory_gb) or shrink the micro-batch"
                 )
         need = self._stage_bytes(self.L, self.L, backward=True, head=True)
         if need > self.budget:
-            raise ValueError(f"the LM head needs {need / 2**30:.2f} GiB, over the device memory "
-                             f"budget of {gib:.2f} GiB; lower head_chunk_tokens or the micro-batch")
+            raise ValueError(f"the LM head needs {format_bytes(need)}, over the device memory "
+                             f"budget of {budget}; lower head_chunk_tokens or the micro-batch")
 
     def _reach_fwd(self, i: int) -> int:
         j = i + 1
@@ -402,13 +403,13 @@ class _Search:
         for s, n in enumerate(fwd_cuts):
             if n and not self._fits_fwd(start, start + n):
                 raise ValueError(f"forward stage {s} (layers {start}..{start + n - 1}) exceeds "
-                                 f"the memory budget of {self.budget} bytes")
+                                 f"the memory budget of {format_bytes(self.budget or 0)}")
             start += n
         end = self.L
         for j, n in enumerate(bwd_cuts):
             if not self._fits_bwd(end - n, end, j == 0):
                 raise ValueError(f"backward stage {j} (layers {end - n}..{end - 1}) exceeds "
-                                 f"the memory budget of {self.budget} bytes")
+                                 f"the memory budget of {format_bytes(self.budget or 0)}")
             end -= n
 
     # -- greedy scans --------------------------------------------------------------------------

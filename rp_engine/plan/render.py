@@ -55,18 +55,21 @@ def text_grid(result: SimResult, *, width: int = 100, lanes: Sequence[str] = ("c
     at its midpoint (``PHASE_CHARS``), '.' when idle."""
     span = result.makespan_ms or 1.0
     step = span / width
-    rows = [f"{'':>8} 0 ms{'':{width - 12}}{span:8.1f} ms"]
-    for device, lane in _rows(result, lanes):
+    rows_ = _rows(result, lanes)
+    names = ["host" if d == HOST else f"d{d}" + ("" if ln == "compute" else f":{ln}")
+             for d, ln in rows_]
+    pad = max([len(n) for n in names] + [4])
+    rows = [f"{'':>{pad}}  0 ms{'':{max(width - 12, 1)}}{span:8.1f} ms"]
+    for (device, lane), name in zip(rows_, names, strict=True):
         cells = ["."] * width
         for iv in _lane(result, device, lane):
             lo = int(iv.start_ms / step + 0.5)
             hi = max(int(iv.end_ms / step + 0.5), lo + 1) if iv.end_ms > iv.start_ms else lo
             for c in range(lo, min(hi, width)):
                 cells[c] = PHASE_CHARS.get(iv.phase, "#")
-        name = "host" if device == HOST else f"d{device}"
-        rows.append(f"{name + ('' if lane == 'compute' else ':' + lane):>8} |{''.join(cells)}|")
+        rows.append(f"{name:>{pad}} |{''.join(cells)}|")
     legend = "  ".join(f"{c}={p}" for p, c in PHASE_CHARS.items() if p in _phases(result))
-    rows.append(f"{'':>8} {legend}   bubble {100 * result.bubble_ratio:.1f} %")
+    rows.append(f"{'':>{pad}}  {legend}   bubble {100 * result.bubble_ratio:.1f} %")
     return "\n".join(rows)
 
 

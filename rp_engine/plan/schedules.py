@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .actions import HOST, Action, Op, Plan, PlanError, format_grid
+from .actions import HOST, Action, Op, Plan, PlanError, format_bytes, format_grid
 
 if TYPE_CHECKING:
     from .partition import LayerCosts, StageCosts
@@ -494,8 +494,8 @@ def validate(
     for d in range(plan.num_devices):
         peak, where = _memory_walk(plan, stages, d)
         if memory_budget_bytes is not None and peak > memory_budget_bytes:
-            _fail(plan, where, f"device {d} needs {peak / 2**30:.2f} GiB at {where}, over the "
-                  f"budget of {memory_budget_bytes / 2**30:.2f} GiB")
+            _fail(plan, where, f"device {d} needs {format_bytes(peak)} at {where}, over the "
+                  f"budget of {format_bytes(memory_budget_bytes)}")
         peaks.append(peak)
     return tuple(peaks)
 

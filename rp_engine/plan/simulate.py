@@ -216,7 +216,7 @@ def quick_times(
     early = _early_default(plan) if early_recompute is None else early_recompute
     lag, num_fwd = _LAG[optimizer], plan.num_fwd_stages
     gates = _weight_gates(plan) if len(plan.iterations) > lag else {}
-    deps, grad_edge, fwd_op = plan.deps, plan.is_grad_edge, Op.FWD
+    deps, fwd_op, bwd_op, last_fwd = plan.deps, Op.FWD, Op.BWD, num_fwd - 1
     end: dict[Action, float] = {}
     free: dict[int, float] = defaultdict(float)
     updated: dict[tuple[int, int], float] = defaultdict(float)  # (iteration, bwd slot) -> end
@@ -229,9 +229,13 @@ def quick_times(
         d, it = a.device, a.iteration
         slot = a.stage if a.op is fwd_op else num_fwd + a.stage
         t_in = t_grad = free[d]
+        # a backward waits for its gradient (not a FWD; or the loss of an unfused head)
+        grad_from_fwd = a.op is bwd_op and a.stage == 0 and not plan.fused_head
         for dep in deps[a]:
             arrive = end[dep] + (comm if dep.device != d else 0.0)
-            if early and grad_edge(a, dep):
+            grad = a.op is bwd_op and (dep.op is not fwd_op or (grad_from_fwd
+                                                                 and dep.stage == last_fwd))
+            if early and grad:
                 t_grad = max(t_grad, arrive)
             else:
                 t_in = max(t_in, arrive)
