@@ -28,7 +28,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 os.environ.setdefault(
-    "TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions")
+    "TORCH_EXTENSIONS_DIR",
+    os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions"),
 )
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -149,7 +150,9 @@ def adam(args: argparse.Namespace) -> dict[str, Any]:
         tensors[name] = p
     opts["deepspeed_cpu_adam"] = DeepSpeedCPUAdam([tensors["deepspeed_cpu_adam"]], lr=1e-3)
     opts["torch_adamw"] = torch.optim.AdamW([tensors["torch_adamw"]], lr=1e-3)
-    opts["torch_adamw_fused"] = torch.optim.AdamW([tensors["torch_adamw_fused"]], lr=1e-3, fused=True)
+    opts["torch_adamw_fused"] = torch.optim.AdamW(
+        [tensors["torch_adamw_fused"]], lr=1e-3, fused=True
+    )
 
     def run(name: str) -> Callable[[], float]:
         def go() -> float:

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "RoundPipeEngine", "add_config_arguments", "init_distributed", "__version__"]
+__all__ = [
+    "initialize",
+    "RoundPipeEngine",
+    "add_config_arguments",
+    "init_distributed",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from rp_engine.engine import RoundPipeEngine

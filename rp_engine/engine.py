@@ -78,7 +78,11 @@ class RoundPipeEngine:
         modules = list(self.seq.modules())
         self.store = HostStore(modules, pin=cuda_pin if self.pool.kind == "cuda" else None)
         self.optimizer, per_layer_groups = build_optimizer(
-            cfg, self.store, model=model, client_optimizer=optimizer, model_parameters=model_parameters
+            cfg,
+            self.store,
+            model=model,
+            client_optimizer=optimizer,
+            model_parameters=model_parameters,
         )
         del per_layer_groups
         self.lr_scheduler = build_scheduler(cfg, self.optimizer, client_scheduler=lr_scheduler)
@@ -103,7 +107,9 @@ class RoundPipeEngine:
         self._executor = self._make_executor()
         self.monitor = Monitor.from_config(cfg)
         self.training_dataloader = (
-            _ckpt().build_dataloader(training_data, cfg, collate_fn) if training_data is not None else None
+            _ckpt().build_dataloader(training_data, cfg, collate_fn)
+            if training_data is not None
+            else None
         )
         self._data_iter: Iterator[Any] | None = None
         # DeepSpeed counters
@@ -151,7 +157,7 @@ class RoundPipeEngine:
         self.stepper.check()
         batch = self._batch_of(inputs, kwargs)
         if not (self.module.training and torch.is_grad_enabled()):
-            return self._wrap(self._eval_losses([batch])[0])
+            return self._wrap(torch.tensor(self._eval_losses([batch])[0]))
         if self._carry is not None:
             raise RuntimeError(
                 "engine.forward() called twice without engine.backward(): rp_engine computes the "
@@ -257,7 +263,9 @@ class RoundPipeEngine:
         return torch.tensor(sum(losses) / len(losses))
 
     # --- internals ------------------------------------------------------------------------------
-    def _run(self, actions: list[Any], batches: list[Any], *, step: int, closes_step: bool, **kw: Any) -> Any:
+    def _run(
+        self, actions: list[Any], batches: list[Any], *, step: int, closes_step: bool, **kw: Any
+    ) -> Any:
         if closes_step:
             self.stepper.open_step(step)
         spec = RunSpec(
@@ -286,7 +294,9 @@ class RoundPipeEngine:
         self.stepper.abandon_step()
         self.store.zero_grads()
         self._carry = self._carry_batch = None
-        log.warning("run failed: gradients accumulated for step %d were discarded", self.global_steps + 1)
+        log.warning(
+            "run failed: gradients accumulated for step %d were discarded", self.global_steps + 1
+        )
 
     def _apply_boundary(self, lr_kwargs: dict[str, Any] | None) -> None:
         result = self._last
@@ -302,7 +312,12 @@ class RoundPipeEngine:
         self.global_samples += self.train_batch_size()
         every = self._config.steps_per_print
         if every and self.global_steps % every == 0:
-            log.info("step %d lr %s grad_norm %s", self.global_steps, self.get_lr(), self.get_global_grad_norm())
+            log.info(
+                "step %d lr %s grad_norm %s",
+                self.global_steps,
+                self.get_lr(),
+                self.get_global_grad_norm(),
+            )
         self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], self.global_samples)])
 
     def _eval_losses(self, batches: list[Any]) -> list[float]:
@@ -378,7 +393,11 @@ class RoundPipeEngine:
         return self._config.train_batch_size
 
     def get_batch_info(self) -> tuple[int, int, int]:
-        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+        return (
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+        )
 
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
@@ -441,9 +460,16 @@ class RoundPipeEngine:
             module_only=load_module_only,
         )  # fmt: skip
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         self.synchronize()
-        return _ckpt().save_16bit(self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
+        return _ckpt().save_16bit(
+            self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters
+        )
 
     def destroy(self) -> None:
         """Finish in-flight steps, stop workers and devices. Idempotent."""

@@ -22,7 +22,9 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return [random_batch(128, batch=2, seq=12, seed=200 + i) for i in range(n)]
 
 
-def _staleness_one_reference(model: torch.nn.Module, batches, *, steps: int, lr: float) -> list[float]:
+def _staleness_one_reference(
+    model: torch.nn.Module, batches, *, steps: int, lr: float
+) -> list[float]:
     """By hand: w_t = AdamW(w_{t-1}, grad at w_{max(t-2,0)}); returns per-iteration mean loss."""
     master = model
     opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.0)
@@ -77,7 +79,10 @@ def test_layers_step_as_their_gradients_land() -> None:
     stepper = engine.stepper
     ready, enqueue = stepper.layer_ready, stepper._enqueue
     stepper.layer_ready = lambda layer: (log.append(("ready", layer)), ready(layer))[1]
-    stepper._enqueue = lambda layer, st, **kw: (log.append(("step", layer)), enqueue(layer, st, **kw))[1]
+    stepper._enqueue = lambda layer, st, **kw: (
+        log.append(("step", layer)),
+        enqueue(layer, st, **kw),
+    )[1]
     try:
         engine.train_batch(iter(_batches(GAS)))
         engine.synchronize()

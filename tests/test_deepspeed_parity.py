@@ -36,8 +36,12 @@ SPEC = {
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
         "scheduler": {
             "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 4,
-                       "warmup_type": "linear"},
+            "params": {
+                "warmup_min_lr": 0,
+                "warmup_max_lr": 3e-3,
+                "warmup_num_steps": 4,
+                "warmup_type": "linear",
+            },
         },  # fmt: skip
         "zero_optimization": {
             "stage": 3,
@@ -61,14 +65,18 @@ def deepspeed_rows() -> list[dict]:
 
 
 @pytest.mark.parametrize("async_optimizer", [False])
-def test_losses_counters_lr_match_deepspeed(deepspeed_rows: list[dict], async_optimizer: bool) -> None:
+def test_losses_counters_lr_match_deepspeed(
+    deepspeed_rows: list[dict], async_optimizer: bool
+) -> None:
     model = tiny_qwen3(0, layers=SPEC["layers"])
     batches = [
         random_batch(SPEC["vocab"], batch=SPEC["mbs"], seq=SPEC["seq"], seed=100 + i)
         for i in range(SPEC["micro_batches"])
     ]
     cfg = {**SPEC["config"], "roundpipe": {"devices": "cpu:2", "async_optimizer": async_optimizer}}
-    engine, _, _, _ = rp_engine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _, _, _ = rp_engine.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
     try:
         ours = record(engine, batches, backward_ret=lambda e, loss: e.backward(loss))
     finally:

@@ -36,7 +36,7 @@ def test_timeline_dispatches_round_robin_over_all_devices() -> None:
     # each device's actions do not overlap in time (one compute stream per device)
     for d in range(4):
         spans = sorted((r.start, r.end) for r in timeline if r.device == d)
-        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
 
 
 def _peak(layers: int) -> int:

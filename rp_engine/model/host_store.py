@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,7 +71,7 @@ class HostStore:
         self.layers: list[HostLayer] = []
         self._owner: dict[int, HostParam] = {}
         for index, module in enumerate(modules):
-            params = _unique(module.named_parameters(remove_duplicate=False))
+            params: list[Any] = _unique(module.named_parameters(remove_duplicate=False))
             buffers = list(_unique(module.named_buffers(remove_duplicate=False)))
             layer = HostLayer(index, module, list(params), buffers)
             for name, p in layer.params:

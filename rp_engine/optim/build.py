@@ -82,8 +82,8 @@ def build_optimizer(
         inner, per_layer = build_inner_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
     else:
         raise ValueError(
-            "no optimizer: add an \"optimizer\" section to the config (e.g. {\"type\": \"AdamW\", "
-            "\"params\": {\"lr\": 1e-4}}) or pass optimizer= to initialize()"
+            'no optimizer: add an "optimizer" section to the config (e.g. {"type": "AdamW", '
+            '"params": {"lr": 1e-4}}) or pass optimizer= to initialize()'
         )
     if not per_layer:
         log.info(
@@ -98,13 +98,14 @@ def _rebuild(client: torch.optim.Optimizer, store: HostStore) -> tuple[torch.opt
     groups = master_groups(store, client.param_groups)
     cls = type(client)
     if cls.__name__ == "DeepSpeedCPUAdam":
-        extra = {"adamw_mode": getattr(client, "adam_w_mode", True)}
-        opt = cls(groups, **extra)
-        return opt, True
+        adamw_mode = bool(getattr(client, "adam_w_mode", True))
+        return cls(groups, adamw_mode=adamw_mode), True  # type: ignore[call-arg]
     return cls(groups, **client.defaults), False
 
 
-def build_scheduler(cfg: DSConfig, optimizer: HostOptimizer, *, client_scheduler: Any = None) -> Any:
+def build_scheduler(
+    cfg: DSConfig, optimizer: HostOptimizer, *, client_scheduler: Any = None
+) -> Any:
     """A DeepSpeed (``deepspeed.runtime.lr_schedules``) or torch LR scheduler, or None."""
     inner = optimizer.optimizer
     if client_scheduler is not None:

@@ -28,7 +28,16 @@ log = logging.getLogger("rp_engine.optim")
 
 _ADAM_TYPES = {"adam", "adamw"}
 # DeepSpeed optimizer names that need GPU kernels or communication we do not have on the host.
-_UNSUPPORTED = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "muon"}
+_UNSUPPORTED = {
+    "lamb",
+    "onebitadam",
+    "zerooneadam",
+    "onebitlamb",
+    "muadam",
+    "muadamw",
+    "musgd",
+    "muon",
+}
 
 
 def cpu_adam_cache_dir() -> str:
@@ -64,13 +73,15 @@ def build_inner_optimizer(
             "run on host-resident weights; use Adam/AdamW (DeepSpeed CPU Adam) or a torch.optim name"
         )
     torch_names = {"adagrad": "Adagrad", "lion": "Lion"}
-    cls = getattr(torch.optim, torch_names.get(opt_type, opt_type), None)
-    if cls is None:
+    torch_cls = getattr(torch.optim, torch_names.get(opt_type, opt_type), None)
+    if torch_cls is None:
         raise ValueError(f"optimizer.type {opt_type!r} is not available in torch.optim")
-    return cls(groups, **kwargs), False
+    return torch_cls(groups, **kwargs), False
 
 
-def _cpu_adam(groups: list[dict[str, Any]], *, adamw_mode: bool, **kwargs: Any) -> torch.optim.Optimizer:
+def _cpu_adam(
+    groups: list[dict[str, Any]], *, adamw_mode: bool, **kwargs: Any
+) -> torch.optim.Optimizer:
     cpu_adam_cache_dir()
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -87,7 +98,7 @@ def _cpu_adam(groups: list[dict[str, Any]], *, adamw_mode: bool, **kwargs: Any) 
 
 def _is_cpu_adam_built() -> bool:
     root = os.environ.get("TORCH_EXTENSIONS_DIR", "")
-    for dirpath, _, files in os.walk(root):
+    for _dirpath, _, files in os.walk(root):
         if "cpu_adam.so" in files:
             return True
     return False
@@ -101,7 +112,9 @@ def snapshot_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 class HostOptimizer:
     """DeepSpeed-style optimizer wrapper over fp32 masters; see the module docstring."""
 
-    def __init__(self, inner: torch.optim.Optimizer, *, per_layer: bool, scaler: LossScaler) -> None:
+    def __init__(
+        self, inner: torch.optim.Optimizer, *, per_layer: bool, scaler: LossScaler
+    ) -> None:
         self.optimizer = inner
         self.per_layer = per_layer
         self.loss_scaler = scaler
@@ -153,7 +166,7 @@ class HostOptimizer:
         live = [p for p in params if p.grad is not None]
         if grad_coef != 1.0:
             for p in live:
-                p.grad.mul_(grad_coef)
+                p.grad.mul_(grad_coef)  # type: ignore[union-attr]
         if self.per_layer:
             self._cpu_adam_step(live, groups)
         else:
@@ -173,7 +186,7 @@ class HostOptimizer:
             # DeepSpeed's own C++ kernel, exactly as DeepSpeedCPUAdam.step calls it.
             inner.ds_opt_adam.adam_update(
                 inner.opt_id, state["step"], g["lr"], beta1, beta2, g["eps"],
-                g["weight_decay"], g["bias_correction"], p.data, p.grad.data,
+                g["weight_decay"], g["bias_correction"], p.data, p.grad.data,  # type: ignore[union-attr]
                 state["exp_avg"], state["exp_avg_sq"],
             )  # fmt: skip
 

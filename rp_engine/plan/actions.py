@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "HOST",
+    "OPTIMIZER_LAG",
     "COMPUTE_OPS",
     "TRANSFER_OPS",
     "Op",
@@ -46,6 +47,9 @@ __all__ = [
 ]
 
 HOST = -1  # device index of host-side actions (the CPU optimizer)
+# iteration i computes on the weights of optimizer step i - lag: the previous step (sync) or the
+# one before it (async, staleness 1: step i-1 runs on the CPU while iteration i computes)
+OPTIMIZER_LAG = {"sync": 1, "async": 2}
 
 
 class Op(enum.Enum):
@@ -95,6 +99,10 @@ class Action:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self) -> tuple[type, tuple[Op, int, int, int, int]]:
+        # rebuild through __init__ so the cached hash is recomputed in the receiving process
+        return (Action, (self.op, self.stage, self.microbatch, self.device, self.iteration))
 
     def __str__(self) -> str:
         where = "h" if self.device == HOST else str(self.device)
@@ -261,6 +269,8 @@ class Plan:
                 issue = _run_length_decode(rest.split())
             else:
                 rows[name.strip()] = [parse_action(tok) for tok in rest.split() if tok != "."]
+        if sorted(issue) != sorted(n for n, row in rows.items() for _ in row):
+            raise ValueError("plan text: the 'issue:' line must take every action of every row")
         cursors = {name: iter(row) for name, row in rows.items()}
         actions = tuple(next(cursors[name]) for name in issue)
         return cls(
@@ -334,10 +344,10 @@ class _DepContext:
 
     def _index_transfers(self) -> None:
         plan = self.plan
-        self.by_key = {(a.op, a.stage, a.microbatch, a.device, a.iteration): a
-                       for a in plan.actions}
-        self.by_slot = {(plan.slot(a), a.microbatch, a.iteration): a
-                        for a in self.compute.values()}
+        self.by_key = {
+            (a.op, a.stage, a.microbatch, a.device, a.iteration): a for a in plan.actions
+        }
+        self.by_slot = {(plan.slot(a), a.microbatch, a.iteration): a for a in self.compute.values()}
         self.groups = _compute_groups(plan)
         self.group_of: dict[Action, tuple[int, int]] = {}
         self.group_index: dict[tuple[int, int, int, int], int] = {}  # (dev, slot, m0, it) -> gi
@@ -351,9 +361,7 @@ class _DepContext:
         self.device_compute = {
             d: [a for a in row if a.is_compute] for d, row in plan._by_device.items()
         }
-        self.device_pos = {
-            a: i for row in self.device_compute.values() for i, a in enumerate(row)
-        }
+        self.device_pos = {a: i for row in self.device_compute.values() for i, a in enumerate(row)}
         self.send_consumers: dict[Action, list[Action]] = defaultdict(list)
         self.handlers = {
             Op.UPLOAD: self.upload_deps,
@@ -429,7 +437,7 @@ class _DepContext:
             older = self.groups[u.device][found[0] - 2][0]
             key = (Op.FREE, self.plan.slot(older), older.microbatch, u.device, older.iteration)
             deps += [self.by_key[key]] if key in self.by_key else []
-        lag = {"sync": 1, "async": 2}.get(self.plan.optimizer)
+        lag = OPTIMIZER_LAG.get(self.plan.optimizer)
         if lag is not None and u.iteration >= lag:
             for layer in self._opt_layers(u.stage):
                 key = (Op.OPT, layer, 0, HOST, u.iteration - lag)

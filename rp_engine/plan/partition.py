@@ -41,8 +41,19 @@ __all__ = [
 ]
 
 _EPS = 1e-9
-_DESCRIPTIVE_KEYS = frozenset({"model", "source", "notes", "measured_on", "tokens", "pcie_gbps",
-                               "microbatch", "sequence_length", "dtype"})
+_DESCRIPTIVE_KEYS = frozenset(
+    {
+        "model",
+        "source",
+        "notes",
+        "measured_on",
+        "tokens",
+        "pcie_gbps",
+        "microbatch",
+        "sequence_length",
+        "dtype",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -121,9 +132,20 @@ class LayerCosts:
     def from_dict(cls, data: Mapping[str, object]) -> LayerCosts:
         """COSTS.json form: ``{"num_layers": 28, "fwd_ms": 7.43, "bwd_ms": 15.83, ...}``;
         per-layer fields may be scalars or lists of length ``num_layers``."""
-        known = {"num_layers", "fwd_ms", "bwd_ms", "recompute_ms", "param_bytes", "act_bytes",
-                 "head_fwd_ms", "head_bwd_ms", "head_param_bytes", "head_act_bytes",
-                 "boundary_bytes", "comm_ms"}
+        known = {
+            "num_layers",
+            "fwd_ms",
+            "bwd_ms",
+            "recompute_ms",
+            "param_bytes",
+            "act_bytes",
+            "head_fwd_ms",
+            "head_bwd_ms",
+            "head_param_bytes",
+            "head_act_bytes",
+            "boundary_bytes",
+            "comm_ms",
+        }
         unknown = sorted(set(data) - known - _DESCRIPTIVE_KEYS)
         if unknown:
             raise ValueError(f"costs: unknown keys {unknown}; expected some of {sorted(known)}")
@@ -141,8 +163,11 @@ class LayerCosts:
             return values
 
         scalars = {k: data[k] for k in ("head_fwd_ms", "head_bwd_ms", "comm_ms") if k in data}
-        ints = {k: int(data[k]) for k in ("head_param_bytes", "head_act_bytes", "boundary_bytes")
-                if k in data}  # type: ignore[call-overload]
+        ints = {
+            k: int(data[k])
+            for k in ("head_param_bytes", "head_act_bytes", "boundary_bytes")
+            if k in data
+        }  # type: ignore[call-overload]
         return cls(
             fwd_ms=per_layer("fwd_ms"),
             bwd_ms=per_layer("bwd_ms"),
@@ -207,8 +232,13 @@ class LayerCosts:
 
     def busy_ms_per_microbatch(self) -> float:
         """Compute of one micro-batch: forward + recompute + backward of every layer + head."""
-        return (sum(self.fwd_ms) + sum(self.recompute_ms) + sum(self.bwd_ms)
-                + self.head_fwd_ms + self.head_bwd_ms)
+        return (
+            sum(self.fwd_ms)
+            + sum(self.recompute_ms)
+            + sum(self.bwd_ms)
+            + self.head_fwd_ms
+            + self.head_bwd_ms
+        )
 
 
 def _list_len(value: object) -> int:
@@ -301,9 +331,14 @@ def _quick(
     num_microbatches: int,
     iterations: int,
 ) -> simulate.QuickTimes:
-    plan = schedules.build("roundpipe", num_iterations=iterations, fwd_cuts=fwd_cuts,
-                           bwd_cuts=bwd_cuts, num_devices=num_devices,
-                           num_microbatches=num_microbatches)
+    plan = schedules.build(
+        "roundpipe",
+        num_iterations=iterations,
+        fwd_cuts=fwd_cuts,
+        bwd_cuts=bwd_cuts,
+        num_devices=num_devices,
+        num_microbatches=num_microbatches,
+    )
     return simulate.quick_times(plan, costs, optimizer="async")
 
 
@@ -359,12 +394,15 @@ class _Search:
         return params * (2 if backward else 1) + acts + extra + 2 * c.boundary_bytes
 
     def _fits_fwd(self, i: int, j: int) -> bool:
-        return self.budget is None or self._stage_bytes(i, j, backward=False,
-                                                        head=False) <= self.budget
+        return (
+            self.budget is None
+            or self._stage_bytes(i, j, backward=False, head=False) <= self.budget
+        )
 
     def _fits_bwd(self, i: int, j: int, head: bool = False) -> bool:
-        return self.budget is None or self._stage_bytes(i, j, backward=True,
-                                                        head=head) <= self.budget
+        return (
+            self.budget is None or self._stage_bytes(i, j, backward=True, head=head) <= self.budget
+        )
 
     def _check_single_layers(self) -> None:
         if self.budget is None:
@@ -380,8 +418,10 @@ class _Search:
                 )
         need = self._stage_bytes(self.L, self.L, backward=True, head=True)
         if need > self.budget:
-            raise ValueError(f"the LM head needs {format_bytes(need)}, over the device memory "
-                             f"budget of {budget}; lower head_chunk_tokens or the micro-batch")
+            raise ValueError(
+                f"the LM head needs {format_bytes(need)}, over the device memory "
+                f"budget of {budget}; lower head_chunk_tokens or the micro-batch"
+            )
 
     def _reach_fwd(self, i: int) -> int:
         j = i + 1
@@ -397,19 +437,25 @@ class _Search:
 
     def check_cuts(self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...]) -> None:
         if sum(fwd_cuts) != self.L or sum(bwd_cuts) != self.L or min(fwd_cuts + bwd_cuts) < 0:
-            raise ValueError(f"cuts {list(fwd_cuts)} / {list(bwd_cuts)} must be layer counts "
-                             f">= 0 each summing to L={self.L}")
+            raise ValueError(
+                f"cuts {list(fwd_cuts)} / {list(bwd_cuts)} must be layer counts "
+                f">= 0 each summing to L={self.L}"
+            )
         start = 0
         for s, n in enumerate(fwd_cuts):
             if n and not self._fits_fwd(start, start + n):
-                raise ValueError(f"forward stage {s} (layers {start}..{start + n - 1}) exceeds "
-                                 f"the memory budget of {format_bytes(self.budget or 0)}")
+                raise ValueError(
+                    f"forward stage {s} (layers {start}..{start + n - 1}) exceeds "
+                    f"the memory budget of {format_bytes(self.budget or 0)}"
+                )
             start += n
         end = self.L
         for j, n in enumerate(bwd_cuts):
             if not self._fits_bwd(end - n, end, j == 0):
-                raise ValueError(f"backward stage {j} (layers {end - n}..{end - 1}) exceeds "
-                                 f"the memory budget of {format_bytes(self.budget or 0)}")
+                raise ValueError(
+                    f"backward stage {j} (layers {end - n}..{end - 1}) exceeds "
+                    f"the memory budget of {format_bytes(self.budget or 0)}"
+                )
             end -= n
 
     # -- greedy scans --------------------------------------------------------------------------
@@ -450,8 +496,9 @@ class _Search:
         """Candidate caps: contiguous sums on both sides and head + backward suffixes."""
         L, pf, pb = self.L, self.pf, self.pb
         floor = max(max(self.costs.fwd_ms), pb_max(pb), self.head_ms) - _EPS
-        values = {round(p[j] - p[i], 9) for p in (pf, pb) for i in range(L) for j in
-                  range(i + 1, L + 1)}
+        values = {
+            round(p[j] - p[i], 9) for p in (pf, pb) for i in range(L) for j in range(i + 1, L + 1)
+        }
         values.update(round(self.head_ms + pb[L] - pb[i], 9) for i in range(L + 1))
         return sorted(v for v in values if v >= floor)
 
@@ -466,7 +513,11 @@ class _Search:
                 return math.inf
             self.work_left -= work
             self.scores[cuts] = estimate_iteration_ms(
-                self.costs, cuts[0], cuts[1], num_devices=n, num_microbatches=m,
+                self.costs,
+                cuts[0],
+                cuts[1],
+                num_devices=n,
+                num_microbatches=m,
                 async_optimizer=async_opt,
             )
         return self.scores[cuts]
@@ -540,8 +591,9 @@ class _Search:
         score = lambda i: self.evaluate(chain[i])  # noqa: E731
         probed = list(range(0, len(chain), step))
         values = [score(i) for i in probed]
-        minima = [probed[k] for k in range(len(probed))
-                  if values[k] <= min(values[max(k - 1, 0) : k + 2])]
+        minima = [
+            probed[k] for k in range(len(probed)) if values[k] <= min(values[max(k - 1, 0) : k + 2])
+        ]
         minima = sorted(minima, key=score)[:3]
         seeds = []
         for best in minima:
@@ -619,16 +671,16 @@ def balanced_stage_layers(costs: LayerCosts, num_stages: int) -> tuple[int, ...]
     L = costs.num_layers
     if not 1 <= num_stages <= L + 1:
         raise ValueError(f"num_stages must be in 1..{L + 1} for {L} layers, got {num_stages}")
-    w = [f + r + b for f, r, b in zip(costs.fwd_ms, costs.recompute_ms, costs.bwd_ms,
-                                      strict=True)]
+    w = [f + r + b for f, r, b in zip(costs.fwd_ms, costs.recompute_ms, costs.bwd_ms, strict=True)]
     head = costs.head_fwd_ms + costs.head_bwd_ms
     p = _prefix(w)
-    caps = sorted({p[j] - p[i] for i in range(L + 1) for j in range(i, L + 1)} | {
-        head + p[L] - p[i] for i in range(L + 1)})
+    caps = sorted(
+        {p[j] - p[i] for i in range(L + 1) for j in range(i, L + 1)}
+        | {head + p[L] - p[i] for i in range(L + 1)}
+    )
 
     def cut(cap: float) -> list[int] | None:
         # from the head backwards: fill the last stage, then the others, each <= cap
-        j = L
         start = bisect.bisect_left(p, p[L] + head - cap - _EPS)
         if start > L:
             return None
@@ -647,10 +699,10 @@ def balanced_stage_layers(costs: LayerCosts, num_stages: int) -> tuple[int, ...]
         lo, hi = (lo, mid) if cut(caps[mid]) is not None else (mid + 1, hi)
     sizes = cut(caps[lo]) or [L]
     # too few stages: split the largest non-last stages until there are num_stages
-    while len(sizes) < num_stages:
-        k = max(range(len(sizes) - 1), key=lambda s: sizes[s], default=None)
-        if k is None or sizes[k] < 2:
-            sizes.insert(len(sizes) - 1, 0) if sizes[-1] == 0 else sizes.append(0)
-            continue
-        sizes[k : k + 1] = [sizes[k] - sizes[k] // 2, sizes[k] // 2]
+    while len(sizes) < num_stages:  # fewer stages fit the best cap: split the largest
+        k = max(range(len(sizes) - 1), key=sizes.__getitem__, default=-1)
+        if k >= 0 and sizes[k] >= 2:
+            sizes[k : k + 1] = [sizes[k] - sizes[k] // 2, sizes[k] // 2]
+        else:  # the last stage hands its layers to a new stage and keeps the head alone
+            sizes.append(0)
     return tuple(sizes)

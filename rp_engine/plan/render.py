@@ -56,8 +56,9 @@ def text_grid(result: SimResult, *, width: int = 100, lanes: Sequence[str] = ("c
     span = result.makespan_ms or 1.0
     step = span / width
     rows_ = _rows(result, lanes)
-    names = ["host" if d == HOST else f"d{d}" + ("" if ln == "compute" else f":{ln}")
-             for d, ln in rows_]
+    names = [
+        "host" if d == HOST else f"d{d}" + ("" if ln == "compute" else f":{ln}") for d, ln in rows_
+    ]
     pad = max([len(n) for n in names] + [4])
     rows = [f"{'':>{pad}}  0 ms{'':{max(width - 12, 1)}}{span:8.1f} ms"]
     for (device, lane), name in zip(rows_, names, strict=True):
@@ -79,25 +80,43 @@ def chrome_trace(result: SimResult) -> dict[str, object]:
     for device, lane in _rows(result, _LANES):
         pid = 1_000 if device == HOST else device
         tid = _LANES.index(lane)
-        events.append({"ph": "M", "name": "process_name", "pid": pid,
-                       "args": {"name": "host" if device == HOST else f"device {device}"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                       "args": {"name": lane}})
-        for iv in _lane(result, device, lane):
-            events.append({
-                "ph": "X",
-                "name": iv.label,
-                "cat": iv.phase,
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
                 "pid": pid,
-                "tid": tid,
-                "ts": round(iv.start_ms * 1e3, 3),
-                "dur": round((iv.end_ms - iv.start_ms) * 1e3, 3),
-                "args": {"action": str(iv.action), "phase": iv.phase,
-                         "iteration": iv.action.iteration},
-            })
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"schedule": result.schedule, "bubble_ratio": result.bubble_ratio,
-                          "makespan_ms": result.makespan_ms}}
+                "args": {"name": "host" if device == HOST else f"device {device}"},
+            }
+        )
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}}
+        )
+        for iv in _lane(result, device, lane):
+            events.append(
+                {
+                    "ph": "X",
+                    "name": iv.label,
+                    "cat": iv.phase,
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": round(iv.start_ms * 1e3, 3),
+                    "dur": round((iv.end_ms - iv.start_ms) * 1e3, 3),
+                    "args": {
+                        "action": str(iv.action),
+                        "phase": iv.phase,
+                        "iteration": iv.action.iteration,
+                    },
+                }
+            )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "schedule": result.schedule,
+            "bubble_ratio": result.bubble_ratio,
+            "makespan_ms": result.makespan_ms,
+        },
+    }
 
 
 def write_chrome_trace(result: SimResult, path: str | os.PathLike[str]) -> None:
@@ -127,23 +146,47 @@ def write_png(
     for r, (device, lane) in enumerate(rows):
         for iv in _lane(result, device, lane):
             width = iv.end_ms - iv.start_ms
-            ax.broken_barh([(iv.start_ms, width)], (r - 0.4, 0.8),
-                           facecolors=_COLORS.get(iv.phase, "#999999"), edgecolors="white",
-                           linewidth=0.3)
+            ax.broken_barh(
+                [(iv.start_ms, width)],
+                (r - 0.4, 0.8),
+                facecolors=_COLORS.get(iv.phase, "#999999"),
+                edgecolors="white",
+                linewidth=0.3,
+            )
             if width / span * fig_w * 72 > 22:  # room for a label (points)
-                ax.text(iv.start_ms + width / 2, r, f"{iv.action.stage}.{iv.action.microbatch}",
-                        ha="center", va="center", fontsize=5, color="white")
+                ax.text(
+                    iv.start_ms + width / 2,
+                    r,
+                    f"{iv.action.stage}.{iv.action.microbatch}",
+                    ha="center",
+                    va="center",
+                    fontsize=5,
+                    color="white",
+                )
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels(["host" if d == HOST else f"GPU {d}" + ("" if ln == "compute" else f" {ln}")
-                        for d, ln in rows])
+    ax.set_yticklabels(
+        [
+            "host" if d == HOST else f"GPU {d}" + ("" if ln == "compute" else f" {ln}")
+            for d, ln in rows
+        ]
+    )
     ax.invert_yaxis()
     ax.set_xlim(0, span)
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"{result.schedule}: bubble {100 * result.bubble_ratio:.1f} %, "
-                 f"iteration {result.iteration_ms:.1f} ms")
+    ax.set_title(
+        title
+        or f"{result.schedule}: bubble {100 * result.bubble_ratio:.1f} %, "
+        f"iteration {result.iteration_ms:.1f} ms"
+    )
     present = _phases(result)
-    ax.legend(handles=[Patch(color=c, label=p) for p, c in _COLORS.items() if p in present],
-              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=8, fontsize=7, frameon=False)
+    ax.legend(
+        handles=[Patch(color=c, label=p) for p, c in _COLORS.items() if p in present],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=8,
+        fontsize=7,
+        frameon=False,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)

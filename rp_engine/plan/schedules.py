@@ -101,7 +101,9 @@ def _slot_action(slot: int, num_fwd: int, mb: int, device: int, iteration: int) 
 # stage k lives on device_order[k mod N]. _bound_plan turns it into a Plan.
 
 
-def _gpipe_order(rank: int, num_stages: int, num_devices: int, m: int) -> list[tuple[str, int, int]]:
+def _gpipe_order(
+    rank: int, num_stages: int, num_devices: int, m: int
+) -> list[tuple[str, int, int]]:
     local = list(range(rank, num_stages, num_devices))
     fwd = [("F", k, mb) for k in local for mb in range(m)]
     return fwd + [("B", k, mb) for k in reversed(local) for mb in range(m)]
@@ -158,8 +160,15 @@ def gpipe(
     device_order: Sequence[int] | None = None,
 ) -> Plan:
     """GPipe: all forwards, then all backwards; stage k on device k mod N (LM head on the last)."""
-    return _bound_plan("gpipe", _gpipe_order, stage_layers, num_devices, num_microbatches,
-                       iteration=iteration, device_order=device_order)
+    return _bound_plan(
+        "gpipe",
+        _gpipe_order,
+        stage_layers,
+        num_devices,
+        num_microbatches,
+        iteration=iteration,
+        device_order=device_order,
+    )
 
 
 def one_f_one_b(
@@ -176,8 +185,15 @@ def one_f_one_b(
             f"1f1b needs one stage per device ({num_devices}), got {len(stage_layers)} stages; "
             "use interleaved-1f1b or looped-bfs for virtual stages"
         )
-    return _bound_plan("1f1b", _one_f_one_b_order, stage_layers, num_devices, num_microbatches,
-                       iteration=iteration, device_order=device_order)
+    return _bound_plan(
+        "1f1b",
+        _one_f_one_b_order,
+        stage_layers,
+        num_devices,
+        num_microbatches,
+        iteration=iteration,
+        device_order=device_order,
+    )
 
 
 def interleaved_1f1b(
@@ -193,8 +209,15 @@ def interleaved_1f1b(
         raise ValueError(
             f"interleaved-1f1b needs a multiple of {num_devices} stages, got {len(stage_layers)}"
         )
-    return _bound_plan("interleaved-1f1b", _interleaved_order, stage_layers, num_devices,
-                       num_microbatches, iteration=iteration, device_order=device_order)
+    return _bound_plan(
+        "interleaved-1f1b",
+        _interleaved_order,
+        stage_layers,
+        num_devices,
+        num_microbatches,
+        iteration=iteration,
+        device_order=device_order,
+    )
 
 
 def looped_bfs(
@@ -206,8 +229,15 @@ def looped_bfs(
     device_order: Sequence[int] | None = None,
 ) -> Plan:
     """Looped BFS over K virtual stages (stage k on device k mod N)."""
-    return _bound_plan("looped-bfs", _looped_bfs_order, stage_layers, num_devices,
-                       num_microbatches, iteration=iteration, device_order=device_order)
+    return _bound_plan(
+        "looped-bfs",
+        _looped_bfs_order,
+        stage_layers,
+        num_devices,
+        num_microbatches,
+        iteration=iteration,
+        device_order=device_order,
+    )
 
 
 def mobius(
@@ -235,8 +265,16 @@ def mobius(
         )
     order = list(device_order) if device_order is not None else cross_mapping(num_devices)
     order = order[start_device % num_devices :] + order[: start_device % num_devices]
-    plan = _bound_plan("mobius", _gpipe_order, blocks, num_devices, num_microbatches,
-                       iteration=iteration, device_order=order, fused_head=True)
+    plan = _bound_plan(
+        "mobius",
+        _gpipe_order,
+        blocks,
+        num_devices,
+        num_microbatches,
+        iteration=iteration,
+        device_order=order,
+        fused_head=True,
+    )
     return dataclasses.replace(plan, next_start_device=start_device % num_devices)
 
 
@@ -295,7 +333,8 @@ def _merge_rows(rows: Sequence[Sequence[Action]], draft: Plan) -> tuple[Action, 
     total = sum(len(row) for row in rows)
     while len(out) < total:
         ready = [
-            r for r, row in enumerate(rows)
+            r
+            for r, row in enumerate(rows)
             if cursor[r] < len(row) and all(x in done for x in deps[row[cursor[r]]])
         ]
         if not ready:
@@ -334,8 +373,11 @@ def build(schedule: str, *, num_iterations: int = 1, **kwargs: object) -> Plan:
     fn = SCHEDULES[schedule]
     plans: list[Plan] = []
     for it in range(num_iterations):
-        extra = {"start_device": plans[-1].next_start_device} if plans and (
-            schedule in OFFLOADED_SCHEDULES) else {}
+        extra = (
+            {"start_device": plans[-1].next_start_device}
+            if plans and (schedule in OFFLOADED_SCHEDULES)
+            else {}
+        )
         plans.append(fn(**{**kwargs, **extra, "iteration": it}))
     return chain(plans)
 
@@ -345,7 +387,10 @@ def chain(plans: Sequence[Plan]) -> Plan:
     first = plans[0]
     for p in plans[1:]:
         same = (p.fwd_cuts, p.bwd_cuts, p.num_devices) == (
-            first.fwd_cuts, first.bwd_cuts, first.num_devices)
+            first.fwd_cuts,
+            first.bwd_cuts,
+            first.num_devices,
+        )
         if not same:
             raise ValueError("chain: every plan must have the same cuts and devices")
     if len({it for p in plans for it in p.iterations}) != sum(len(p.iterations) for p in plans):
@@ -366,8 +411,10 @@ def _check_shape(
             f"{num_microbatches}"
         )
     if not fwd_cuts or not bwd_cuts or min(*fwd_cuts, *bwd_cuts) < 0:
-        raise ValueError(f"cuts must be non-empty lists of layer counts >= 0: "
-                         f"{list(fwd_cuts)} / {list(bwd_cuts)}")
+        raise ValueError(
+            f"cuts must be non-empty lists of layer counts >= 0: "
+            f"{list(fwd_cuts)} / {list(bwd_cuts)}"
+        )
     if sum(fwd_cuts) != sum(bwd_cuts):
         raise ValueError(
             f"fwd_cuts {list(fwd_cuts)} sum to {sum(fwd_cuts)} but bwd_cuts {list(bwd_cuts)} "
@@ -466,8 +513,9 @@ def _stable_topological(draft: Plan, key: Mapping[Action, float]) -> tuple[Actio
                 heapq.heappush(heap, (key[s], seq[s], s))
     if len(out) != len(draft.actions):
         stuck = next(a for a in draft.actions if waiting[a] > 0)
-        raise PlanError(f"lowering made a cycle at {stuck}\n" + format_grid(draft, mark=stuck,
-                                                                           limit=24))
+        raise PlanError(
+            f"lowering made a cycle at {stuck}\n" + format_grid(draft, mark=stuck, limit=24)
+        )
     return tuple(out)
 
 
@@ -494,8 +542,12 @@ def validate(
     for d in range(plan.num_devices):
         peak, where = _memory_walk(plan, stages, d)
         if memory_budget_bytes is not None and peak > memory_budget_bytes:
-            _fail(plan, where, f"device {d} needs {format_bytes(peak)} at {where}, over the "
-                  f"budget of {format_bytes(memory_budget_bytes)}")
+            _fail(
+                plan,
+                where,
+                f"device {d} needs {format_bytes(peak)} at {where}, over the "
+                f"budget of {format_bytes(memory_budget_bytes)}",
+            )
         peaks.append(peak)
     return tuple(peaks)
 
@@ -521,7 +573,9 @@ def _check_complete(plan: Plan) -> None:
     for a in plan.actions:
         on_host = a.op is Op.OPT
         if (a.device == HOST) != on_host or not (on_host or 0 <= a.device < plan.num_devices):
-            _fail(plan, a, f"{a} is on a device outside 0..{plan.num_devices - 1} (or OPT off host)")
+            _fail(
+                plan, a, f"{a} is on a device outside 0..{plan.num_devices - 1} (or OPT off host)"
+            )
         if a in seen:
             _fail(plan, a, f"{a} appears twice")
         seen[a] = a
@@ -532,8 +586,11 @@ def _check_complete(plan: Plan) -> None:
     if placed != expected:
         missing = sorted(map(str, expected - placed))[:8]
         extra = sorted(map(str, placed - expected))[:8]
-        _fail(plan, None, f"compute actions missing {missing} / unexpected {extra} "
-              "(devices shown as @0)")
+        _fail(
+            plan,
+            None,
+            f"compute actions missing {missing} / unexpected {extra} (devices shown as @0)",
+        )
 
 
 def _check_order(plan: Plan) -> None:
@@ -541,8 +598,12 @@ def _check_order(plan: Plan) -> None:
     for i, a in enumerate(plan.actions):
         for dep in plan.deps[a]:
             if index[dep] > i:
-                _fail(plan, a, f"{a} (issue step {i}) waits for {dep}, issued later (step "
-                      f"{index[dep]}): the order is not topological and could deadlock")
+                _fail(
+                    plan,
+                    a,
+                    f"{a} (issue step {i}) waits for {dep}, issued later (step "
+                    f"{index[dep]}): the order is not topological and could deadlock",
+                )
 
 
 def _check_uploads(plan: Plan) -> None:
@@ -558,8 +619,10 @@ def _check_uploads(plan: Plan) -> None:
         _fail(plan, u, f"{u} is never released (no matching FREE X{u.stage}.{u.microbatch})")
     uploaded = {a.device for a in plan.actions if a.op is Op.UPLOAD}
     for a in plan.actions:
-        if a.is_compute and a.device in uploaded and not any(
-            d.op is Op.UPLOAD for d in plan.deps[a]
+        if (
+            a.is_compute
+            and a.device in uploaded
+            and not any(d.op is Op.UPLOAD for d in plan.deps[a])
         ):
             _fail(plan, a, f"{a} runs on a device with uploaded weights but has no UPLOAD")
 
@@ -587,9 +650,7 @@ def _memory_walk(plan: Plan, st: StageCosts, device: int) -> tuple[int, Action |
         if a.op is Op.UPLOAD:
             resident += st.param_bytes[a.stage]
         elif a.op is Op.FREE:
-            resident -= st.param_bytes[a.stage] + grads.pop(
-                (a.stage, a.microbatch, a.iteration), 0
-            )
+            resident -= st.param_bytes[a.stage] + grads.pop((a.stage, a.microbatch, a.iteration), 0)
         elif a.is_compute:
             slot = plan.slot(a)
             if offloaded and a in firsts:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import schedules
-from .actions import HOST, Action, Op, Plan, PlanError, format_grid
+from .actions import HOST, OPTIMIZER_LAG, Action, Op, Plan, PlanError, format_grid
 
 if TYPE_CHECKING:
     from .partition import LayerCosts, StageCosts
@@ -83,6 +83,23 @@ class Machine:
     device_order: tuple[int, ...] | None = None  # Mobius cross mapping over PCIe switches
     info: Mapping[str, object] = field(default_factory=dict, compare=False)
 
+    def __post_init__(self) -> None:
+        positive = {
+            "num_devices": self.num_devices,
+            "h2d_gbps": self.h2d_gbps,
+            "d2h_gbps": self.d2h_gbps,
+            "cpu_adam_params_per_s": self.cpu_adam_params_per_s,
+            "bytes_per_param": self.bytes_per_param,
+            "compute_scale": self.compute_scale,
+        }
+        if self.p2p:
+            positive["p2p_gbps (p2p is on)"] = self.p2p_gbps
+        if self.host_link_gbps is not None:
+            positive["host_link_gbps"] = self.host_link_gbps
+        bad = {k: v for k, v in positive.items() if not v > 0}
+        if bad:
+            raise ValueError(f"machine {self.name!r}: these must be > 0: {bad}")
+
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> Machine:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -106,8 +123,9 @@ def load_machine(name_or_path: str) -> Machine:
     if not path.is_file():
         path = _PRESETS / f"{name_or_path}.json"
     if not path.is_file():
-        raise ValueError(f"no machine {name_or_path!r}: give a JSON path or one of "
-                         f"{preset_names()}")
+        raise ValueError(
+            f"no machine {name_or_path!r}: give a JSON path or one of {preset_names()}"
+        )
     return Machine.from_dict(json.loads(path.read_text()))
 
 
@@ -154,8 +172,9 @@ class SimResult:
 
     def timeline(self, device: int) -> list[Interval]:
         """Intervals of one device (all lanes), by start time."""
-        return sorted((i for i in self.intervals if i.device == device),
-                      key=lambda i: (i.start_ms, i.lane))
+        return sorted(
+            (i for i in self.intervals if i.device == device), key=lambda i: (i.start_ms, i.lane)
+        )
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -168,7 +187,8 @@ class SimResult:
             "iteration_ms": round(self.iteration_ms, 4),
             "busy_ms": round(self.busy_ms, 4),
             "bubble_ratio": round(self.bubble_ratio, 6),
-            "bubble_ratio_fill_drain": None if self.bubble_ratio_fill_drain is None
+            "bubble_ratio_fill_drain": None
+            if self.bubble_ratio_fill_drain is None
             else round(self.bubble_ratio_fill_drain, 6),
             "peak_memory_bytes": list(self.peak_memory_bytes),
             "bytes_moved": dict(self.bytes_moved),
@@ -193,8 +213,9 @@ class QuickTimes:
     def fill_drain_ms(self, num_devices: int) -> float:
         """Sum over devices of the time before their first and after their last action."""
         mk = self.makespan_ms
-        return sum(self.first_start.get(d, mk) + mk - self.last_end.get(d, 0.0)
-                   for d in range(num_devices))
+        return sum(
+            self.first_start.get(d, mk) + mk - self.last_end.get(d, 0.0) for d in range(num_devices)
+        )
 
 
 def quick_times(
@@ -214,7 +235,7 @@ def quick_times(
     st = costs.stages(plan.fwd_cuts, plan.bwd_cuts, fused_head=plan.fused_head)
     comm = costs.comm_ms if comm_ms is None else comm_ms
     early = _early_default(plan) if early_recompute is None else early_recompute
-    lag, num_fwd = _LAG[optimizer], plan.num_fwd_stages
+    lag, num_fwd = OPTIMIZER_LAG[optimizer], plan.num_fwd_stages
     gates = _weight_gates(plan) if len(plan.iterations) > lag else {}
     deps, fwd_op, bwd_op, last_fwd = plan.deps, Op.FWD, Op.BWD, num_fwd - 1
     end: dict[Action, float] = {}
@@ -233,8 +254,9 @@ def quick_times(
         grad_from_fwd = a.op is bwd_op and a.stage == 0 and not plan.fused_head
         for dep in deps[a]:
             arrive = end[dep] + (comm if dep.device != d else 0.0)
-            grad = a.op is bwd_op and (dep.op is not fwd_op or (grad_from_fwd
-                                                                 and dep.stage == last_fwd))
+            grad = a.op is bwd_op and (
+                dep.op is not fwd_op or (grad_from_fwd and dep.stage == last_fwd)
+            )
             if early and grad:
                 t_grad = max(t_grad, arrive)
             else:
@@ -257,9 +279,6 @@ def quick_times(
     )
 
 
-_LAG = {"sync": 1, "async": 2}  # iteration i waits for the weight update of i - lag
-
-
 def _weight_gates(plan: Plan) -> dict[int, tuple[int, ...]]:
     """For each slot, the backward slots whose weight update its compute must wait for
     (overlapping layers; the head; the prefix updates with layer 0's backward stage)."""
@@ -271,7 +290,8 @@ def _weight_gates(plan: Plan) -> dict[int, tuple[int, ...]]:
         if slot == 0:
             mine = range(0, max(mine.stop, 1))
         out[slot] = tuple(
-            j for j in range(num_fwd, plan.num_slots)
+            j
+            for j in range(num_fwd, plan.num_slots)
             if _overlap(mine, plan.slot_layers(j)) or (slot in head_slots and j == num_fwd)
         )
     return out
@@ -304,17 +324,18 @@ class _Task:
 class _Builder:
     """Turns plan actions into tasks (one handler per op)."""
 
-    def __init__(self, plan: Plan, costs: LayerCosts, machine: Machine | None, comm_ms: float,
-                 early: bool) -> None:
+    def __init__(
+        self, plan: Plan, costs: LayerCosts, machine: Machine | None, comm_ms: float, early: bool
+    ) -> None:
         self.plan, self.machine, self.comm, self.early = plan, machine, comm_ms, early
-        self.st: StageCosts = costs.stages(plan.fwd_cuts, plan.bwd_cuts,
-                                           fused_head=plan.fused_head)
+        self.st: StageCosts = costs.stages(plan.fwd_cuts, plan.bwd_cuts, fused_head=plan.fused_head)
         self.scale = machine.compute_scale if machine else 1.0
         self.tasks: list[_Task] = []
         self.first: dict[Action, int] = {}
         self.last: dict[Action, int] = {}
-        self.compute_src = {(plan.slot(a), a.microbatch, a.iteration): a
-                            for a in plan.actions if a.is_compute}
+        self.compute_src = {
+            (plan.slot(a), a.microbatch, a.iteration): a for a in plan.actions if a.is_compute
+        }
         self.handlers = {
             Op.FWD: self._fwd,
             Op.HEAD: self._head,
@@ -347,16 +368,25 @@ class _Builder:
 
     def _head(self, a: Action) -> list[int]:
         slot = self.plan.slot(a)
-        return [self._compute(a, "head_fwd", self.st.pre_ms[slot]),
-                self._compute(a, "head_bwd", self.st.post_ms[slot])]
+        return [
+            self._compute(a, "head_fwd", self.st.pre_ms[slot]),
+            self._compute(a, "head_bwd", self.st.post_ms[slot]),
+        ]
 
     def _bwd(self, a: Action) -> list[int]:
         slot = self.plan.slot(a)
         pre = [self._compute(a, "recompute", self.st.pre_ms[slot])] if self.st.pre_ms[slot] else []
         return pre + [self._compute(a, "bwd", self.st.post_ms[slot])]
 
-    def _copy(self, a: Action, phase: str, lane: tuple[str, int], nbytes: float,
-              links: tuple[tuple[str, int], ...], kind: str) -> int:
+    def _copy(
+        self,
+        a: Action,
+        phase: str,
+        lane: tuple[str, int],
+        nbytes: float,
+        links: tuple[tuple[str, int], ...],
+        kind: str,
+    ) -> int:
         if self.machine is None:  # conventions: transfers are free
             return self._add(_Task(a, phase, None, kind=kind, nbytes=nbytes))
         host = (("host", 0),) if self.machine.host_link_gbps else ()
@@ -364,13 +394,17 @@ class _Builder:
 
     def _upload(self, a: Action) -> list[int]:
         nbytes = self.st.param_bytes[a.stage]
-        return [self._copy(a, "upload", ("h2d_param", a.device), nbytes, (("h2d", a.device),),
-                           "weights_h2d")]
+        return [
+            self._copy(
+                a, "upload", ("h2d_param", a.device), nbytes, (("h2d", a.device),), "weights_h2d"
+            )
+        ]
 
     def _download(self, a: Action) -> list[int]:
         nbytes = self.st.grad_bytes[a.stage]
-        return [self._copy(a, "download", ("d2h", a.device), nbytes, (("d2h", a.device),),
-                           "grads_d2h")]
+        return [
+            self._copy(a, "download", ("d2h", a.device), nbytes, (("d2h", a.device),), "grads_d2h")
+        ]
 
     def _free(self, a: Action) -> list[int]:
         return [self._add(_Task(a, "free", None))]
@@ -381,8 +415,18 @@ class _Builder:
         if self.machine is None:
             return [self._add(_Task(a, "send", None, ms=self.comm, kind="activations"))]
         if self.machine.p2p:
-            return [self._add(_Task(a, "send", ("h2d_act", dst), nbytes=nbytes, kind="act_p2p",
-                                    links=(("p2p_out", src), ("p2p_in", dst))))]
+            return [
+                self._add(
+                    _Task(
+                        a,
+                        "send",
+                        ("h2d_act", dst),
+                        nbytes=nbytes,
+                        kind="act_p2p",
+                        links=(("p2p_out", src), ("p2p_in", dst)),
+                    )
+                )
+            ]
         down = self._copy(a, "send_d2h", ("d2h", src), nbytes, (("d2h", src),), "act_d2h")
         up = self._copy(a, "send_h2d", ("h2d_act", dst), nbytes, (("h2d", dst),), "act_h2d")
         self.tasks[up].deps.append((down, 0.0))
@@ -390,7 +434,8 @@ class _Builder:
 
     def _opt(self, a: Action) -> list[int]:
         params = self.st.layer_param_bytes[a.stage] / (
-            self.machine.bytes_per_param if self.machine else 2.0)
+            self.machine.bytes_per_param if self.machine else 2.0
+        )
         rate = self.machine.cpu_adam_params_per_s if self.machine else math.inf
         return [self._add(_Task(a, "opt", ("cpu", HOST), ms=1e3 * params / rate))]
 
@@ -409,7 +454,10 @@ class _Builder:
     def _gates_last_phase(self, a: Action, dep: Action) -> bool:
         if a.op is Op.SEND:  # the source gates the D2H half; the prefetch gate the H2D half
             source = (self.plan.slot(dep), dep.microbatch, dep.iteration) == (
-                a.stage, a.microbatch, a.iteration)
+                a.stage,
+                a.microbatch,
+                a.iteration,
+            )
             return not (dep.is_compute and source)
         return a.op is Op.BWD and self.early and self.plan.is_grad_edge(a, dep)
 
@@ -547,8 +595,10 @@ class _Engine:
     def _deadlock(self) -> None:
         pending = [i for i, t in enumerate(self.tasks) if math.isnan(t.end)]
         stuck = self.tasks[min(pending, key=lambda i: (self.waiting[i] > 0, i))].action
-        raise PlanError(f"{self.plan.schedule}: the simulation cannot progress at {stuck}\n"
-                        + format_grid(self.plan, mark=stuck, limit=24))
+        raise PlanError(
+            f"{self.plan.schedule}: the simulation cannot progress at {stuck}\n"
+            + format_grid(self.plan, mark=stuck, limit=24)
+        )
 
 
 def _link_caps(machine: Machine, num_devices: int) -> dict[tuple[str, int], float]:
@@ -585,6 +635,11 @@ def simulate(
     optimizer = optimizer or plan.optimizer or "sync"
     if optimizer not in ("sync", "async"):
         raise ValueError(f"optimizer must be 'sync' or 'async', got {optimizer!r}")
+    if machine is not None and machine.num_devices < plan.num_devices:
+        raise ValueError(
+            f"the plan uses {plan.num_devices} devices, machine {machine.name!r} has "
+            f"{machine.num_devices}"
+        )
     if machine is not None and all(a.is_compute for a in plan.actions):
         plan = schedules.lower(plan, optimizer=optimizer)
     early = _early_default(plan) if early_recompute is None else early_recompute
@@ -592,7 +647,7 @@ def simulate(
     builder = _Builder(plan, costs, machine, comm, early)
     tasks = builder.build()
     if not any(a.op is Op.OPT for a in plan.actions):
-        _add_weight_gates(tasks, builder, _LAG[optimizer])
+        _add_weight_gates(tasks, builder, OPTIMIZER_LAG[optimizer])
     _Engine(tasks, plan, machine).run()
     if align_recompute:
         _align_recompute(tasks)
@@ -632,9 +687,17 @@ def _align_recompute(tasks: list[_Task]) -> None:
 def _result(plan: Plan, tasks: list[_Task], builder: _Builder) -> SimResult:
     n, iters = plan.num_devices, len(plan.iterations)
     intervals = tuple(
-        Interval(t.lane[1] if t.lane else t.action.device, t.lane[0] if t.lane else "none",
-                 t.phase, t.start, t.end, t.action, t.busy)
-        for t in tasks if t.lane is not None and t.end > t.start
+        Interval(
+            t.lane[1] if t.lane else t.action.device,
+            t.lane[0] if t.lane else "none",
+            t.phase,
+            t.start,
+            t.end,
+            t.action,
+            t.busy,
+        )
+        for t in tasks
+        if t.lane is not None and t.end > t.start
     )
     busy = [iv for iv in intervals if iv.busy]
     makespan = max((t.end for t in tasks), default=0.0)
@@ -705,8 +768,9 @@ def _peak_memory(plan: Plan, tasks: Sequence[_Task], builder: _Builder) -> tuple
             continue
         if not offloaded:
             slots = {plan.slot(a) for g in groups for a in g}
-            static = sum(st.param_bytes[s] if s < plan.num_fwd_stages else st.grad_bytes[s]
-                         for s in slots)
+            static = sum(
+                st.param_bytes[s] if s < plan.num_fwd_stages else st.grad_bytes[s] for s in slots
+            )
             events[d].append((0.0, static))
         for g in groups:
             slot, t0, t1 = plan.slot(g[0]), span(g[0])[0], span(g[-1])[1]
@@ -761,18 +825,35 @@ def _parser() -> argparse.ArgumentParser:
         description="Simulate a pipeline schedule on per-layer costs; print one JSON object.",
     )
     p.add_argument("--costs", required=True, help="COSTS.json (see partition.LayerCosts)")
-    p.add_argument("--schedule", required=True, choices=[
-        "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "mobius", "roundpipe-sync",
-        "roundpipe-async"])
+    p.add_argument(
+        "--schedule",
+        required=True,
+        choices=[
+            "gpipe",
+            "1f1b",
+            "interleaved-1f1b",
+            "looped-bfs",
+            "mobius",
+            "roundpipe-sync",
+            "roundpipe-async",
+        ],
+    )
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--stage-layers", help="layers per (virtual) stage of a bound schedule")
     p.add_argument("--fwd-cuts", help="RoundPipe forward stages (layers each)")
     p.add_argument("--bwd-cuts", help="RoundPipe backward stages, head stage first")
-    p.add_argument("--machine", help=f"machine preset ({', '.join(preset_names())}) or JSON; "
-                   "default: the simulation conventions (compute + comm_ms)")
-    p.add_argument("--iterations", type=int, default=None,
-                   help="iterations back to back (default 4 for roundpipe-async, else 1)")
+    p.add_argument(
+        "--machine",
+        help=f"machine preset ({', '.join(preset_names())}) or JSON; "
+        "default: the simulation conventions (compute + comm_ms)",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="iterations back to back (default 4 for roundpipe-async, else 1)",
+    )
     p.add_argument("--memory-gb", type=float, default=None, help="partitioner memory budget")
     p.add_argument("--trace", help="write a Chrome trace JSON here")
     p.add_argument("--png", help="write a Gantt chart PNG here")
@@ -781,8 +862,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cli_plan(args: argparse.Namespace, costs: LayerCosts, machine: Machine | None,
-              iterations: int) -> tuple[Plan, dict[str, object]]:
+def _cli_plan(
+    args: argparse.Namespace, costs: LayerCosts, machine: Machine | None, iterations: int
+) -> tuple[Plan, dict[str, object]]:
     from .partition import balanced_stage_layers, partition
 
     name, n, m = args.schedule, args.devices, args.microbatches
@@ -790,15 +872,28 @@ def _cli_plan(args: argparse.Namespace, costs: LayerCosts, machine: Machine | No
     if name.startswith("roundpipe"):
         fwd, bwd = _parse_ints(args.fwd_cuts), _parse_ints(args.bwd_cuts)
         if fwd is None or bwd is None:
-            budget = int(args.memory_gb * 2**30) if args.memory_gb else (
-                machine.memory_bytes if machine else None)
-            part = partition(costs, num_devices=n, num_microbatches=m,
-                             memory_budget_bytes=budget,
-                             async_optimizer=name == "roundpipe-async")
+            budget = (
+                int(args.memory_gb * 2**30)
+                if args.memory_gb
+                else (machine.memory_bytes if machine else None)
+            )
+            part = partition(
+                costs,
+                num_devices=n,
+                num_microbatches=m,
+                memory_budget_bytes=budget,
+                async_optimizer=name == "roundpipe-async",
+            )
             fwd, bwd = part.fwd_cuts, part.bwd_cuts
             extra["partitioner"] = True
-        plan = schedules.build("roundpipe", num_iterations=iterations, fwd_cuts=fwd,
-                               bwd_cuts=bwd, num_devices=n, num_microbatches=m)
+        plan = schedules.build(
+            "roundpipe",
+            num_iterations=iterations,
+            fwd_cuts=fwd,
+            bwd_cuts=bwd,
+            num_devices=n,
+            num_microbatches=m,
+        )
         return plan, extra
     stage_layers = _parse_ints(args.stage_layers)
     if stage_layers is None:
@@ -824,19 +919,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = load_machine(args.machine) if args.machine else None
     if raw.get("pcie_gbps"):
         base = machine or load_machine("rtx4090_pcie4_8x")
-        machine = dataclasses.replace(base, h2d_gbps=float(raw["pcie_gbps"]),
-                                      d2h_gbps=float(raw["pcie_gbps"]))
+        machine = dataclasses.replace(
+            base, h2d_gbps=float(raw["pcie_gbps"]), d2h_gbps=float(raw["pcie_gbps"])
+        )
     is_async = args.schedule == "roundpipe-async"
     iterations = args.iterations or (4 if is_async else 1)
     plan, extra = _cli_plan(args, costs, machine, iterations)
     result = simulate(plan, costs, machine=machine, optimizer="async" if is_async else "sync")
     out = result.to_json()
-    out.update(schedule=args.schedule, fwd_cuts=list(plan.fwd_cuts),
-               bwd_cuts=list(plan.bwd_cuts), machine=machine.name if machine else "conventions",
-               **extra)
+    out.update(
+        schedule=args.schedule,
+        fwd_cuts=list(plan.fwd_cuts),
+        bwd_cuts=list(plan.bwd_cuts),
+        machine=machine.name if machine else "conventions",
+        **extra,
+    )
     if is_async and iterations > 1:  # the published estimate, from one iteration
-        single = schedules.build("roundpipe", fwd_cuts=plan.fwd_cuts, bwd_cuts=plan.bwd_cuts,
-                                 num_devices=args.devices, num_microbatches=args.microbatches)
+        single = schedules.build(
+            "roundpipe",
+            fwd_cuts=plan.fwd_cuts,
+            bwd_cuts=plan.bwd_cuts,
+            num_devices=args.devices,
+            num_microbatches=args.microbatches,
+        )
         one = simulate(single, costs, machine=machine, optimizer="async")
         out["bubble_ratio_fill_drain"] = round(one.bubble_ratio_fill_drain or 0.0, 6)
     if args.trace:

@@ -17,6 +17,7 @@ DeviceError naming the device and the action ("F2.3@1"); the pool is reset so th
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from rp_engine.model.host_store import HostStore
 from rp_engine.plan.actions import Action, Op
 from rp_engine.runtime.replica import Replica
 from rp_engine.runtime.stages import StageMap
-from rp_engine.transfer import State, WeightUpload, download_state, upload_state, upload_weights
+from rp_engine.transfer import State, WeightUpload, download_state, upload_weights
 
 __all__ = ["Executor", "RunSpec", "RunResult", "TimelineRecord", "GradSink", "Carry", "layer_seed"]
 
@@ -110,10 +111,10 @@ class _Ctx:
 
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
-        self.acts: dict[Any, State] = {}
-        self.act_where: dict[Any, tuple[int, Event]] = {}
-        self.saved: dict[tuple[int, int], State] = {}
-        self.saved_ev: dict[tuple[int, int], Event] = {}
+        self.acts: dict[Any, Any] = {}  # device (or host) states by key; see the handlers
+        self.act_where: dict[Any, tuple[int, Event | None]] = {}  # key -> (device|-1, ready)
+        self.saved: dict[tuple[int, int], State] = {}  # (bwd stage, mb) -> host input
+        self.saved_ev: dict[tuple[int, int], Event | None] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.timeline: list[TimelineRecord] = []
         self.layer_ms: dict[int, list[float]] = {}
@@ -201,8 +202,8 @@ class Executor:
         compute.submit(scale, label="H.scale")
         done = compute.record()
         ctx.saved.update(carry.saved)
-        for key in carry.saved:
-            ctx.saved_ev[key] = None  # type: ignore[assignment]
+        for saved in carry.saved:
+            ctx.saved_ev[saved] = None  # already on the host
         if carry.grad_in is not None:
             key = ("G", 1, carry.microbatch)
             ctx.acts[key] = {"hidden": carry.grad_in}
@@ -225,8 +226,7 @@ class Executor:
             self._put_host(ctx, in_key, ctx.spec.batches[a.microbatch])
         arrived = self._arrive(ctx, in_key, device, str(a))
         compute = device.stream(StreamRole.COMPUTE)
-        compute.wait(weights.event)  # type: ignore[arg-type]
-        compute.wait(arrived)
+        _wait(compute, weights.event, arrived)
         out_key = ("F", a.stage, a.microbatch)
         last_stage = len(self.stages.fwd) - 1
         saves = ctx.spec.train
@@ -254,8 +254,8 @@ class Executor:
             key = (j, a.microbatch)
             ctx.saved_ev[key] = download_state(
                 device,
-                lambda key=key: ctx.acts.pop(("S", *key)),
-                lambda st, key=key: ctx.saved.__setitem__(key, st),
+                functools.partial(ctx.acts.pop, ("S", *key)),
+                functools.partial(ctx.saved.__setitem__, key),
                 after=done,
                 label=f"{a}.save{j}",
             )
@@ -272,8 +272,7 @@ class Executor:
             in_key = ("F", len(self.stages.fwd) - 1, a.microbatch)
         arrived = self._arrive(ctx, in_key, device, str(a))
         compute = device.stream(StreamRole.COMPUTE)
-        compute.wait(weights.event)  # type: ignore[arg-type]
-        compute.wait(arrived)
+        _wait(compute, weights.event, arrived)
         spec = ctx.spec
         grads_holder: dict[int, torch.Tensor] = {}
 
@@ -294,7 +293,8 @@ class Executor:
                     y = self._call(ctx, device, layer, y, a.microbatch, weights)
                 head_in = {**y, "hidden": y["hidden"].detach()}
                 replica = self._load(device, head, weights)
-                loss, grad_hidden = replica.module.forward_backward(
+                head_module: Any = replica.module
+                loss, grad_hidden = head_module.forward_backward(
                     head_in, grad_scale=1.0 if spec.defer_head else spec.grad_scale
                 )
                 if blocks:
@@ -336,9 +336,7 @@ class Executor:
         g_key = ("G", a.stage, a.microbatch)
         g_ready = self._arrive(ctx, g_key, device, str(a))
         compute = device.stream(StreamRole.COMPUTE)
-        compute.wait(weights.event)  # type: ignore[arg-type]
-        compute.wait(x_ready)
-        compute.wait(g_ready)
+        _wait(compute, weights.event, x_ready, g_ready)
         grads_holder: dict[int, torch.Tensor] = {}
         last = a.stage == len(self.stages.bwd) - 1
 
@@ -405,11 +403,11 @@ class Executor:
         host_key: tuple[int, int] | None = None,
     ) -> None:
         """Register a host-resident input: a micro-batch, or a saved input not yet downloaded."""
-        ctx.act_where[key] = (-1, ready)  # type: ignore[assignment]
+        ctx.act_where[key] = (-1, ready)
         if state is not None:
             ctx.acts[key] = state
         else:
-            ctx.acts[("H", key)] = host_key  # type: ignore[assignment]
+            ctx.acts[("H", key)] = host_key
 
     def _arrive(self, ctx: _Ctx, key: Any, device: Device, label: str) -> Event | None:
         """Make ``ctx.acts[key]`` available on ``device``; returns the event to wait for."""
@@ -419,6 +417,7 @@ class Executor:
         if src_index >= 0:  # on another device: through the host (consumer GPUs have no P2P)
             src = self.devices[src_index]
             host: dict[str, State] = {}
+            assert event is not None, key
             down = download_state(
                 src,
                 lambda: ctx.acts.pop(key),
@@ -431,8 +430,7 @@ class Executor:
             return self._upload_state(ctx, device, key, lambda: host.pop("s"), label)
         # host-resident input (micro-batch or a saved stage input)
         stream = device.stream(StreamRole.H2D_ACT)
-        if event is not None:
-            stream.wait(event)
+        _wait(stream, event)
         host_key = ctx.acts.pop(("H", key), None)
         if host_key is not None:
             return self._upload_state(ctx, device, key, lambda: ctx.saved.pop(host_key), label)
@@ -567,6 +565,13 @@ def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
     """The RNG seed of one layer's forward (and its recomputation): dropout masks depend only on
     (seed, step, global micro-batch, layer), never on the device or thread that ran it."""
     return ((seed * 1_000_003 + step * 10_007 + microbatch) * 1_009 + layer) & 0x7FFF_FFFF
+
+
+def _wait(stream: Any, *events: Event | None) -> None:
+    """Make later work on ``stream`` wait for each event that exists (None: already there)."""
+    for event in events:
+        if event is not None:
+            stream.wait(event)
 
 
 def _is_bwd(a: Action) -> bool:
