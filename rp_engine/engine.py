@@ -103,6 +103,7 @@ class RoundPipeEngine:
             bwd_cuts=rp.bwd_cuts,
             memory_budget_bytes=int(rp.device_memory_gb * 2**30) if rp.device_memory_gb else None,
             profile_iterations=rp.profile_iterations,
+            async_optimizer=self.stepper.async_mode,
         )
         self._executor = self._make_executor()
         self.monitor = Monitor.from_config(cfg)

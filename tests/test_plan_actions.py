@@ -143,3 +143,24 @@ def test_golden_plans(name: str) -> None:
     assert plan.to_text() == text, f"{name} changed; if intended, RP_UPDATE_GOLDEN=1 rewrites it"
     assert Plan.from_text(text) == plan
     schedules.validate(Plan.from_text(text))
+
+
+def test_plan_package_is_pure_python() -> None:
+    """No torch in plan/, and matplotlib only inside a function (render.write_png)."""
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "rp_engine" / "plan"
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            roots = {name.split(".")[0] for name in names}
+            assert "torch" not in roots, f"{path.name} imports torch"
+            if "matplotlib" in roots:
+                assert path.name == "render.py" and id(node) not in top_level, path.name

@@ -11,11 +11,13 @@ Search, for L layers:
      times, and head + every suffix of backward times: O(L^2), deduplicated, t >= largest item;
   2. per cap, a greedy scan (O(L); bisection on prefix sums) packs forward stages left to right
      and backward stages from the head toward the input, each <= t and within the memory budget,
-     filling the head stage first; the shape (S_f, head layers, S_b) is kept once, at its
-     smallest cap;
-  3. each shape is scored by the estimated iteration time of its greedy cuts and of evenly
-     balanced cuts of the same shape; the best few shapes' neighbours and one-layer cut moves
-     are tried last. The smallest estimate wins.
+     filling the head stage first; each shape (S_f, head layers, S_b) is kept at its smallest
+     cap, which orders the shapes from many small stages to few large ones;
+  3. the shapes are scored by the estimated iteration time (``estimate_iteration_ms``: the
+     simulator's fast pass) on an evenly spaced sample, refined around the three best local
+     minima; then neighbouring shapes (one stage more or fewer, one head layer less) with
+     balanced cuts, where the remainders go (larger stages first, last, or spread), and
+     one-layer moves of any cut while they help. A work budget (actions simulated) bounds it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import bisect
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import schedules, simulate
 from .actions import format_bytes
@@ -97,7 +100,9 @@ class LayerCosts:
     head_act_bytes: int = 0
     boundary_bytes: int = 0
     comm_ms: float = 0.0
-    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+    _cache: dict[tuple, StageCosts] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         n = len(self.fwd_ms)
@@ -122,14 +127,17 @@ class LayerCosts:
         return len(self.fwd_ms)
 
     @classmethod
-    def uniform(cls, num_layers: int, *, fwd_ms: float, bwd_ms: float, **kw: object) -> LayerCosts:
+    def uniform(cls, num_layers: int, *, fwd_ms: float, bwd_ms: float, **kw: Any) -> LayerCosts:
         """Same cost for every layer; scalar byte sizes are repeated too."""
-        per_layer = {k: kw.pop(k) for k in ("recompute_ms", "param_bytes", "act_bytes") if k in kw}
-        lists = {k: (v,) * num_layers for k, v in per_layer.items()}
-        return cls(fwd_ms=(fwd_ms,) * num_layers, bwd_ms=(bwd_ms,) * num_layers, **lists, **kw)  # type: ignore[arg-type]
+        lists: dict[str, Any] = {
+            k: (kw.pop(k),) * num_layers
+            for k in ("recompute_ms", "param_bytes", "act_bytes")
+            if k in kw
+        }
+        return cls(fwd_ms=(fwd_ms,) * num_layers, bwd_ms=(bwd_ms,) * num_layers, **lists, **kw)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> LayerCosts:
+    def from_dict(cls, data: Mapping[str, Any]) -> LayerCosts:
         """COSTS.json form: ``{"num_layers": 28, "fwd_ms": 7.43, "bwd_ms": 15.83, ...}``;
         per-layer fields may be scalars or lists of length ``num_layers``."""
         known = {
@@ -151,9 +159,9 @@ class LayerCosts:
             raise ValueError(f"costs: unknown keys {unknown}; expected some of {sorted(known)}")
         if "fwd_ms" not in data or "bwd_ms" not in data:
             raise ValueError("costs: 'fwd_ms' and 'bwd_ms' are required")
-        n = int(data.get("num_layers") or _list_len(data["fwd_ms"]))  # type: ignore[arg-type]
+        n = int(data.get("num_layers") or _list_len(data["fwd_ms"]))
 
-        def per_layer(key: str) -> tuple:
+        def per_layer(key: str) -> tuple[Any, ...]:
             value = data.get(key)
             if value is None:
                 return ()
@@ -162,20 +170,18 @@ class LayerCosts:
                 raise ValueError(f"costs.{key}: {len(values)} entries for num_layers={n}")
             return values
 
-        scalars = {k: data[k] for k in ("head_fwd_ms", "head_bwd_ms", "comm_ms") if k in data}
-        ints = {
-            k: int(data[k])
-            for k in ("head_param_bytes", "head_act_bytes", "boundary_bytes")
-            if k in data
-        }  # type: ignore[call-overload]
         return cls(
             fwd_ms=per_layer("fwd_ms"),
             bwd_ms=per_layer("bwd_ms"),
             recompute_ms=per_layer("recompute_ms"),
             param_bytes=per_layer("param_bytes"),
             act_bytes=per_layer("act_bytes"),
-            **{k: float(v) for k, v in scalars.items()},  # type: ignore[arg-type]
-            **ints,
+            head_fwd_ms=float(data.get("head_fwd_ms", 0.0)),
+            head_bwd_ms=float(data.get("head_bwd_ms", 0.0)),
+            comm_ms=float(data.get("comm_ms", 0.0)),
+            head_param_bytes=int(data.get("head_param_bytes", 0)),
+            head_act_bytes=int(data.get("head_act_bytes", 0)),
+            boundary_bytes=int(data.get("boundary_bytes", 0)),
         )
 
     def stages(
@@ -296,8 +302,8 @@ def partition(
         if fwd_cuts is None or bwd_cuts is None:
             raise ValueError("give both fwd_cuts and bwd_cuts, or neither")
         search.check_cuts(tuple(fwd_cuts), tuple(bwd_cuts))
-        cuts = (tuple(fwd_cuts), tuple(bwd_cuts))
-        return Partition(*cuts, est_iteration_ms=search.evaluate(cuts))  # type: ignore[arg-type]
+        fwd, bwd = tuple(fwd_cuts), tuple(bwd_cuts)
+        return Partition(fwd, bwd, est_iteration_ms=search.evaluate((fwd, bwd)))
     return search.run(max_work)
 
 
@@ -387,6 +393,9 @@ class _Search:
 
     # -- memory ------------------------------------------------------------------------------
     def _stage_bytes(self, i: int, j: int, *, backward: bool, head: bool) -> int:
+        """Device bytes of a stage over layers i..j-1, as StageCosts counts them: weights (and
+        gradients when backward), activations (all layers' when backward, one layer's in a
+        no-grad forward), the head's, and the boundary hidden states in and out."""
         c = self.costs
         params = sum(c.param_bytes[i:j]) + (c.head_param_bytes if head else 0)
         acts = sum(c.act_bytes[i:j]) if backward else max(c.act_bytes[i:j], default=0)
@@ -468,14 +477,12 @@ class _Search:
             i = j
         return tuple(cuts)
 
-    def greedy_bwd(self, cap: float, head_layers: int | None = None) -> tuple[int, ...]:
-        """Head stage first (filled up to the cap, or ``head_layers``), then toward the input."""
+    def greedy_bwd(self, cap: float) -> tuple[int, ...]:
+        """The head stage first, filled with layers up to the cap (the paper's preference: that
+        stage runs forward, loss and backward in one go), then stages toward the input."""
         L, pb = self.L, self.pb
-        if head_layers is None:
-            start = bisect.bisect_left(pb, pb[L] + self.head_ms - cap - _EPS)
-            start = min(max(start, self.head_reach), L)
-        else:
-            start = L - head_layers
+        start = bisect.bisect_left(pb, pb[L] + self.head_ms - cap - _EPS)
+        start = min(max(start, self.head_reach), L)
         cuts, j = [L - start], start
         while j > 0:
             i = bisect.bisect_left(pb, pb[j] - cap - _EPS)
@@ -495,7 +502,8 @@ class _Search:
     def caps(self) -> list[float]:
         """Candidate caps: contiguous sums on both sides and head + backward suffixes."""
         L, pf, pb = self.L, self.pf, self.pb
-        floor = max(max(self.costs.fwd_ms), pb_max(pb), self.head_ms) - _EPS
+        largest_bwd = max(pb[i + 1] - pb[i] for i in range(L))
+        floor = max(max(self.costs.fwd_ms), largest_bwd, self.head_ms) - _EPS
         values = {
             round(p[j] - p[i], 9) for p in (pf, pb) for i in range(L) for j in range(i + 1, L + 1)
         }
@@ -610,13 +618,9 @@ _MODES = ("front", "back", "nearest")
 _NEIGHBOURS = [(dkf, dkb, dh) for dkf in (0, -1, 1) for dkb in (0, 1, -1, 2) for dh in (0, -1)]
 
 
-def pb_max(prefix: Sequence[float]) -> float:
-    return max(prefix[i + 1] - prefix[i] for i in range(len(prefix) - 1))
-
-
-def _prefix(values: object) -> list[float]:
+def _prefix(values: Iterable[float]) -> list[float]:
     out = [0.0]
-    for v in values:  # type: ignore[attr-defined]
+    for v in values:
         out.append(out[-1] + v)
     return out
 

@@ -15,9 +15,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .actions import HOST
 from .simulate import Interval, SimResult
+
+if TYPE_CHECKING:  # matplotlib itself is imported only when a PNG is written
+    from matplotlib.axes import Axes
 
 __all__ = ["PHASE_CHARS", "text_grid", "chrome_trace", "write_chrome_trace", "write_png"]
 
@@ -133,45 +137,19 @@ def write_png(
 ) -> None:
     """Gantt chart: one row per device (and lane), boxes coloured by phase and labelled with
     stage.micro-batch when wide enough, like the paper's schedule figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a bare Figure (no pyplot): no global backend switch, nothing left open
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    rows = list(_rows(result, lanes))
-    fig_w = 14.0
-    fig, ax = plt.subplots(figsize=(fig_w, 0.45 * len(rows) + 1.6))
-    span = result.makespan_ms or 1.0
+    rows = _rows(result, lanes)
+    fig = Figure(figsize=(_PNG_WIDTH_IN, 0.45 * len(rows) + 1.6))
+    ax = fig.subplots()
     for r, (device, lane) in enumerate(rows):
-        for iv in _lane(result, device, lane):
-            width = iv.end_ms - iv.start_ms
-            ax.broken_barh(
-                [(iv.start_ms, width)],
-                (r - 0.4, 0.8),
-                facecolors=_COLORS.get(iv.phase, "#999999"),
-                edgecolors="white",
-                linewidth=0.3,
-            )
-            if width / span * fig_w * 72 > 22:  # room for a label (points)
-                ax.text(
-                    iv.start_ms + width / 2,
-                    r,
-                    f"{iv.action.stage}.{iv.action.microbatch}",
-                    ha="center",
-                    va="center",
-                    fontsize=5,
-                    color="white",
-                )
+        _draw_row(ax, r, _lane(result, device, lane), result.makespan_ms or 1.0)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels(
-        [
-            "host" if d == HOST else f"GPU {d}" + ("" if ln == "compute" else f" {ln}")
-            for d, ln in rows
-        ]
-    )
+    ax.set_yticklabels([_png_row_name(d, ln) for d, ln in rows])
     ax.invert_yaxis()
-    ax.set_xlim(0, span)
+    ax.set_xlim(0, result.makespan_ms or 1.0)
     ax.set_xlabel("time (ms)")
     ax.set_title(
         title
@@ -179,8 +157,9 @@ def write_png(
         f"iteration {result.iteration_ms:.1f} ms"
     )
     present = _phases(result)
+    handles = [Patch(color=c, label=p) for p, c in _COLORS.items() if p in present]
     ax.legend(
-        handles=[Patch(color=c, label=p) for p, c in _COLORS.items() if p in present],
+        handles=handles,
         loc="upper center",
         bbox_to_anchor=(0.5, -0.18),
         ncol=8,
@@ -189,7 +168,37 @@ def write_png(
     )
     fig.tight_layout()
     fig.savefig(path, dpi=150)
-    plt.close(fig)
+
+
+_PNG_WIDTH_IN = 14.0
+
+
+def _draw_row(ax: Axes, row: int, intervals: Sequence[Interval], span: float) -> None:
+    """One device lane: a box per interval, labelled when it is at least 22 points wide."""
+    for iv in intervals:
+        width = iv.end_ms - iv.start_ms
+        ax.broken_barh(
+            [(iv.start_ms, width)],
+            (row - 0.4, 0.8),
+            facecolors=_COLORS.get(iv.phase, "#999999"),
+            edgecolors="white",
+            linewidth=0.3,
+        )
+        if width / span * _PNG_WIDTH_IN * 72 > 22:
+            label = f"{iv.action.stage}.{iv.action.microbatch}"
+            ax.text(
+                iv.start_ms + width / 2,
+                row,
+                label,
+                ha="center",
+                va="center",
+                fontsize=5,
+                color="white",
+            )
+
+
+def _png_row_name(device: int, lane: str) -> str:
+    return "host" if device == HOST else f"GPU {device}" + ("" if lane == "compute" else f" {lane}")
 
 
 def _rows(result: SimResult, lanes: Sequence[str]) -> list[tuple[int, str]]:

@@ -328,7 +328,7 @@ def _bound_plan(
 
 def _merge_rows(rows: Sequence[Sequence[Action]], draft: Plan) -> tuple[Action, ...]:
     """Interleave per-device rows into a global issue order, one step per device per sweep."""
-    deps, done, out = draft.deps, set(), []
+    deps, done, out = draft.deps, set[Action](), list[Action]()
     cursor = [0] * len(rows)
     total = sum(len(row) for row in rows)
     while len(out) < total:
@@ -559,7 +559,7 @@ def _fail(plan: Plan, action: Action | None, message: str) -> None:
 def _expected_compute(plan: Plan) -> set[Action]:
     """Compute actions a complete iteration must contain (devices ignored: set to 0)."""
     head_op = Op.HEAD if plan.fused_head else Op.BWD
-    out = set()
+    out: set[Action] = set()
     for it in plan.iterations:
         for m in range(plan.num_microbatches):
             out.update(Action(Op.FWD, s, m, 0, it) for s in range(plan.num_fwd_stages))

@@ -34,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import schedules
 from .actions import HOST, OPTIMIZER_LAG, Action, Op, Plan, PlanError, format_grid
@@ -101,15 +101,15 @@ class Machine:
             raise ValueError(f"machine {self.name!r}: these must be > 0: {bad}")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> Machine:
+    def from_dict(cls, data: Mapping[str, Any]) -> Machine:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in data if k not in names and not k.startswith("_"))
         if unknown:
             raise ValueError(f"machine: unknown keys {unknown}; expected some of {sorted(names)}")
         kwargs = {k: v for k, v in data.items() if k in names}
         if kwargs.get("device_order") is not None:
-            kwargs["device_order"] = tuple(kwargs["device_order"])  # type: ignore[arg-type]
-        return cls(**kwargs)  # type: ignore[arg-type]
+            kwargs["device_order"] = tuple(kwargs["device_order"])
+        return cls(**kwargs)
 
 
 def preset_names() -> list[str]:
@@ -507,8 +507,8 @@ class _Engine:
                 _, kind, i = heapq.heappop(self.timers)
                 if kind == 0:
                     self._finish(i, now)
-                else:
-                    self.dirty.add(self.tasks[i].lane)  # type: ignore[arg-type]
+                elif (lane := self.tasks[i].lane) is not None:
+                    self.dirty.add(lane)
 
     def _ready(self, i: int, now: float) -> None:
         t = self.tasks[i]
@@ -530,7 +530,7 @@ class _Engine:
                 continue
             i = self._next(lane, now)
             if i is not None:
-                self._start(i, now)
+                self._start(i, now, lane)
 
     def _next(self, lane: tuple[str, int], now: float) -> int | None:
         if lane in self.strict:
@@ -545,10 +545,10 @@ class _Engine:
             return heapq.heappop(queue)[1]
         return None
 
-    def _start(self, i: int, now: float) -> None:
+    def _start(self, i: int, now: float, lane: tuple[str, int]) -> None:
         t = self.tasks[i]
         t.start = now
-        self.running[t.lane] = i  # type: ignore[index]
+        self.running[lane] = i
         if t.nbytes > 0 and t.links:
             self._progress(0.0)
             self.copies[i] = float(t.nbytes)
@@ -702,7 +702,7 @@ def _result(plan: Plan, tasks: list[_Task], builder: _Builder) -> SimResult:
     busy = [iv for iv in intervals if iv.busy]
     makespan = max((t.end for t in tasks), default=0.0)
     busy_total = sum(iv.end_ms - iv.start_ms for iv in busy)
-    ends = defaultdict(float)
+    ends: dict[int, float] = defaultdict(float)
     for iv in busy:
         ends[iv.action.iteration] = max(ends[iv.action.iteration], iv.end_ms)
     seq = [ends[it] for it in sorted(ends)]
@@ -751,40 +751,66 @@ def _bytes_moved(tasks: Sequence[_Task]) -> dict[str, int]:
 
 
 def _peak_memory(plan: Plan, tasks: Sequence[_Task], builder: _Builder) -> tuple[int, ...]:
-    """Peak bytes per device over time (same accounting as schedules.validate, with the
-    simulated start and end times): weights, gradients, working sets, received activations."""
+    """Peak bytes per device over time (the accounting of schedules.validate, with simulated
+    start and end times): weights, gradients, working sets, stashed and received activations."""
+    events: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    _compute_memory_events(plan, tasks, builder, events)
+    _transfer_memory_events(plan, tasks, builder, events)
+    peaks = []
+    for d in range(plan.num_devices):
+        level = peak = 0
+        for _, delta in sorted(events.get(d, []), key=lambda e: (e[0], e[1])):  # frees first
+            level += delta
+            peak = max(peak, level)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _span(tasks: Sequence[_Task], builder: _Builder, a: Action) -> tuple[float, float]:
+    return tasks[builder.first[a]].start, tasks[builder.last[a]].end
+
+
+def _compute_memory_events(
+    plan: Plan, tasks: Sequence[_Task], builder: _Builder, events: dict[int, list]
+) -> None:
+    """Per group of compute actions: weights and gradients held (offloaded: while the group
+    runs, or until its FREE; bound: all the device's stages, from the start), working sets,
+    and bound schedules' stashed checkpoints (from a forward until its backward)."""
     from .actions import _compute_groups
 
     st = builder.st
-    events: dict[int, list[tuple[float, int]]] = defaultdict(list)
     lowered = any(a.op is Op.UPLOAD for a in plan.actions)
     offloaded = lowered or plan.schedule in schedules.OFFLOADED_SCHEDULES
-
-    def span(a: Action) -> tuple[float, float]:
-        return tasks[builder.first[a]].start, tasks[builder.last[a]].end
-
     for d, groups in _compute_groups(plan).items():
-        if d == HOST:
-            continue
-        if not offloaded:
+        if not offloaded and groups:
             slots = {plan.slot(a) for g in groups for a in g}
-            static = sum(
-                st.param_bytes[s] if s < plan.num_fwd_stages else st.grad_bytes[s] for s in slots
-            )
-            events[d].append((0.0, static))
+            events[d].append((0.0, sum(_resident_bytes(plan, st, s) for s in slots)))
         for g in groups:
-            slot, t0, t1 = plan.slot(g[0]), span(g[0])[0], span(g[-1])[1]
-            held = st.grad_bytes[slot] + (0 if lowered or not offloaded else st.param_bytes[slot])
+            slot = plan.slot(g[0])
             if offloaded:
-                release = _free_time(plan, tasks, builder, g[0]) if lowered else t1
-                events[d] += [(t0, held), (release, -held)]
+                held = st.grad_bytes[slot] + (0 if lowered else st.param_bytes[slot])
+                end = _span(tasks, builder, g[-1])[1]
+                release = _free_time(plan, tasks, builder, g[0]) if lowered else end
+                events[d] += [(_span(tasks, builder, g[0])[0], held), (release, -held)]
             for a in g:
-                s0, s1 = span(a)
+                s0, s1 = _span(tasks, builder, a)
                 events[d] += [(s0, st.work_bytes[slot]), (s1, -st.work_bytes[slot])]
-                if not offloaded and a.op is Op.FWD:  # stashed checkpoint until its backward
-                    events[d].append((s1, st.boundary_bytes))
-                elif not offloaded:
-                    events[d].append((s1, -st.boundary_bytes))
+                if not offloaded:
+                    sign = 1 if a.op is Op.FWD else -1
+                    events[d].append((s1, sign * st.boundary_bytes))
+
+
+def _resident_bytes(plan: Plan, st: StageCosts, slot: int) -> int:
+    """A bound stage keeps its weights (forward slot) and gradients (backward slot)."""
+    return st.param_bytes[slot] if slot < plan.num_fwd_stages else st.grad_bytes[slot]
+
+
+def _transfer_memory_events(
+    plan: Plan, tasks: Sequence[_Task], builder: _Builder, events: dict[int, list]
+) -> None:
+    """Uploaded weights from UPLOAD start to FREE; received activations from their transfer
+    until the last consumer on the device finishes."""
+    st = builder.st
     consumers: dict[Action, list[Action]] = defaultdict(list)
     for c in plan.actions:
         for dep in plan.deps[c]:
@@ -796,17 +822,9 @@ def _peak_memory(plan: Plan, tasks: Sequence[_Task], builder: _Builder) -> tuple
         elif a.op is Op.FREE:
             events[a.device].append((tasks[builder.first[a]].end, -st.param_bytes[a.stage]))
         elif a.op is Op.SEND and builder.machine is not None:
-            events[a.device].append((tasks[builder.last[a]].start, st.boundary_bytes))
-            until = max((span(c)[1] for c in consumers[a]), default=tasks[builder.last[a]].end)
-            events[a.device].append((until, -st.boundary_bytes))
-    peaks = []
-    for d in range(plan.num_devices):
-        level = peak = 0
-        for _, delta in sorted(events.get(d, []), key=lambda e: (e[0], e[1])):
-            level += delta
-            peak = max(peak, level)
-        peaks.append(peak)
-    return tuple(peaks)
+            arrival = tasks[builder.last[a]]
+            until = max((_span(tasks, builder, c)[1] for c in consumers[a]), default=arrival.end)
+            events[a.device] += [(arrival.start, st.boundary_bytes), (until, -st.boundary_bytes)]
 
 
 def _free_time(plan: Plan, tasks: Sequence[_Task], builder: _Builder, first: Action) -> float:

@@ -228,7 +228,6 @@ class Executor:
         compute = device.stream(StreamRole.COMPUTE)
         _wait(compute, weights.event, arrived)
         out_key = ("F", a.stage, a.microbatch)
-        last_stage = len(self.stages.fwd) - 1
         saves = ctx.spec.train
         to_save = [self._saved_at[layer] for layer in layers if layer in self._saved_at and saves]
 
@@ -240,10 +239,10 @@ class Executor:
                     if layer in self._saved_at and saves:
                         ctx.acts[("S", self._saved_at[layer], a.microbatch)] = state
                     state = self._call(ctx, device, layer, state, a.microbatch, weights)
-            _free(device, x_in)
-            if a.stage < last_stage or not self.stages.head_reads_saved:
+            if state is not x_in:  # a pass-through stage hands its input on unchanged
+                _free(device, x_in)
                 _track(device, state)
-                ctx.acts[out_key] = state
+            ctx.acts[out_key] = state
             self._finish_compute(ctx, device, weights, layers, a, start)
 
         compute.submit(run, label=str(a))
@@ -265,11 +264,7 @@ class Executor:
         layers = self.stages.bwd[0]
         blocks, head = layers[:-1], layers[-1]
         weights = self._upload(ctx, device, layers, a)
-        if self.stages.head_reads_saved:  # recompute its blocks from the saved input
-            in_key: Any = ("X", 0, a.microbatch)
-            self._put_saved(ctx, in_key, a)
-        else:
-            in_key = ("F", len(self.stages.fwd) - 1, a.microbatch)
+        in_key = ("F", len(self.stages.fwd) - 1, a.microbatch)
         arrived = self._arrive(ctx, in_key, device, str(a))
         compute = device.stream(StreamRole.COMPUTE)
         _wait(compute, weights.event, arrived)

@@ -47,12 +47,14 @@ class Planner:
         bwd_cuts: Sequence[int] | None = None,
         memory_budget_bytes: int | None = None,
         profile_iterations: int = 2,
+        async_optimizer: bool = True,
     ) -> None:
         self.shape = shape
         self.num_devices = num_devices
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.memory_budget_bytes = memory_budget_bytes
+        self.async_optimizer = async_optimizer  # the two modes want different cuts
         self.fixed = fwd_cuts is not None and bwd_cuts is not None
         self.profile_left = 0 if self.fixed else profile_iterations
         self._fwd_samples: dict[int, list[float]] = {}
@@ -92,6 +94,7 @@ class Planner:
             num_devices=self.num_devices,
             num_microbatches=self.num_microbatches,
             memory_budget_bytes=self.memory_budget_bytes,
+            async_optimizer=self.async_optimizer,
         )
         return tuple(part.fwd_cuts), tuple(part.bwd_cuts)
 

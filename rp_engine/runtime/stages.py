@@ -3,10 +3,12 @@
 Layer indices follow the LayerSequence order ``[prefix?] + blocks + [head]``. Cuts count decoder
 blocks, with the plan package's convention (``sum(fwd_cuts) == sum(bwd_cuts) == L``):
 
-- forward stage s runs ``fwd_cuts[s]`` blocks (stage 0 also runs the prefix);
+- forward stage s covers ``fwd_cuts[s]`` blocks (stage 0 also runs the prefix), but never runs
+  the blocks that belong to the HEAD stage: those are computed once, by the HEAD stage, with
+  autograd (so the head stage needs no recomputation, as the paper intends); a forward stage
+  whose blocks all belong to the head stage just passes its input on;
 - the HEAD stage (backward stage 0) runs the last ``bwd_cuts[0]`` blocks and the head, forward
-  and backward at once; with ``bwd_cuts[0] == 0`` it starts from the last forward stage's output,
-  else from the input saved before its first block (like any backward stage);
+  and backward at once, starting from the last forward stage's output;
 - backward stage j >= 1 runs the next ``bwd_cuts[j]`` blocks toward the input (the last one
   also runs the prefix), recomputing them from the input saved during the forward.
 
@@ -70,6 +72,8 @@ class StageMap:
         head_blocks = bwd_cuts[0]
         head_idx = p + num_blocks
         bwd: list[tuple[int, ...]] = [tuple(range(head_idx - head_blocks, head_idx + 1))]
+        head_first = head_idx - head_blocks
+        fwd = [tuple(i for i in idx if i < head_first) for idx in fwd]
         end = num_blocks - head_blocks
         for n in bwd_cuts[1:]:
             bwd.append(tuple(range(p + end - n, p + end)))
@@ -96,15 +100,7 @@ class StageMap:
         Stage j's input is saved by whichever forward stage computes it; the prefix's input is
         the micro-batch itself (already on the host) and is not listed.
         """
-        saved = {self.bwd[j][0]: j for j in range(1, len(self.bwd)) if self.bwd[j][0] != 0}
-        if self.head_reads_saved:
-            saved[self.bwd[0][0]] = 0
-        return saved
-
-    @property
-    def head_reads_saved(self) -> bool:
-        """Whether the HEAD stage holds blocks (then it starts from a saved input)."""
-        return len(self.bwd[0]) > 1
+        return {self.bwd[j][0]: j for j in range(1, len(self.bwd)) if self.bwd[j][0] != 0}
 
     def bwd_stage_of(self, layer: int) -> int:
         for j, idx in enumerate(self.bwd):
