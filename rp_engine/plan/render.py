@@ -17,13 +17,20 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .actions import HOST
+from .actions import HOST, Op, parse_action
 from .simulate import Interval, SimResult
 
 if TYPE_CHECKING:  # matplotlib itself is imported only when a PNG is written
     from matplotlib.axes import Axes
 
-__all__ = ["PHASE_CHARS", "text_grid", "chrome_trace", "write_chrome_trace", "write_png"]
+__all__ = [
+    "PHASE_CHARS",
+    "text_grid",
+    "chrome_trace",
+    "write_chrome_trace",
+    "write_png",
+    "measured_result",
+]
 
 PHASE_CHARS = {
     "fwd": "F",
@@ -213,3 +220,48 @@ def _lane(result: SimResult, device: int, lane: str) -> list[Interval]:
 
 def _phases(result: SimResult) -> set[str]:
     return {iv.phase for iv in result.intervals}
+
+
+_MEASURED_PHASE = {Op.FWD: "fwd", Op.HEAD: "head_bwd", Op.BWD: "bwd"}
+
+
+def measured_result(records: Sequence[object], *, schedule: str = "measured") -> SimResult:
+    """A ``SimResult`` from what the runtime really ran, so the same three views render it.
+
+    ``records`` are objects with ``device``, ``action`` (text such as "F2.3@1"), ``start`` and
+    ``end`` in seconds (``RoundPipeEngine.last_timeline()``). Only compute is recorded, so the
+    bubble is 1 - busy / (devices x span).
+    """
+    intervals = []
+    for r in records:
+        action = parse_action(str(getattr(r, "action")))  # noqa: B009 - duck-typed record
+        start, end = float(getattr(r, "start")) * 1e3, float(getattr(r, "end")) * 1e3  # noqa: B009
+        phase = _MEASURED_PHASE.get(action.op, action.op.name.lower())
+        intervals.append(
+            Interval(int(r.device), "compute", phase, start, end, action, True)
+        )  # noqa: B009
+    t0 = min((i.start_ms for i in intervals), default=0.0)
+    intervals = [
+        Interval(i.device, i.lane, i.phase, i.start_ms - t0, i.end_ms - t0, i.action, i.busy)
+        for i in intervals
+    ]
+    devices = max((i.device for i in intervals), default=0) + 1
+    span = max((i.end_ms for i in intervals), default=0.0)
+    busy = sum(i.end_ms - i.start_ms for i in intervals)
+    return SimResult(
+        schedule=schedule,
+        num_devices=devices,
+        num_iterations=1,
+        num_fwd_stages=1
+        + max((i.action.stage for i in intervals if i.action.op is Op.FWD), default=0),
+        num_bwd_stages=1
+        + max((i.action.stage for i in intervals if i.action.op is Op.BWD), default=0),
+        makespan_ms=span,
+        iteration_ms=span,
+        busy_ms=busy,
+        bubble_ratio=1 - busy / (devices * span) if span > 0 else 0.0,
+        bubble_ratio_fill_drain=None,
+        intervals=tuple(intervals),
+        peak_memory_bytes=tuple(0 for _ in range(devices)),
+        bytes_moved={},
+    )
