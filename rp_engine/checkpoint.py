@@ -43,20 +43,16 @@ import re
 import shutil
 import stat
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 __all__ = [
     "save",
     "load",
     "save_16bit",
-    "build_dataloader",
-    "repeat",
-    "RepeatingLoader",
     "model_file_name",
     "optim_file_name",
 ]
@@ -767,57 +763,3 @@ def save_16bit(
     _atomic_torch_save(_compact(state), path)
     log.info("saved 16-bit model weights to %s", path)
     return True
-
-
-# --- data loading ------------------------------------------------------------------------------
-def build_dataloader(training_data: Any, cfg: Any, collate_fn: Any = None) -> DataLoader[Any]:
-    """DeepSpeed's training loader for one process (``deepspeed_io``): micro-batch size,
-    ``dataloader_drop_last``, ``collate_fn`` and a ``DistributedSampler(num_replicas=1, rank=0)``.
-
-    That sampler shuffles with seed 0 and DeepSpeed never calls ``set_epoch``, so every epoch
-    repeats the same permutation; keeping it gives exactly DeepSpeed's sample order. Batches are
-    assembled in this process (workers would fork a process that runs threads).
-    """
-    sampler: DistributedSampler[Any] | None
-    if isinstance(training_data, IterableDataset):
-        sampler = None
-    elif hasattr(training_data, "__getitem__") and hasattr(training_data, "__len__"):
-        sampler = DistributedSampler(training_data, num_replicas=1, rank=0)
-    else:
-        raise ValueError("Training data must be a torch Dataset (map-style or iterable)")
-    return DataLoader(
-        training_data,
-        batch_size=cfg.train_micro_batch_size_per_gpu,
-        sampler=sampler,
-        collate_fn=collate_fn,
-        drop_last=cfg.dataloader_drop_last,
-    )
-
-
-class RepeatingLoader:
-    """Cycles a loader forever, restarting it at each epoch end (DeepSpeed's RepeatingLoader)."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self._it: Iterator[Any] = iter(loader)
-
-    def __iter__(self) -> RepeatingLoader:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self._it)
-        except StopIteration:
-            self._it = iter(self.loader)
-        try:
-            return next(self._it)
-        except StopIteration:
-            raise ValueError(
-                "the training data loader yields no batch at all (dataset smaller than "
-                "train_micro_batch_size_per_gpu with dataloader_drop_last?)"
-            ) from None
-
-
-def repeat(loader: Any) -> RepeatingLoader:
-    """An infinite iterator over ``loader``'s batches, epoch after epoch."""
-    return RepeatingLoader(loader)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from rp_engine.config import DSConfig
+from rp_engine.data import build_dataloader, repeat
 from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
 from rp_engine.model.host_store import HostStore
@@ -108,9 +109,7 @@ class RoundPipeEngine:
         self._executor = self._make_executor()
         self.monitor = Monitor.from_config(cfg)
         self.training_dataloader = (
-            _ckpt().build_dataloader(training_data, cfg, collate_fn)
-            if training_data is not None
-            else None
+            build_dataloader(training_data, cfg, collate_fn) if training_data is not None else None
         )
         self._data_iter: Iterator[Any] | None = None
         # DeepSpeed counters
@@ -355,7 +354,7 @@ class RoundPipeEngine:
             if self.training_dataloader is None:
                 raise ValueError("train_batch() needs a data_iter or initialize(training_data=...)")
             if self._data_iter is None:
-                self._data_iter = iter(_ckpt().repeat(self.training_dataloader))
+                self._data_iter = iter(repeat(self.training_dataloader))
             data_iter = self._data_iter
         return [next(data_iter) for _ in range(n)]
 

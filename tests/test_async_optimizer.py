@@ -188,3 +188,27 @@ def test_synchronize_publishes_latest_weights() -> None:
         assert all(engine.store.version(i) == 3 for i in range(len(engine.store.layers)))
     finally:
         engine.destroy()
+
+
+def test_save_checkpoint_waits_for_in_flight_steps(tmp_path) -> None:
+    """In async mode the saved weights are the newest step's, not the stale compute copy."""
+    from rp_engine.checkpoint import model_file_name
+
+    model = tiny_qwen3(0, layers=4)
+    engine = engine_for(model, config(devices=2, async_optimizer=True, lr=1e-2, **CUTS))
+    try:
+        it = iter(_batches(3 * GAS))
+        for _ in range(3):
+            engine.train_batch(it)
+        stale = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.save_checkpoint(str(tmp_path), tag="t")
+        masters = {n: engine.store.master_of(p).clone() for n, p in model.named_parameters()}
+    finally:
+        engine.destroy()
+    saved = torch.load(tmp_path / "t" / model_file_name(0), weights_only=True)["module"]
+    changed = 0
+    for name, value in saved.items():
+        if name in masters:
+            torch.testing.assert_close(value, masters[name], rtol=0, atol=0, msg=name)
+            changed += not torch.equal(value, stale[name])
+    assert changed > 0  # before the save the module still held the older weights

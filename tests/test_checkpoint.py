@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rp_engine import checkpoint as ckpt
+from rp_engine import data as data_mod
 from rp_engine.config import load_config
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim.loss_scaler import LossScaler
@@ -514,7 +515,7 @@ def test_build_dataloader_matches_deepspeed_order() -> None:
 
     data = [torch.tensor([i]) for i in range(10)]
     cfg = load_config({"train_micro_batch_size_per_gpu": 3, "dataloader_drop_last": True})
-    loader = ckpt.build_dataloader(data, cfg, None)
+    loader = data_mod.build_dataloader(data, cfg, None)
     ours = [b.flatten().tolist() for b in loader]
     theirs_loader = DeepSpeedDataLoader(
         data, batch_size=3, pin_memory=False, local_rank=0, tput_timer=None,
@@ -525,18 +526,18 @@ def test_build_dataloader_matches_deepspeed_order() -> None:
     assert ours == theirs and len(ours) == 3 and all(len(b) == 3 for b in ours)
     assert sorted(sum(ours, [])) != list(range(9))  # shuffled
 
-    keep = ckpt.build_dataloader(data, load_config({"train_micro_batch_size_per_gpu": 3}), None)
+    keep = data_mod.build_dataloader(data, load_config({"train_micro_batch_size_per_gpu": 3}), None)
     assert [len(b) for b in keep] == [3, 3, 3, 1]
-    collated = ckpt.build_dataloader(data, cfg, lambda items: len(items))
+    collated = data_mod.build_dataloader(data, cfg, lambda items: len(items))
     assert list(collated) == [3, 3, 3]
 
 
 def test_repeat_cycles_epochs() -> None:
-    it = ckpt.repeat([1, 2, 3])
+    it = data_mod.repeat([1, 2, 3])
     assert [next(it) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
     assert iter(it) is it
     with pytest.raises(ValueError, match="no batch"):
-        next(ckpt.repeat([]))
+        next(data_mod.repeat([]))
 
 
 def test_interrupted_swap_is_recovered(tmp_path: Any, make_engine: Any) -> None:

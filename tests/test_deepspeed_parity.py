@@ -2,7 +2,9 @@
 
 Same tiny Qwen3, same config, same data, the DeepSpeed imperative loop on both: per-step losses
 agree (fp32, relative 1e-4), and the counter sequences, get_lr() and backward()'s return value
-are identical. DeepSpeed runs in a subprocess (it needs a process group).
+are identical. With the asynchronous optimizer the counters, learning rates and backward's
+contract stay DeepSpeed's (only the losses move, by staleness). DeepSpeed runs in a subprocess
+(it needs a process group).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def deepspeed_rows() -> list[dict]:
     return json.loads(lines[-1][5:])
 
 
-@pytest.mark.parametrize("async_optimizer", [False])
+@pytest.mark.parametrize("async_optimizer", [False, True])
 def test_losses_counters_lr_match_deepspeed(
     deepspeed_rows: list[dict], async_optimizer: bool
 ) -> None:
@@ -86,6 +88,8 @@ def test_losses_counters_lr_match_deepspeed(
         for key in ("micro_steps", "global_steps", "global_samples", "applied", "boundary_next"):
             assert a[key] == b[key], (k, key, a[key], b[key])
         torch.testing.assert_close(a["lr"], b["lr"], rtol=1e-12, atol=0, msg=f"lr at {k}")
+        assert a["backward"] == pytest.approx(a["loss"] / 2, rel=1e-6)
+        if async_optimizer and k >= 2:
+            continue  # staleness 1: losses differ from DeepSpeed's after the first step
         torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-4, atol=0, msg=f"loss at {k}")
         torch.testing.assert_close(a["backward"], b["backward"], rtol=1e-4, atol=0)
-        assert a["backward"] == pytest.approx(a["loss"] / 2, rel=1e-6)

@@ -152,3 +152,22 @@ def test_mobius_schedule_runs_on_the_same_executor(devices: int) -> None:
         fwd = {r.device for r in timeline if r.action.startswith(f"F{s}.")}
         twin = "H0." if s == k - 1 else f"B{k - 1 - s}."
         assert fwd == {r.device for r in timeline if r.action.startswith(twin)}
+
+
+def test_partitioner_and_replan_keep_parity() -> None:
+    """No cuts given: the partitioner chooses, the first iterations are profiled, the engine
+    re-plans once; results stay those of plain PyTorch across the switch."""
+    model, ref = tiny_qwen3(0, layers=6), tiny_qwen3(0, layers=6)
+    batches = _lm_batches(128, STEPS * GAS)
+    expected = reference_losses(ref, batches, steps=STEPS, gas=GAS)
+    engine = engine_for(model, config(devices=3, gas=GAS, roundpipe={"profile_iterations": 2}))
+    try:
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(STEPS)]
+        assert engine.planner.profile_left == 0  # profiled, then planned from measurements
+        assert sum(engine.planner.fwd_cuts) == sum(engine.planner.bwd_cuts) == 6
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    _assert_same_weights(model, ref)

@@ -8,6 +8,7 @@ client optimizer instance is rebuilt over the masters with its own hyper-paramet
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -114,6 +115,7 @@ def build_scheduler(
         # An instance built on the caller's own optimizer: point it at ours (same groups).
         if hasattr(client_scheduler, "optimizer"):
             client_scheduler.optimizer = inner
+            _track_steps(inner)
         return client_scheduler
     if cfg.scheduler is None:
         return None
@@ -123,3 +125,19 @@ def build_scheduler(
     if kind in lr_schedules.VALID_LR_SCHEDULES:
         return getattr(lr_schedules, kind)(inner, **params)
     return getattr(torch.optim.lr_scheduler, kind)(inner, **params)
+
+
+def _track_steps(opt: torch.optim.Optimizer) -> None:
+    """Give ``opt`` the step wrapper torch's LR schedulers install on the optimizer they are
+    built with (a rebound scheduler would otherwise warn that step() was overridden)."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    step = opt.step
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = wrapper  # type: ignore[method-assign]

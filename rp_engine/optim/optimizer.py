@@ -13,9 +13,12 @@ cannot step a subset of their parameters, so they step all layers at once (``per
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -87,13 +90,34 @@ def _cpu_adam(
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except ImportError as exc:  # pragma: no cover - deepspeed is a dependency
         raise RuntimeError("deepspeed is required for Adam/AdamW (DeepSpeedCPUAdam)") from exc
-    built = _is_cpu_adam_built()
-    if not built:
-        log.warning(
-            "building DeepSpeed's CPU Adam once (about 1-2 minutes; cached in %s)",
-            os.environ["TORCH_EXTENSIONS_DIR"],
-        )
-    return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
+    if _is_cpu_adam_built():
+        return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
+    log.warning(
+        "building DeepSpeed's CPU Adam once (about 1-2 minutes; cached in %s)",
+        os.environ["TORCH_EXTENSIONS_DIR"],
+    )
+    with _heartbeat("still building DeepSpeed's CPU Adam"):
+        return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
+
+
+@contextlib.contextmanager
+def _heartbeat(message: str, every_s: float = 15.0) -> Iterator[None]:
+    """Log ``message`` with the elapsed time every ``every_s`` seconds until the block ends, so
+    a long one-time build never looks like a hang."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            log.warning("%s (%.0f s)", message, time.monotonic() - start)
+
+    thread = threading.Thread(target=beat, name="rp-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _is_cpu_adam_built() -> bool:
@@ -171,6 +195,9 @@ class HostOptimizer:
             self._cpu_adam_step(live, groups)
         else:
             self._torch_step(groups)
+        # torch's LR schedulers check this flag (set by their wrapper of optimizer.step, which
+        # the per-layer path does not call) to warn about stepping the scheduler first.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _cpu_adam_step(self, params: Iterable[torch.Tensor], groups: list[dict[str, Any]]) -> None:
         inner: Any = self.optimizer

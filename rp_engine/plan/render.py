@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .actions import HOST, Op, parse_action
 from .simulate import Interval, SimResult
@@ -225,7 +225,18 @@ def _phases(result: SimResult) -> set[str]:
 _MEASURED_PHASE = {Op.FWD: "fwd", Op.HEAD: "head_bwd", Op.BWD: "bwd"}
 
 
-def measured_result(records: Sequence[object], *, schedule: str = "measured") -> SimResult:
+class TimelineRecordLike(Protocol):
+    """What the runtime records per compute action (``RoundPipeEngine.last_timeline()``)."""
+
+    device: int
+    action: str
+    start: float  # seconds
+    end: float
+
+
+def measured_result(
+    records: Sequence[TimelineRecordLike], *, schedule: str = "measured"
+) -> SimResult:
     """A ``SimResult`` from what the runtime really ran, so the same three views render it.
 
     ``records`` are objects with ``device``, ``action`` (text such as "F2.3@1"), ``start`` and
@@ -234,12 +245,10 @@ def measured_result(records: Sequence[object], *, schedule: str = "measured") ->
     """
     intervals = []
     for r in records:
-        action = parse_action(str(getattr(r, "action")))  # noqa: B009 - duck-typed record
-        start, end = float(getattr(r, "start")) * 1e3, float(getattr(r, "end")) * 1e3  # noqa: B009
+        action = parse_action(r.action)
         phase = _MEASURED_PHASE.get(action.op, action.op.name.lower())
-        intervals.append(
-            Interval(int(r.device), "compute", phase, start, end, action, True)
-        )  # noqa: B009
+        interval = Interval(r.device, "compute", phase, r.start * 1e3, r.end * 1e3, action, True)
+        intervals.append(interval)
     t0 = min((i.start_ms for i in intervals), default=0.0)
     intervals = [
         Interval(i.device, i.lane, i.phase, i.start_ms - t0, i.end_ms - t0, i.action, i.busy)
