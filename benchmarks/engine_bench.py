@@ -107,8 +107,10 @@ def async_vs_sync(args: argparse.Namespace) -> dict[str, Any]:
     for mode in ("sync", "async"):
         engines[mode], _, _, _ = rp_engine.initialize(
             model=build_tiny_model(layers=args.layers, hidden=args.hidden),
+            # same fixed cuts for both: the partitioner picks different cuts per optimizer mode
             config=_cfg("cpu:2", gas=gas, mbs=mbs, async_optimizer=mode == "async",
-                        pcie_gbps=args.pcie_gbps),
+                        pcie_gbps=args.pcie_gbps, fwd_cuts=[2] * (args.layers // 2),
+                        bwd_cuts=[0] + [1] * args.layers),
         )  # fmt: skip
     iters = {k: iter(data) for k in engines}
     for k, e in engines.items():

@@ -17,6 +17,7 @@ import logging
 import math
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,7 +66,9 @@ def stdlib_corpus() -> bytes:
         if mod.__doc__:
             parts.append(mod.__doc__)
         for attr in sorted(vars(mod)):
-            doc = getattr(getattr(mod, attr, None), "__doc__", None)
+            with warnings.catch_warnings():  # deprecated aliases (typing.io) warn on access
+                warnings.simplefilter("ignore")
+                doc = getattr(getattr(mod, attr, None), "__doc__", None)
             if attr.startswith("_") or not isinstance(doc, str) or len(doc) < 80:
                 continue
             parts.append(doc)

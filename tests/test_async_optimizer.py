@@ -175,13 +175,18 @@ def test_optimizer_error_surfaces_at_next_call_naming_the_layer() -> None:
         engine.destroy()
 
 
-def test_synchronize_publishes_latest_weights() -> None:
+def _three_async_steps():
     model = tiny_qwen3(0, layers=4)
     engine = engine_for(model, config(devices=2, async_optimizer=True, lr=1e-2, **CUTS))
+    it = iter(_batches(3 * GAS))
+    for _ in range(3):
+        engine.train_batch(it)
+    return model, engine
+
+
+def test_synchronize_publishes_latest_weights() -> None:
+    _, engine = _three_async_steps()
     try:
-        it = iter(_batches(3 * GAS))
-        for _ in range(3):
-            engine.train_batch(it)
         engine.synchronize()
         for hp in engine.store.owned_params():
             torch.testing.assert_close(hp.param.detach(), hp.master, rtol=0, atol=0)
@@ -194,12 +199,8 @@ def test_save_checkpoint_waits_for_in_flight_steps(tmp_path) -> None:
     """In async mode the saved weights are the newest step's, not the stale compute copy."""
     from rp_engine.checkpoint import model_file_name
 
-    model = tiny_qwen3(0, layers=4)
-    engine = engine_for(model, config(devices=2, async_optimizer=True, lr=1e-2, **CUTS))
+    model, engine = _three_async_steps()
     try:
-        it = iter(_batches(3 * GAS))
-        for _ in range(3):
-            engine.train_batch(it)
         stale = {n: p.detach().clone() for n, p in model.named_parameters()}
         engine.save_checkpoint(str(tmp_path), tag="t")
         masters = {n: engine.store.master_of(p).clone() for n, p in model.named_parameters()}

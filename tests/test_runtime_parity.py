@@ -117,7 +117,7 @@ def test_imperative_loop_matches_train_batch(devices: int) -> None:
                 scaled = slow.backward(out.loss)
                 torch.testing.assert_close(scaled, out.loss.detach() / GAS)
                 slow.step()
-                total += float(out.loss)
+                total += float(out.loss.detach())
             slow_losses.append(total / GAS)
         fast.synchronize()
         slow.synchronize()

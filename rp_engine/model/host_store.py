@@ -126,7 +126,8 @@ class HostStore:
         total = 0.0
         for hp in self.layers[layer].owned:
             if hp.master.grad is not None:
-                total += float(hp.master.grad.double().pow(2).sum())
+                # one read of the gradient, no temporary copy (torch sums fp32 pairwise)
+                total += float(torch.linalg.vector_norm(hp.master.grad)) ** 2
         return total
 
     # --- versions -----------------------------------------------------------------------------
