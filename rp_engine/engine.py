@@ -341,6 +341,12 @@ class RoundPipeEngine:
         else:
             raw = inputs
         batch = self.seq.batch_to_dict(raw)
+        if "labels" not in batch:
+            raise ValueError(
+                f"the batch has no 'labels' (keys: {sorted(batch)}): rp_engine computes the loss "
+                "inside the pipeline (fused LM head + loss), so every batch needs labels; for "
+                "causal-LM training pass labels=input_ids"
+            )
         dtype = _compute_dtype(self._config)
         # As DeepSpeed's PipelineEngine: floating inputs follow the fp16/bf16 model; labels don't.
         return {

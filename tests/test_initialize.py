@@ -119,3 +119,17 @@ def test_eval_forward_and_eval_batch() -> None:
         assert engine.global_steps == 0 and engine.micro_steps == 0
     finally:
         engine.destroy()
+
+
+def test_batch_without_labels_fails_at_the_door() -> None:
+    engine, *_ = rp_engine.initialize(model=tiny_qwen3(0, layers=2), config=_tiny_cfg())
+    try:
+        batch = random_batch(128, batch=2, seq=8)
+        batch.pop("labels")
+        with pytest.raises(ValueError, match="labels"):
+            engine(**batch)
+        with pytest.raises(ValueError, match="labels"):
+            engine.train_batch(iter([batch, batch]))
+        assert engine.global_steps == 0
+    finally:
+        engine.destroy()

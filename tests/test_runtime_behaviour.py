@@ -61,10 +61,12 @@ def test_device_memory_does_not_grow_with_depth() -> None:
     assert abs(deep - shallow) / shallow < 0.10, (shallow, deep)
 
 
-def test_layer_that_cannot_fit_fails_before_training() -> None:
+@pytest.mark.parametrize("cuts", [{}, {"fwd_cuts": [2, 2], "bwd_cuts": [0, 2, 2]}])
+def test_layer_that_cannot_fit_fails_before_training(cuts) -> None:
+    """Whether the partitioner chooses or the config gives the cuts."""
     model = tiny_qwen3(0, layers=4, hidden=64, vocab=128)
     with pytest.raises(ValueError, match=r"layer .* budget|budget .* layer"):
-        engine_for(model, config(devices=2, roundpipe={"device_memory_gb": 1e-5}))
+        engine_for(model, config(devices=2, roundpipe={"device_memory_gb": 1e-5}, **cuts))
 
 
 def test_error_in_a_layer_names_the_device_and_next_call_works() -> None:

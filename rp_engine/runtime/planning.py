@@ -62,7 +62,10 @@ class Planner:
         self.start_device = 0
         self.replanned = False
         if self.fixed:
-            self.set_cuts(tuple(fwd_cuts or ()), tuple(bwd_cuts or ()))
+            fixed = (tuple(fwd_cuts or ()), tuple(bwd_cuts or ()))
+            self.set_cuts(*fixed)  # shape errors first: they name the roundpipe keys
+            if memory_budget_bytes is not None:  # and a stage that cannot fit fails now
+                self._search(self._estimate(), cuts=fixed)
         elif schedule == "mobius":
             # Mobius binds one block of layers per GPU, forward and backward alike.
             blocks = _even_split(shape.num_blocks, min(num_devices, shape.num_blocks))
@@ -88,13 +91,18 @@ class Planner:
         fwd = [max(b, 1) * unit for b in self.shape.block_param_bytes]
         return _costs(self.shape, fwd, [2 * f for f in fwd], self.shape.head_param_bytes * unit)
 
-    def _search(self, costs: LayerCosts) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _search(
+        self, costs: LayerCosts, *, cuts: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The partition search (or, with ``cuts``, only its memory check of those cuts)."""
         part = partition(
             costs,
             num_devices=self.num_devices,
             num_microbatches=self.num_microbatches,
             memory_budget_bytes=self.memory_budget_bytes,
             async_optimizer=self.async_optimizer,
+            fwd_cuts=cuts[0] if cuts else None,
+            bwd_cuts=cuts[1] if cuts else None,
         )
         return tuple(part.fwd_cuts), tuple(part.bwd_cuts)
 
