@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# One prepared GPU check (a few minutes): install, run the tests marked `gpu`, then rp-train on
-# CUDA. For a session that is lent a device machine:
-#   run(command="bash benchmarks/gpu_check.sh", timeout_s=540)
-# Writes the logs to $OUT (or ./gpu_check_out) for benchmarks/RESULTS.md.
+# One prepared GPU check (a few minutes) for a session that is lent the H200 device machine.
+# That machine has torch (CUDA), transformers, peft, pytest and ninja, but no deepspeed, hjson or
+# wandb, and no network. Prepare the missing pure-Python wheels here first (repo root):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl hjson==3.1.0
+#   python3 -m pip wheel --no-deps -w .whl deepspeed==0.19.8
+# then: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# Logs land in $OUT (or ./gpu_check_out) for benchmarks/RESULTS.md. Not yet run on a GPU.
 set -uo pipefail
 out="${OUT:-gpu_check_out}"
 mkdir -p "$out"
 export TORCH_EXTENSIONS_DIR="$HOME/.cache/rp_engine/torch_extensions" WANDB_MODE=disabled
-python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
-pip install -q -e ".[dev]" 2>&1 | tail -3 | tee "$out/install.log"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD"
+else
+    export PYTHONPATH="$PWD"
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
-python -m pytest -q -ra -m gpu tests/test_device_cuda.py tests/test_engine_cuda.py 2>&1 | tee "$out/gpu_tests.log"
-rp-train --steps 20 --json 2>"$out/rp_train.err" | tee "$out/rp_train.json"
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" \
+    | tee "$out/versions.txt"
+python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_device_cuda.py \
+    tests/test_engine_cuda.py 2>&1 | tee "$out/gpu_tests.log"
+python3 -m rp_engine.cli --steps 20 --json 2>"$out/rp_train.err" | tee "$out/rp_train.json"
