@@ -217,42 +217,35 @@ class Executor:
         self._replicas.clear()
 
     # --- handlers -----------------------------------------------------------------------------
+    # Each handler names the stage's inputs and outputs and gives the compute body; _launch
+    # queues the weight upload, the input arrivals, the compute and records its event.
     def _forward(self, ctx: _Ctx, a: Action) -> None:
-        device = self.devices[a.device]
-        layers = self.stages.fwd[a.stage]
-        weights = self._upload(ctx, device, layers, a)
-        in_key = ("B", a.microbatch) if a.stage == 0 else ("F", a.stage - 1, a.microbatch)
+        layers, m = self.stages.fwd[a.stage], a.microbatch
+        in_key = ("B", m) if a.stage == 0 else ("F", a.stage - 1, m)
         if a.stage == 0:
-            self._put_host(ctx, in_key, ctx.spec.batches[a.microbatch])
-        arrived = self._arrive(ctx, in_key, device, str(a))
-        compute = device.stream(StreamRole.COMPUTE)
-        _wait(compute, weights.event, arrived)
-        out_key = ("F", a.stage, a.microbatch)
-        saves = ctx.spec.train
-        to_save = [self._saved_at[layer] for layer in layers if layer in self._saved_at and saves]
+            self._put_host(ctx, in_key, ctx.spec.batches[m])
+        out_key = ("F", a.stage, m)
+        train = ctx.spec.train
+        saves = {i: self._saved_at[i] for i in layers if i in self._saved_at and train}
 
-        def run() -> None:
-            start = time.perf_counter()
+        def body(device: Device, weights: WeightUpload) -> None:
             state = x_in = ctx.acts.pop(in_key)
             with torch.no_grad():
                 for layer in layers:
-                    if layer in self._saved_at and saves:
-                        ctx.acts[("S", self._saved_at[layer], a.microbatch)] = state
-                    state = self._call(ctx, device, layer, state, a.microbatch, weights)
+                    if layer in saves:  # a backward stage's input: kept for its recompute
+                        ctx.acts[("S", saves[layer], m)] = state
+                    state = self._call(ctx, device, layer, state, m, weights)
             if state is not x_in:  # a pass-through stage hands its input on unchanged
                 _free(device, x_in)
                 _track(device, state)
             ctx.acts[out_key] = state
-            self._finish_compute(ctx, device, weights, layers, a, start)
 
-        compute.submit(run, label=str(a))
-        done = compute.record()
-        self._compute_done[a.device].append(done)
+        done = self._launch(ctx, a, layers, [in_key], body)
         ctx.act_where[out_key] = (a.device, done)
-        for j in to_save:
-            key = (j, a.microbatch)
+        for j in saves.values():
+            key = (j, m)
             ctx.saved_ev[key] = download_state(
-                device,
+                self.devices[a.device],
                 functools.partial(ctx.acts.pop, ("S", *key)),
                 functools.partial(ctx.saved.__setitem__, key),
                 after=done,
@@ -260,104 +253,119 @@ class Executor:
             )
 
     def _head(self, ctx: _Ctx, a: Action) -> None:
-        device = self.devices[a.device]
-        layers = self.stages.bwd[0]
-        blocks, head = layers[:-1], layers[-1]
-        weights = self._upload(ctx, device, layers, a)
+        layers, train = self.stages.bwd[0], ctx.spec.train
         in_key = ("F", len(self.stages.fwd) - 1, a.microbatch)
-        arrived = self._arrive(ctx, in_key, device, str(a))
-        compute = device.stream(StreamRole.COMPUTE)
-        _wait(compute, weights.event, arrived)
-        spec = ctx.spec
-        grads_holder: dict[int, torch.Tensor] = {}
-
-        def run() -> None:
-            start = time.perf_counter()
-            x = ctx.acts.pop(in_key)
-            if not spec.train:
-                with torch.no_grad():
-                    for layer in layers:
-                        x = self._call(ctx, device, layer, x, a.microbatch, weights, head=False)
-                    ctx.losses[a.microbatch] = x["loss"].detach()
-                self._finish_compute(ctx, device, weights, layers, a, start)
-                return
-            x = _with_grad_input(x) if blocks else x
-            with torch.enable_grad():
-                y = x
-                for layer in blocks:
-                    y = self._call(ctx, device, layer, y, a.microbatch, weights)
-                head_in = {**y, "hidden": y["hidden"].detach()}
-                replica = self._load(device, head, weights)
-                head_module: Any = replica.module
-                loss, grad_hidden = head_module.forward_backward(
-                    head_in, grad_scale=1.0 if spec.defer_head else spec.grad_scale
-                )
-                if blocks:
-                    torch.autograd.backward(y["hidden"], grad_hidden)
-                    grad_in = x["hidden"].grad
-                else:
-                    grad_in = grad_hidden
-            ctx.losses[a.microbatch] = loss.detach()
-            _free(device, x)
-            grads_holder.update(self._grads(device, layers))
-            if grad_in is not None and len(self.stages.bwd) > 1:
-                ctx.acts[("G", 1, a.microbatch)] = {"hidden": grad_in}
-                _track(device, ctx.acts[("G", 1, a.microbatch)])
-                if spec.defer_head:
-                    ctx.head_out = (a.device, grads_holder, grad_in, a.microbatch)
-            self._finish_compute(ctx, device, weights, layers, a, start, backward=True)
-
-        compute.submit(run, label=str(a))
-        done = compute.record()
-        self._compute_done[a.device].append(done)
+        grads: dict[int, torch.Tensor] = {}
+        body = functools.partial(
+            self._head_train if train else self._head_eval, ctx, a, in_key, grads
+        )
+        done = self._launch(ctx, a, layers, [in_key], body, backward=train)
         ctx.act_where[("G", 1, a.microbatch)] = (a.device, done)
-        if not spec.train:
+        if not train:
             return
-        if spec.defer_head:
-            ctx.head_out = (a.device, grads_holder, None, a.microbatch)
+        if ctx.spec.defer_head:  # the imperative loop scales and downloads them in backward()
+            ctx.head_out = (a.device, grads, None, a.microbatch)
             return
-        self._download_grads(ctx, device, grads_holder, layers, done, label=f"{a}.grads")
+        self._download_grads(ctx, self.devices[a.device], grads, layers, done, label=f"{a}.grads")
+
+    def _head_train(
+        self, ctx: _Ctx, a: Action, in_key: Any, grads: dict[int, torch.Tensor],
+        device: Device, weights: WeightUpload,
+    ) -> None:  # fmt: skip
+        """Head-stage blocks forward, fused head forward+loss+backward, blocks backward."""
+        layers, m, spec = self.stages.bwd[0], a.microbatch, ctx.spec
+        blocks, head = layers[:-1], layers[-1]
+        x = ctx.acts.pop(in_key)
+        x = _with_grad_input(x) if blocks else x
+        with torch.enable_grad():
+            y = x
+            for layer in blocks:
+                y = self._call(ctx, device, layer, y, m, weights)
+            head_module: Any = self._load(device, head, weights).module
+            loss, grad_in = head_module.forward_backward(
+                {**y, "hidden": y["hidden"].detach()},
+                grad_scale=1.0 if spec.defer_head else spec.grad_scale,
+            )
+            if blocks:
+                torch.autograd.backward(y["hidden"], grad_in)
+                grad_in = x["hidden"].grad
+        ctx.losses[m] = loss.detach()
+        _free(device, x)
+        grads.update(self._grads(device, layers))
+        if grad_in is not None and len(self.stages.bwd) > 1:
+            ctx.acts[("G", 1, m)] = {"hidden": grad_in}
+            _track(device, ctx.acts[("G", 1, m)])
+            if spec.defer_head:
+                ctx.head_out = (a.device, grads, grad_in, m)
+
+    def _head_eval(
+        self, ctx: _Ctx, a: Action, in_key: Any, grads: dict[int, torch.Tensor],
+        device: Device, weights: WeightUpload,
+    ) -> None:  # fmt: skip
+        """Evaluation: the head-stage blocks and the head's loss, no gradient."""
+        x = ctx.acts.pop(in_key)
+        with torch.no_grad():
+            for layer in self.stages.bwd[0]:
+                x = self._call(ctx, device, layer, x, a.microbatch, weights)
+        ctx.losses[a.microbatch] = x["loss"].detach()
 
     def _backward(self, ctx: _Ctx, a: Action) -> None:
-        device = self.devices[a.device]
-        layers = self.stages.bwd[a.stage]
-        weights = self._upload(ctx, device, layers, a)
-        x_key: Any = ("X", a.stage, a.microbatch)
-        if layers[0] == 0 and self.stages.has_prefix:
-            self._put_host(ctx, x_key, ctx.spec.batches[a.microbatch])
+        layers, m = self.stages.bwd[a.stage], a.microbatch
+        x_key: Any = ("X", a.stage, m)
+        if layers[0] == 0 and self.stages.has_prefix:  # the prefix recomputes from the batch
+            self._put_host(ctx, x_key, ctx.spec.batches[m])
         else:
             self._put_saved(ctx, x_key, a)
-        x_ready = self._arrive(ctx, x_key, device, str(a))
-        g_key = ("G", a.stage, a.microbatch)
-        g_ready = self._arrive(ctx, g_key, device, str(a))
-        compute = device.stream(StreamRole.COMPUTE)
-        _wait(compute, weights.event, x_ready, g_ready)
-        grads_holder: dict[int, torch.Tensor] = {}
+        g_key, out_key = ("G", a.stage, m), ("G", a.stage + 1, m)
         last = a.stage == len(self.stages.bwd) - 1
+        grads: dict[int, torch.Tensor] = {}
 
-        def run() -> None:
-            start = time.perf_counter()
+        def body(device: Device, weights: WeightUpload) -> None:
             x = _with_grad_input(ctx.acts.pop(x_key))
             grad_out = ctx.acts.pop(g_key)["hidden"]
             with torch.enable_grad():
                 y = x
                 for layer in layers:  # recompute, same RNG seeds as the forward
-                    y = self._call(ctx, device, layer, y, a.microbatch, weights)
+                    y = self._call(ctx, device, layer, y, m, weights)
                 torch.autograd.backward(y["hidden"], grad_out)
             _free(device, x)
             _free(device, {"hidden": grad_out})
-            grads_holder.update(self._grads(device, layers))
+            grads.update(self._grads(device, layers))
             if not last:
-                grad_in = x["hidden"].grad
-                ctx.acts[("G", a.stage + 1, a.microbatch)] = {"hidden": grad_in}
-                _track(device, ctx.acts[("G", a.stage + 1, a.microbatch)])
-            self._finish_compute(ctx, device, weights, layers, a, start, backward=True)
+                ctx.acts[out_key] = {"hidden": x["hidden"].grad}
+                _track(device, ctx.acts[out_key])
+
+        done = self._launch(ctx, a, layers, [x_key, g_key], body, backward=True)
+        ctx.act_where[out_key] = (a.device, done)
+        self._download_grads(ctx, self.devices[a.device], grads, layers, done, label=f"{a}.grads")
+
+    def _launch(
+        self,
+        ctx: _Ctx,
+        a: Action,
+        layers: Sequence[int],
+        inputs: Sequence[Any],
+        body: Callable[[Device, WeightUpload], None],
+        *,
+        backward: bool = False,
+    ) -> Event:
+        """Queue one compute action: its weights, its inputs, then ``body`` on the compute
+        stream once all have arrived. Returns the event of the compute's end."""
+        device = self.devices[a.device]
+        weights = self._upload(ctx, device, layers, a)
+        arrived = [self._arrive(ctx, key, device, str(a)) for key in inputs]
+        compute = device.stream(StreamRole.COMPUTE)
+        _wait(compute, weights.event, *arrived)
+
+        def run() -> None:
+            start = time.perf_counter()
+            body(device, weights)
+            self._finish_compute(ctx, device, weights, layers, a, start, backward=backward)
 
         compute.submit(run, label=str(a))
         done = compute.record()
         self._compute_done[a.device].append(done)
-        ctx.act_where[("G", a.stage + 1, a.microbatch)] = (a.device, done)
-        self._download_grads(ctx, device, grads_holder, layers, done, label=f"{a}.grads")
+        return done
 
     # --- building blocks ----------------------------------------------------------------------
     def _upload(self, ctx: _Ctx, device: Device, layers: Sequence[int], a: Action) -> WeightUpload:
@@ -451,8 +459,6 @@ class Executor:
         state: State,
         microbatch: int,
         weights: WeightUpload,
-        *,
-        head: bool = True,
     ) -> State:
         replica = self._load(device, layer, weights)
         start = time.perf_counter()
