@@ -78,14 +78,13 @@ class RoundPipeEngine:
         )
         modules = list(self.seq.modules())
         self.store = HostStore(modules, pin=cuda_pin if self.pool.kind == "cuda" else None)
-        self.optimizer, per_layer_groups = build_optimizer(
+        self.optimizer = build_optimizer(
             cfg,
             self.store,
             model=model,
             client_optimizer=optimizer,
             model_parameters=model_parameters,
         )
-        del per_layer_groups
         self.lr_scheduler = build_scheduler(cfg, self.optimizer, client_scheduler=lr_scheduler)
         self.stepper = OptimizerStepper(
             self.store,

@@ -107,13 +107,18 @@ def upload_weights(
 
 
 def upload_state(
-    device: Device, holder: dict[str, State], key: str, host_state: State, *, label: str = ""
+    device: Device,
+    get_state: Callable[[], State],
+    put: Callable[[State], None],
+    *,
+    label: str = "",
 ) -> Event:
-    """Copy a host state to ``device`` on its activation stream into ``holder[key]``."""
+    """Copy a host state to ``device`` on its activation stream (high priority), handing the
+    device copy to ``put``. Queue any wait on the stream before calling this."""
     stream = device.stream(StreamRole.H2D_ACT)
 
     def run() -> None:
-        holder[key] = {k: device.to_device(v) for k, v in host_state.items()}
+        put({k: device.to_device(v) for k, v in get_state().items()})
 
     stream.submit(run, label=label)
     return stream.record()

@@ -166,11 +166,31 @@ def test_optimizer_error_surfaces_at_next_call_naming_the_layer() -> None:
 
     engine.optimizer.step_params = failing
     try:
-        batches = iter(_batches(4 * GAS))
+        batches = iter(_batches(6 * GAS))
         with pytest.raises(RuntimeError, match="layer 2"):
             for _ in range(4):  # the error appears at the first engine call after it happened
                 engine.train_batch(batches)
             engine.synchronize()
+        with pytest.raises(RuntimeError, match="layer 2"):  # and stays: no hang, no training
+            engine.train_batch(batches)  # on weights that are half a step apart
+    finally:
+        engine.destroy()
+
+
+def test_sync_optimizer_error_never_hangs_the_next_call() -> None:
+    engine = engine_for(tiny_qwen3(0, layers=4), config(devices=2, **CUTS))
+
+    def failing(params, **kw):
+        raise ValueError("injected")
+
+    engine.optimizer.step_params = failing
+    try:
+        batches = iter(_batches(3 * GAS))
+        with pytest.raises(RuntimeError, match="optimizer step failed on layer"):
+            engine.train_batch(batches)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="optimizer step failed"):
+                engine.train_batch(batches)
     finally:
         engine.destroy()
 

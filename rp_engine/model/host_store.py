@@ -86,6 +86,7 @@ class HostStore:
                     p.data = pin(p.data)
         self._versions = [0] * len(self.layers)
         self._cond = threading.Condition()
+        self._failure: BaseException | None = None
 
     # --- lookup -------------------------------------------------------------------------------
     def master_of(self, param: nn.Parameter) -> torch.Tensor:
@@ -135,18 +136,25 @@ class HostStore:
         with self._cond:
             return self._versions[layer]
 
-    def wait_version(
-        self, layer: int, version: int, *, abort: threading.Event | None = None
-    ) -> None:
+    def wait_version(self, layer: int, version: int) -> None:
         """Block until layer's compute weights hold step ``version`` or newer.
 
-        ``abort`` lets a failing run unblock waiters: when it is set the wait raises.
+        Raises instead of waiting forever once the optimizer has failed (``fail``).
         """
         with self._cond:
             while self._versions[layer] < version:
-                if abort is not None and abort.is_set():
-                    raise RuntimeError(f"aborted while waiting for layer {layer} version {version}")
-                self._cond.wait(timeout=0.05)
+                if self._failure is not None:
+                    raise RuntimeError(
+                        f"layer {layer} will not reach weights version {version}: the optimizer "
+                        f"failed ({self._failure!r})"
+                    ) from self._failure
+                self._cond.wait()
+
+    def fail(self, error: BaseException | None) -> None:
+        """Record (or, with None, clear) an optimizer failure and wake every version waiter."""
+        with self._cond:
+            self._failure = error
+            self._cond.notify_all()
 
     def publish(self, layer: int, version: int) -> None:
         """Copy the layer's masters into its compute weights and mark them as ``version``.

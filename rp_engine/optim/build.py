@@ -60,7 +60,7 @@ def build_optimizer(
     model: nn.Module,
     client_optimizer: Any = None,
     model_parameters: Iterable[Any] | None = None,
-) -> tuple[HostOptimizer, None]:
+) -> HostOptimizer:
     """The engine's optimizer over masters; raises ValueError when none is configured."""
     fp16 = cfg.fp16
     scaler = LossScaler.from_fp16(
@@ -91,7 +91,7 @@ def build_optimizer(
             "optimizer %s steps all layers at once (only Adam/AdamW step layer by layer)",
             type(inner).__name__,
         )
-    return HostOptimizer(inner, per_layer=per_layer, scaler=scaler), None
+    return HostOptimizer(inner, per_layer=per_layer, scaler=scaler)
 
 
 def _rebuild(client: torch.optim.Optimizer, store: HostStore) -> tuple[torch.optim.Optimizer, bool]:

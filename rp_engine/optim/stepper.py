@@ -153,10 +153,14 @@ class OptimizerStepper:
             self.store.publish(layer, self._done[layer])
 
     def check(self) -> None:
-        """Raise the worker's error, if any, in the calling thread."""
+        """Raise the worker's error, if any, in the calling thread.
+
+        A failed step leaves layers at different versions, so the error stays: every later call
+        raises it too (load a checkpoint into a new engine to go on) instead of training on
+        inconsistent weights or waiting for a version that will never come.
+        """
         if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+            raise self._error
 
     def abandon_step(self) -> None:
         """Forget the open step after a failed run (its gradients are discarded by the caller)."""
@@ -224,6 +228,7 @@ class OptimizerStepper:
                 with self._cond:
                     self._error = err
                     self._cond.notify_all()
+                self.store.fail(err)  # weight uploads waiting for this step must not hang
 
         with self._cond:
             self._pending += 1

@@ -31,7 +31,13 @@ from rp_engine.model.host_store import HostStore
 from rp_engine.plan.actions import Action, Op
 from rp_engine.runtime.replica import Replica
 from rp_engine.runtime.stages import StageMap
-from rp_engine.transfer import State, WeightUpload, download_state, upload_weights
+from rp_engine.transfer import (
+    State,
+    WeightUpload,
+    download_state,
+    upload_state,
+    upload_weights,
+)
 
 __all__ = ["Executor", "RunSpec", "RunResult", "TimelineRecord", "GradSink", "Carry", "layer_seed"]
 
@@ -430,26 +436,22 @@ class Executor:
             )
             stream = device.stream(StreamRole.H2D_ACT)
             stream.wait(down)
-            return self._upload_state(ctx, device, key, lambda: host.pop("s"), label)
+            return self._upload_to(ctx, device, key, lambda: host.pop("s"), label)
         # host-resident input (micro-batch or a saved stage input)
         stream = device.stream(StreamRole.H2D_ACT)
         _wait(stream, event)
         host_key = ctx.acts.pop(("H", key), None)
         if host_key is not None:
-            return self._upload_state(ctx, device, key, lambda: ctx.saved.pop(host_key), label)
+            return self._upload_to(ctx, device, key, lambda: ctx.saved.pop(host_key), label)
         state = ctx.acts.pop(key)
-        return self._upload_state(ctx, device, key, lambda: state, label)
+        return self._upload_to(ctx, device, key, lambda: state, label)
 
-    def _upload_state(
-        self, ctx: _Ctx, device: Device, key: Any, get: Callable[[], State], label: str
+    @staticmethod
+    def _upload_to(
+        ctx: _Ctx, device: Device, key: Any, get: Callable[[], State], label: str
     ) -> Event:
-        stream = device.stream(StreamRole.H2D_ACT)
-
-        def run() -> None:
-            ctx.acts[key] = {k: device.to_device(v) for k, v in get().items()}
-
-        stream.submit(run, label=f"{label}.in")
-        return stream.record()
+        put = functools.partial(ctx.acts.__setitem__, key)
+        return upload_state(device, get, put, label=f"{label}.in")
 
     def _call(
         self,
