@@ -68,11 +68,49 @@ class RoundPipeEngine:
         # DeepSpeed casts the module at initialize; the host copy *is* the compute weights.
         model.to(_compute_dtype(cfg))
         self.module = model
-        self.pool = make_devices(
-            rp.devices,
-            pcie_gbps=rp.pcie_gbps,
-            capacity_bytes=int(rp.device_memory_gb * 2**30) if rp.device_memory_gb else None,
-        )
+        budget = int(rp.device_memory_gb * 2**30) if rp.device_memory_gb else None
+        self.pool = make_devices(rp.devices, pcie_gbps=rp.pcie_gbps, capacity_bytes=budget)
+        try:
+            self._wire(cfg, model, optimizer, model_parameters, lr_scheduler, budget)
+            self.training_dataloader = (
+                build_dataloader(training_data, cfg, collate_fn)
+                if training_data is not None
+                else None
+            )
+            self.monitor = Monitor.from_config(cfg)
+        except BaseException:
+            # a bad model/config must not leave device or optimizer threads behind
+            if hasattr(self, "stepper"):
+                self.stepper.close()
+            self.pool.close()
+            raise
+        self._data_iter: Iterator[Any] | None = None
+        # DeepSpeed counters
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._step_applied = False
+        self._last: StepResult | None = None
+        self._carry: Carry | None = None
+        self._carry_batch: dict[str, Any] | None = None
+        self._loss_leaf: torch.Tensor | None = None
+        self._timeline: list[TimelineRecord] = []
+        self.local_rank = 0
+        self.global_rank = 0
+        self.world_size = 1
+        self.dp_world_size = 1
+        self.mp_world_size = 1
+        self.device = self.pool[0].torch_device
+        self.training = model.training
+
+    def _wire(
+        self, cfg: DSConfig, model: nn.Module, optimizer: Any, model_parameters: Any,
+        lr_scheduler: Any, budget: int | None,
+    ) -> None:  # fmt: skip
+        """Compose the parts: layers, host store, optimizer, stepper, planner, executor."""
+        rp = cfg.roundpipe
         self.seq: LayerSequence = to_layers(
             model, loss_fn=getattr(model, "loss_fn", None), head_chunk_tokens=rp.head_chunk_tokens
         )
@@ -101,36 +139,11 @@ class RoundPipeEngine:
             schedule=rp.schedule,
             fwd_cuts=rp.fwd_cuts,
             bwd_cuts=rp.bwd_cuts,
-            memory_budget_bytes=int(rp.device_memory_gb * 2**30) if rp.device_memory_gb else None,
+            memory_budget_bytes=budget,
             profile_iterations=rp.profile_iterations,
             async_optimizer=self.stepper.async_mode,
         )
         self._executor = self._make_executor()
-        self.monitor = Monitor.from_config(cfg)
-        self.training_dataloader = (
-            build_dataloader(training_data, cfg, collate_fn) if training_data is not None else None
-        )
-        self._data_iter: Iterator[Any] | None = None
-        # DeepSpeed counters
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self._boundary_override: bool | None = None
-        self._step_applied = False
-        self._last: StepResult | None = None
-        self._carry: Carry | None = None
-        self._carry_batch: dict[str, Any] | None = None
-        self._loss_leaf: torch.Tensor | None = None
-        self._step_open = False
-        self._timeline: list[TimelineRecord] = []
-        self.local_rank = 0
-        self.global_rank = 0
-        self.world_size = 1
-        self.dp_world_size = 1
-        self.mp_world_size = 1
-        self.device = self.pool[0].torch_device
-        self.training = model.training
 
     def _make_executor(self) -> Executor:
         return Executor(

@@ -133,3 +133,16 @@ def test_batch_without_labels_fails_at_the_door() -> None:
         assert engine.global_steps == 0
     finally:
         engine.destroy()
+
+
+def test_failed_initialize_leaves_no_threads_behind() -> None:
+    import threading
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="budget"):
+        rp_engine.initialize(
+            model=tiny_qwen3(0, layers=2),
+            config=config(devices=2, roundpipe={"device_memory_gb": 1e-6}),
+        )
+    leaked = {t.name for t in threading.enumerate() if t.is_alive()} - before
+    assert not {n for n in leaked if n.startswith(("rp-cpu", "rp-optimizer"))}, leaked

@@ -42,7 +42,8 @@ def test_upload_weights_copies_every_tensor_in_chunks() -> None:
 
 def _activation_d2h_bytes(devices: int) -> int:
     engine = engine_for(
-        tiny_qwen3(0, layers=4), config(devices=devices, gas=1, fwd_cuts=[1, 1, 1, 1], bwd_cuts=[0, 4])
+        tiny_qwen3(0, layers=4),
+        config(devices=devices, gas=1, fwd_cuts=[1, 1, 1, 1], bwd_cuts=[0, 4]),
     )
     try:
         engine.train_batch(iter([random_batch(128, batch=2, seq=16)]))
