@@ -56,6 +56,7 @@ def initialize(
 
     if model is None:
         raise ValueError("initialize(model=...) is required")
+    _check_single_process()
     if mpu is not None or mesh_param is not None:
         raise ValueError("model parallelism (mpu / mesh_param) is not supported by rp_engine")
     cfg = load_config(resolve_config_arg(args, config, config_params), auto_values=auto_values)
@@ -69,6 +70,21 @@ def initialize(
         collate_fn=collate_fn,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _check_single_process() -> None:
+    """One rp_engine process drives every local GPU; a launcher that starts one process per GPU
+    (deepspeed --num_gpus N, torchrun --nproc_per_node N) would make each grab them all."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        raise ValueError(
+            f"WORLD_SIZE={world}: rp_engine drives all local GPUs from ONE process (the RoundPipe "
+            "worker pool), so launch a single process: `deepspeed --num_gpus 1 train.py ...` or "
+            "`torchrun --nproc_per_node 1 train.py ...` (set roundpipe.devices to choose GPUs). "
+            "Multi-node data parallel is not supported yet."
+        )
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

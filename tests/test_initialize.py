@@ -146,3 +146,9 @@ def test_failed_initialize_leaves_no_threads_behind() -> None:
         )
     leaked = {t.name for t in threading.enumerate() if t.is_alive()} - before
     assert not {n for n in leaked if n.startswith(("rp-cpu", "rp-optimizer"))}, leaked
+
+
+def test_one_process_per_gpu_launch_is_refused_clearly(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="num_gpus 1"):
+        rp_engine.initialize(model=tiny_qwen3(0, layers=2), config=_tiny_cfg())
