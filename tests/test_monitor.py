@@ -1,0 +1,47 @@
+"""Monitors: DeepSpeed-style CSV files and W&B's offline fallback, written by a real run."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+from engine_helpers import config, engine_for
+from models import random_batch, tiny_qwen3
+
+from rp_engine.monitor import _start_wandb
+
+
+def test_csv_monitor_records_loss_and_lr(tmp_path) -> None:
+    cfg = config(
+        devices=1, fwd_cuts=[2], bwd_cuts=[0, 2],
+        csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "run1"},
+    )  # fmt: skip
+    engine = engine_for(tiny_qwen3(0, layers=2), cfg)
+    try:
+        data = iter([random_batch(128, batch=2, seq=8, seed=i) for i in range(6)])
+        losses = [float(engine.train_batch(data)) for _ in range(3)]
+    finally:
+        engine.destroy()
+    with open(tmp_path / "run1" / "Train_Samples_train_loss.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "Train/Samples/train_loss"]
+    assert [int(r[0]) for r in rows[1:]] == [4, 8, 12]  # global_samples, as DeepSpeed logs
+    assert [float(r[1]) for r in rows[1:]] == losses
+    assert (tmp_path / "run1" / "Train_Samples_lr.csv").exists()
+
+
+def test_wandb_goes_offline_without_a_key(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    from rp_engine.config import load_config
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "wandb": {"enabled": True}})
+    run = _start_wandb(cfg)
+    try:
+        assert os.environ["WANDB_MODE"] == "offline"
+        run.log({"x": 1.0}, step=1)
+    finally:
+        run.finish()
+        os.environ.pop("WANDB_MODE", None)
+    assert list(tmp_path.glob("wandb/offline-run-*"))
