@@ -28,7 +28,6 @@ __all__ = [
     "upload_weights",
     "upload_state",
     "download_state",
-    "state_bytes",
 ]
 
 State = dict[str, torch.Tensor]
@@ -144,7 +143,3 @@ def download_state(
 
     stream.submit(run, label=label)
     return stream.record()
-
-
-def state_bytes(state: State) -> int:
-    return sum(v.numel() * v.element_size() for v in state.values())

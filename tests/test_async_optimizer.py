@@ -233,3 +233,30 @@ def test_save_checkpoint_waits_for_in_flight_steps(tmp_path) -> None:
             torch.testing.assert_close(value, masters[name], rtol=0, atol=0, msg=name)
             changed += not torch.equal(value, stale[name])
     assert changed > 0  # before the save the module still held the older weights
+
+
+def test_tied_embedding_waits_for_its_owner_step() -> None:
+    """Tied input/output embeddings: the head stage's gradient lands in the embedding's buffer,
+    owned by the prefix layer, whose async step may still be pending; the download must wait
+    for that step (a slow optimizer makes the race certain), so results match the reference."""
+    import time
+
+    model, ref = tiny_qwen3(0, layers=4, tie=True), tiny_qwen3(0, layers=4, tie=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    batches = _batches(4 * GAS)
+    expected = _staleness_one_reference(ref, batches, steps=4, lr=1e-2)
+    engine = engine_for(model, config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, **CUTS))
+    assert engine.store.owner_layer(model.lm_head.weight) == 0
+    real = engine.optimizer.step_params
+
+    def slow(params, **kw):
+        time.sleep(0.05)  # a slow host optimizer: steps lag well behind the next iteration
+        return real(params, **kw)
+
+    engine.optimizer.step_params = slow
+    try:
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(4)]
+    finally:
+        engine.destroy()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

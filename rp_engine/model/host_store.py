@@ -36,6 +36,7 @@ class HostParam:
     name: str
     param: nn.Parameter  # compute weight, the user's own parameter object
     master: torch.Tensor  # fp32, requires no grad; master.grad is the accumulation buffer
+    layer: int  # the owning layer: its optimizer step consumes master.grad
 
 
 @dataclass(eq=False)
@@ -76,7 +77,7 @@ class HostStore:
             layer = HostLayer(index, module, list(params), buffers)
             for name, p in layer.params:
                 if p.requires_grad and id(p) not in self._owner:
-                    hp = HostParam(name, p, _make_master(p))
+                    hp = HostParam(name, p, _make_master(p), index)
                     self._owner[id(p)] = hp
                     layer.owned.append(hp)
             self.layers.append(layer)
@@ -100,12 +101,10 @@ class HostStore:
         """Trainable parameters the layer uses (including shared ones it does not own)."""
         return [p for _, p in self.layers[layer].params if p.requires_grad]
 
-    def param_bytes(self) -> int:
-        seen: dict[int, int] = {}
-        for layer in self.layers:
-            for _, p in layer.params:
-                seen[id(p)] = p.numel() * p.element_size()
-        return sum(seen.values())
+    def owner_layer(self, param: nn.Parameter) -> int:
+        """The layer whose optimizer step consumes this parameter's gradient (tied weights: the
+        lowest layer using it)."""
+        return self._owner[id(param)].layer
 
     # --- gradients ----------------------------------------------------------------------------
     def accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:

@@ -525,7 +525,8 @@ class Executor:
         stream = device.stream(StreamRole.D2H)
         stream.wait(after)
         params = {id(p): p for layer in layers for p in self.store.trainable_of(layer)}
-        owners = {id(p): layer for layer in layers for p in self.store.trainable_of(layer)}
+        # a tied weight's buffer belongs to its owner layer, which may sit in another stage
+        owners = {key: self.store.owner_layer(p) for key, p in params.items()}
 
         def run() -> None:
             host = {k: device.to_host(g) for k, g in grads.items() if k in params}
