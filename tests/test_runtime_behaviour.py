@@ -101,3 +101,26 @@ def test_error_in_a_layer_names_the_device_and_next_call_works() -> None:
         assert torch.isfinite(loss) and engine.global_steps == 2
     finally:
         engine.destroy()
+
+
+def test_concurrent_gradient_downloads_add_up_exactly() -> None:
+    """Download threads of several devices adding into one host buffer at once lose nothing."""
+    from rp_engine.model.host_store import HostStore
+
+    layer = torch.nn.Linear(256, 256)
+    store = HostStore([layer])
+    grad = torch.ones(256, 256)
+    start = threading.Barrier(4)
+
+    def worker() -> None:
+        start.wait()
+        for _ in range(50):
+            store.accumulate(layer.weight, grad)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    master = store.master_of(layer.weight)
+    assert master.grad is not None and torch.equal(master.grad, torch.full((256, 256), 200.0))

@@ -85,6 +85,7 @@ class HostStore:
             for layer in self.layers:
                 for _, p in layer.params:
                     p.data = pin(p.data)
+        self._grad_locks = [threading.Lock() for _ in self.layers]
         self._versions = [0] * len(self.layers)
         self._cond = threading.Condition()
         self._failure: BaseException | None = None
@@ -108,12 +109,18 @@ class HostStore:
 
     # --- gradients ----------------------------------------------------------------------------
     def accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Add a downloaded gradient into the owner's fp32 buffer (called on a host thread)."""
-        master = self._owner[id(param)].master
-        if master.grad is None:
-            master.grad = grad.to(torch.float32, copy=True)
-        else:
-            master.grad.add_(grad)
+        """Add a downloaded gradient into the owner's fp32 buffer (called on a host thread).
+
+        Several devices' download threads may add into one buffer at once (a tied weight, or
+        the same stage of two rounds): the owner layer's lock makes each add whole.
+        """
+        owner = self._owner[id(param)]
+        with self._grad_locks[owner.layer]:
+            master = owner.master
+            if master.grad is None:
+                master.grad = grad.to(torch.float32, copy=True)
+            else:
+                master.grad.add_(grad)
 
     def zero_grads(self, layers: Iterable[int] | None = None) -> None:
         for index in range(len(self.layers)) if layers is None else layers:
