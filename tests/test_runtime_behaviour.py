@@ -124,3 +124,30 @@ def test_concurrent_gradient_downloads_add_up_exactly() -> None:
         t.join()
     master = store.master_of(layer.weight)
     assert master.grad is not None and torch.equal(master.grad, torch.full((256, 256), 200.0))
+
+
+def test_each_layer_completes_exactly_once_under_concurrent_reports() -> None:
+    """Download threads of several devices report the same layers at once: every layer is
+    reported ready exactly once (a lost or doubled report would skip or double a step)."""
+    from rp_engine.runtime.executor import Countdown
+
+    countdown = Countdown()
+    layers, reports = list(range(8)), 64
+    countdown.set(layers, reports)
+    done: list[int] = []
+    lock = threading.Lock()
+    start = threading.Barrier(8)
+
+    def worker() -> None:
+        start.wait()
+        for _ in range(reports // 8):
+            finished = countdown.arrive(layers)
+            with lock:
+                done.extend(finished)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(done) == layers

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,30 @@ class RunResult:
     carry: Carry | None = None
 
 
+class Countdown:
+    """Per-layer count of gradient contributions still to land. Download threads of several
+    devices report at once; ``arrive`` is atomic, so each layer completes exactly once."""
+
+    def __init__(self) -> None:
+        self._left: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def set(self, layers: Sequence[int], n: int) -> None:
+        with self._lock:
+            for layer in layers:
+                self._left[layer] = n
+
+    def arrive(self, layers: Sequence[int]) -> list[int]:
+        """One contribution for each of ``layers``; returns those that just reached zero."""
+        done = []
+        with self._lock:
+            for layer in layers:
+                self._left[layer] = self._left.get(layer, 1) - 1
+                if self._left[layer] == 0:
+                    done.append(layer)
+        return done
+
+
 class _Ctx:
     """Per-run scratch space. Producers write before recording the event consumers wait on."""
 
@@ -125,7 +150,7 @@ class _Ctx:
         self.timeline: list[TimelineRecord] = []
         self.layer_ms: dict[int, list[float]] = {}
         self.bwd_ms: dict[int, list[float]] = {}
-        self.remaining: dict[int, int] = {}
+        self.remaining = Countdown()  # backward contributions still due, per layer
         self.head_out: tuple[int, dict[int, torch.Tensor], torch.Tensor | None, int] | None = None
         self.t0 = time.perf_counter()
 
@@ -169,8 +194,7 @@ class Executor:
         if spec.train:
             for j, idx in enumerate(self.stages.bwd):
                 n = sum(1 for a in spec.actions if _is_bwd(a) and a.stage == j)
-                for layer in idx:
-                    ctx.remaining[layer] = n
+                ctx.remaining.set(idx, n)
         for device in self.devices:
             device.reset_peak()
         if spec.carry is not None:
@@ -215,8 +239,7 @@ class Executor:
             ctx.acts[key] = {"hidden": carry.grad_in}
             ctx.act_where[key] = (carry.head_device, done)
         head_layers = self.stages.bwd[0]
-        for layer in head_layers:
-            ctx.remaining[layer] = 1
+        ctx.remaining.set(head_layers, 1)
         self._download_grads(ctx, device, carry.head_grads, head_layers, done, label="H.grads")
 
     def close(self) -> None:
@@ -537,9 +560,8 @@ class Executor:
             for grad in grads.values():
                 device.free(grad)
             grads.clear()
-            for layer in layers:
-                ctx.remaining[layer] = ctx.remaining.get(layer, 1) - 1
-                if ctx.remaining[layer] == 0 and ctx.spec.closes_step:
+            for layer in ctx.remaining.arrive(layers):
+                if ctx.spec.closes_step:
                     self.sink.ready(layer)
 
         stream.submit(run, label=label)
