@@ -302,7 +302,8 @@ class RoundPipeEngine:
         return result
 
     def _abort_step(self) -> None:
-        self.stepper.wait_all()
+        with contextlib.suppress(Exception):  # the run's own error is the one to report
+            self.stepper.wait_all()
         self.stepper.abandon_step()
         self.store.zero_grads()
         self._carry = self._carry_batch = None

@@ -35,13 +35,14 @@ def test_zero_infinity_fixture_trains_with_wandb_offline(tmp_path, monkeypatch, 
     with caplog.at_level(logging.INFO, logger="rp_engine"):
         engine = _train_two_steps(raw)
     try:
+        run = engine.monitor._wandb  # W&B in the process may have been started by an earlier
+        assert run is not None and run.offline  # test, so check the run, not a folder
         assert engine.bfloat16_enabled() and engine.zero_optimization_stage() == 3
         assert next(engine.module.parameters()).dtype == torch.bfloat16
         assert any("offload" in r.message for r in caplog.records)  # mapped, said in a log line
         assert engine.get_lr()[0] > 0  # WarmupDecayLR stepped
     finally:
         engine.destroy()
-    assert list(Path(tmp_path).glob("wandb/offline-run-*")), "W&B wrote no offline run"
 
 
 def test_hf_auto_fixture_trains_with_auto_values() -> None:
