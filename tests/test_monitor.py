@@ -31,9 +31,10 @@ def test_csv_monitor_records_loss_and_lr(tmp_path) -> None:
     assert (tmp_path / "run1" / "Train_Samples_lr.csv").exists()
 
 
-def test_wandb_goes_offline_without_a_key(monkeypatch) -> None:
+def test_wandb_goes_offline_without_a_key(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # honoured when W&B starts in this test
     from rp_engine.config import load_config
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "wandb": {"enabled": True}})
