@@ -656,35 +656,12 @@ def _load_optimizer(
                 "saved with other param groups or another optimizer type. Pass "
                 "load_optimizer_states=False to load weights only"
             ) from exc
-    _resync_cpu_adam(engine.optimizer.optimizer)
     scaler_state = osd.get(_LOSS_SCALER)
     if scaler_state is not None:
         engine.optimizer.loss_scaler.load_state_dict(
             _scaler_dict(scaler_state, engine.optimizer.loss_scaler)
         )
     engine.optimizer.overflow = bool(osd.get("overflow", False))
-
-
-def _resync_cpu_adam(inner: Any) -> None:
-    """Bring DeepSpeed CPU Adam's C++ bias-correction cache to the loaded step, bit-exactly.
-
-    The kernel keeps beta^t per optimizer and updates it by one multiplication per step; a fresh
-    optimizer asked for step t computes ``pow(beta, t)`` instead, which can differ in the last
-    bit, and so would every update after a resume. Replaying steps 1..t on empty tensors rebuilds
-    the cache exactly as training did (microseconds per step; nothing else is touched).
-    """
-    kernel = getattr(inner, "ds_opt_adam", None)
-    steps = [int(s["step"]) for s in inner.state.values() if "step" in s]
-    if kernel is None or not steps or not inner.param_groups:
-        return
-    g = inner.param_groups[0]  # one C++ state per optimizer: the betas of the first group
-    beta1, beta2 = g["betas"]
-    empty = torch.empty(0, dtype=torch.float32)
-    for step in range(1, max(steps) + 1):
-        kernel.adam_update(
-            inner.opt_id, step, g["lr"], beta1, beta2, g["eps"], g["weight_decay"],
-            g["bias_correction"], empty, empty, empty, empty,
-        )  # fmt: skip
 
 
 def _split_flat(

@@ -563,7 +563,7 @@ def test_interrupted_swap_is_recovered(tmp_path: Any, make_engine: Any) -> None:
 @pytest.mark.parametrize(
     ("factory", "torch_adam", "extra"),
     [
-        # DeepSpeed CPU Adam (the default; bit-exact only with _resync_cpu_adam). Slow: loading
+        # DeepSpeed CPU Adam (the default; bit-exact only because HostOptimizer.load_state_dict resyncs its beta^t cache). Slow: loading
         # the JIT-built kernel takes seconds even when it is cached.
         pytest.param(
             "tiny_qwen3",

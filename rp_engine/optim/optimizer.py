@@ -176,6 +176,7 @@ class HostOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+        _resync_cpu_adam(self.optimizer)
 
     # --- stepping (called by the optimizer worker) -------------------------------------------
     @torch.no_grad()
@@ -229,3 +230,25 @@ class HostOptimizer:
         finally:
             for live, now in zip(live_groups, current, strict=True):
                 live.update(now)
+
+
+def _resync_cpu_adam(inner: Any) -> None:
+    """Bring DeepSpeed CPU Adam's C++ bias-correction cache to the loaded step, bit-exactly.
+
+    The kernel keeps beta^t per optimizer and updates it by one multiplication per step; a fresh
+    optimizer asked for step t computes ``pow(beta, t)`` instead, which can differ in the last
+    bit, and so would every update after a resume. Replaying steps 1..t on empty tensors rebuilds
+    the cache exactly as training did (microseconds per step; nothing else is touched).
+    """
+    kernel = getattr(inner, "ds_opt_adam", None)
+    steps = [int(s["step"]) for s in inner.state.values() if "step" in s]
+    if kernel is None or not steps or not inner.param_groups:
+        return
+    g = inner.param_groups[0]  # one C++ state per optimizer: the betas of the first group
+    beta1, beta2 = g["betas"]
+    empty = torch.empty(0, dtype=torch.float32)
+    for step in range(1, max(steps) + 1):
+        kernel.adam_update(
+            inner.opt_id, step, g["lr"], beta1, beta2, g["eps"], g["weight_decay"],
+            g["bias_correction"], empty, empty, empty, empty,
+        )  # fmt: skip

@@ -109,7 +109,6 @@ class RunResult:
     timeline: list[TimelineRecord]
     layer_ms: dict[int, list[float]] = field(default_factory=dict)  # fwd ms per layer
     bwd_ms: dict[int, list[float]] = field(default_factory=dict)  # backward ms per bwd stage
-    peak_bytes: list[int] = field(default_factory=list)
     carry: Carry | None = None
 
 
@@ -146,6 +145,7 @@ class _Ctx:
         self.act_where: dict[Any, tuple[int, Event | None]] = {}  # key -> (device|-1, ready)
         self.saved: dict[tuple[int, int], State] = {}  # (bwd stage, mb) -> host input
         self.saved_ev: dict[tuple[int, int], Event | None] = {}
+        self.host_inputs: dict[Any, Callable[[], State]] = {}  # key -> host state, on demand
         self.losses: dict[int, torch.Tensor] = {}
         self.timeline: list[TimelineRecord] = []
         self.layer_ms: dict[int, list[float]] = {}
@@ -213,7 +213,6 @@ class Executor:
             timeline=sorted(ctx.timeline, key=lambda r: (r.start, r.device)),
             layer_ms=ctx.layer_ms,
             bwd_ms=ctx.bwd_ms,
-            peak_bytes=[d.memory_stats()["peak"] for d in self.devices],
         )
 
     def _resume_from(self, ctx: _Ctx, carry: Carry) -> None:
@@ -252,7 +251,7 @@ class Executor:
         layers, m = self.stages.fwd[a.stage], a.microbatch
         in_key = ("B", m) if a.stage == 0 else ("F", a.stage - 1, m)
         if a.stage == 0:
-            self._put_host(ctx, in_key, ctx.spec.batches[m])
+            self._put_host(ctx, in_key, functools.partial(dict, ctx.spec.batches[m]))
         out_key = ("F", a.stage, m)
         train = ctx.spec.train
         saves = {i: self._saved_at[i] for i in layers if i in self._saved_at and train}
@@ -342,7 +341,7 @@ class Executor:
         layers, m = self.stages.bwd[a.stage], a.microbatch
         x_key: Any = ("X", a.stage, m)
         if layers[0] == 0 and self.stages.has_prefix:  # the prefix recomputes from the batch
-            self._put_host(ctx, x_key, ctx.spec.batches[m])
+            self._put_host(ctx, x_key, functools.partial(dict, ctx.spec.batches[m]))
         else:
             self._put_saved(ctx, x_key, a)
         g_key, out_key = ("G", a.stage, m), ("G", a.stage + 1, m)
@@ -423,23 +422,17 @@ class Executor:
         saved = (a.stage, a.microbatch)
         if saved not in ctx.saved_ev:
             raise RuntimeError(f"{a}: its forward input was never saved (plan order?)")
-        self._put_host(ctx, key, None, ready=ctx.saved_ev[saved], host_key=saved)
+        get = functools.partial(ctx.saved.pop, saved)
+        self._put_host(ctx, key, get, ready=ctx.saved_ev[saved])
 
+    @staticmethod
     def _put_host(
-        self,
-        ctx: _Ctx,
-        key: Any,
-        state: State | None,
-        *,
-        ready: Event | None = None,
-        host_key: tuple[int, int] | None = None,
+        ctx: _Ctx, key: Any, get: Callable[[], State], *, ready: Event | None = None
     ) -> None:
-        """Register a host-resident input: a micro-batch, or a saved input not yet downloaded."""
+        """Register a host-resident input (a micro-batch, or a saved stage input whose download
+        ``ready`` marks): ``get`` hands it over when the upload runs."""
         ctx.act_where[key] = (-1, ready)
-        if state is not None:
-            ctx.acts[key] = state
-        else:
-            ctx.acts[("H", key)] = host_key
+        ctx.host_inputs[key] = get
 
     def _arrive(self, ctx: _Ctx, key: Any, device: Device, label: str) -> Event | None:
         """Make ``ctx.acts[key]`` available on ``device``; returns the event to wait for."""
@@ -461,13 +454,8 @@ class Executor:
             stream.wait(down)
             return self._upload_to(ctx, device, key, lambda: host.pop("s"), label)
         # host-resident input (micro-batch or a saved stage input)
-        stream = device.stream(StreamRole.H2D_ACT)
-        _wait(stream, event)
-        host_key = ctx.acts.pop(("H", key), None)
-        if host_key is not None:
-            return self._upload_to(ctx, device, key, lambda: ctx.saved.pop(host_key), label)
-        state = ctx.acts.pop(key)
-        return self._upload_to(ctx, device, key, lambda: state, label)
+        _wait(device.stream(StreamRole.H2D_ACT), event)
+        return self._upload_to(ctx, device, key, ctx.host_inputs.pop(key), label)
 
     @staticmethod
     def _upload_to(

@@ -90,10 +90,6 @@ class StageMap:
     def head_index(self) -> int:
         return self.bwd[0][-1]
 
-    @property
-    def num_layers(self) -> int:
-        return self.head_index + 1
-
     def saved_inputs(self) -> dict[int, int]:
         """layer index -> backward stage j whose saved input is the state entering that layer.
 
@@ -101,9 +97,3 @@ class StageMap:
         the micro-batch itself (already on the host) and is not listed.
         """
         return {self.bwd[j][0]: j for j in range(1, len(self.bwd)) if self.bwd[j][0] != 0}
-
-    def bwd_stage_of(self, layer: int) -> int:
-        for j, idx in enumerate(self.bwd):
-            if layer in idx:
-                return j
-        raise KeyError(layer)
