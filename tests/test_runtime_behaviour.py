@@ -48,9 +48,13 @@ def _peak(layers: int) -> int:
         config(devices=2, gas=2, fwd_cuts=fwd, bwd_cuts=bwd, roundpipe={"device_memory_gb": 1.0}),
     )
     try:
-        engine.train_batch(iter(_batches(2)))
-        engine.train_batch(iter(_batches(2, seed=10)))
-        return max(d.memory_stats()["peak"] for d in engine.pool)
+        # the peak depends on how far weight prefetch runs ahead of compute, which varies with
+        # thread timing: take the worst case over several iterations
+        peak = 0
+        for i in range(6):
+            engine.train_batch(iter(_batches(2, seed=10 * i)))
+            peak = max(peak, *(d.memory_stats()["peak"] for d in engine.pool))
+        return peak
     finally:
         engine.destroy()
 
