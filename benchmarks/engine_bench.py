@@ -6,6 +6,7 @@
     python benchmarks/engine_bench.py memory        # host bytes per trainable parameter
     python benchmarks/engine_bench.py convergence   # sync vs async loss curves (PNG)
     python benchmarks/engine_bench.py timeline      # PNG of one 4-device iteration
+    python benchmarks/engine_bench.py rounds        # one upload per round vs per micro-batch
 
 Every figure is a ratio of runs interleaved in one process (A B A B ...), so machine noise
 hits both sides alike. Results are printed as JSON lines; RESULTS.md quotes them with the command.
@@ -271,6 +272,52 @@ def _plot_curves(curves: dict[float, dict[str, list[float]]], path: Path) -> Non
     fig.savefig(path, dpi=110)
 
 
+def rounds(args: argparse.Namespace) -> dict[str, Any]:
+    """Tokens/s with one weight upload per slot and round (M_R = GAS, on-device gradient
+    accumulation) vs one per micro-batch (M_R = 1: what the landed executor did), cpu:2 with an
+    emulated link slow enough that uploads dominate. Windows of steps synchronised at both ends
+    (never per step), interleaved."""
+    seq, gas, mbs, window = 32, 8, 2, 2
+    data = list(_take(batches(stdlib_corpus(), seq_len=seq, micro_batch=mbs), gas * 200))
+    engines = {}
+    for name, size in (("per_microbatch", 1), ("per_round", gas)):
+        engines[name], _, _, _ = rp_engine.initialize(
+            model=build_tiny_model(layers=args.layers, hidden=args.hidden),
+            config=_cfg("cpu:2", gas=gas, mbs=mbs, pcie_gbps=args.pcie_gbps, round_size=size,
+                        fwd_cuts=[2] * (args.layers // 2), bwd_cuts=[0] + [2] * (args.layers // 2)),
+        )  # fmt: skip
+    iters = {k: iter(data) for k in engines}
+    for k, e in engines.items():
+        e.train_batch(iters[k])
+        e.synchronize()
+
+    def run_window(name: str) -> Callable[[], float]:
+        def run() -> float:
+            engine = engines[name]
+            start = time.perf_counter()
+            for _ in range(window):
+                engine.train_batch(iters[name])
+            engine.synchronize()
+            return window * gas * mbs * seq / (time.perf_counter() - start)
+
+        return run
+
+    tps = _interleaved({k: run_window(k) for k in engines}, args.repeats)
+    stats = {k: e.last_step_stats() for k, e in engines.items()}
+    for e in engines.values():
+        e.destroy()
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    return {
+        "bench": "rounds",
+        "model": f"qwen3 L{args.layers} H{args.hidden} seq{seq} mbs{mbs} gas{gas} fp32, cpu:2, "
+        f"pcie {args.pcie_gbps} GB/s",
+        "tokens_per_s": med,
+        "speedup_per_round_over_per_microbatch": med["per_round"] / med["per_microbatch"],
+        "weight_h2d_bytes_per_step": {k: v["weight_h2d_bytes"] for k, v in stats.items()},
+        "uploads_per_step": {k: v["uploads"] for k, v in stats.items()},
+    }
+
+
 def _take(it: Any, n: int) -> Any:
     for _ in range(n):
         yield next(it)
@@ -283,6 +330,7 @@ BENCHES = {
     "memory": memory,
     "convergence": convergence,
     "timeline": timeline,
+    "rounds": rounds,
 }
 
 

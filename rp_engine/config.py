@@ -481,6 +481,7 @@ class RoundPipeConfig:
     bwd_cuts: tuple[int, ...] | None = field(default=None, metadata=_m(custom=True))
     device_memory_gb: float | None = field(default=None, metadata=_m(gt=0))
     pcie_gbps: float | None = field(default=None, metadata=_m(gt=0))
+    round_size: int | None = field(default=None, metadata=_m(gt=0))  # M_R; None: GAS
     head_chunk_tokens: int = field(default=1024, metadata=_m(gt=0))
     profile_iterations: int = field(default=2, metadata=_m(ge=0))
     seed: int = field(default=42, metadata=_m(ge=0))

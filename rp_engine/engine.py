@@ -33,8 +33,15 @@ from rp_engine.model.layers import LayerSequence, to_layers
 from rp_engine.monitor import Monitor
 from rp_engine.optim.build import build_optimizer, build_scheduler
 from rp_engine.optim.stepper import OptimizerStepper, StepResult
-from rp_engine.plan.actions import Op
-from rp_engine.runtime.executor import Carry, Executor, GradSink, RunSpec, TimelineRecord
+from rp_engine.plan.actions import Op, Plan
+from rp_engine.runtime.executor import (
+    Carry,
+    Executor,
+    GradSink,
+    RunSpec,
+    RunStats,
+    TimelineRecord,
+)
 from rp_engine.runtime.planning import ModelShape, Planner
 
 __all__ = ["RoundPipeEngine"]
@@ -97,6 +104,8 @@ class RoundPipeEngine:
         self._carry_batch: dict[str, Any] | None = None
         self._loss_leaf: torch.Tensor | None = None
         self._timeline: list[TimelineRecord] = []
+        self._stats_open = RunStats()  # runs of the optimizer step in progress
+        self._step_stats: RunStats | None = None
         self.local_rank = 0
         self.global_rank = 0
         self.world_size = 1
@@ -142,6 +151,7 @@ class RoundPipeEngine:
             memory_budget_bytes=budget,
             profile_iterations=rp.profile_iterations,
             async_optimizer=self.stepper.async_mode,
+            round_size=rp.round_size,
         )
         self._executor = self._make_executor()
 
@@ -177,7 +187,7 @@ class RoundPipeEngine:
             )
         step = self.global_steps + 1
         result = self._run(
-            self.planner.actions(1, ops=_FORWARD_OPS),
+            self.planner.plan(1, ops=_FORWARD_OPS),
             [batch],
             step=step,
             defer_head=True,
@@ -203,7 +213,7 @@ class RoundPipeEngine:
         carry, batch = self._carry, self._carry_batch
         self._carry = self._carry_batch = None
         self._run(
-            self.planner.actions(1, ops=_BACKWARD_OPS),
+            self.planner.plan(1, ops=_BACKWARD_OPS),
             [batch],  # type: ignore[list-item]
             step=self.global_steps + 1,
             closes_step=closes,
@@ -231,7 +241,7 @@ class RoundPipeEngine:
         batches = [self._batch_of((b,), {}) for b in self._take(data_iter, gas)]
         profile = self.planner.profile_left > 0
         result = self._run(
-            self.planner.actions(gas),
+            self.planner.plan(gas),
             batches,
             step=self.global_steps + 1,
             closes_step=True,
@@ -276,12 +286,12 @@ class RoundPipeEngine:
 
     # --- internals ------------------------------------------------------------------------------
     def _run(
-        self, actions: list[Any], batches: list[Any], *, step: int, closes_step: bool, **kw: Any
+        self, plan: Plan, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
     ) -> Any:
         if closes_step:
             self.stepper.open_step(step)
         spec = RunSpec(
-            actions=actions,
+            plan=plan,
             batches=batches,
             version=self.stepper.required_version(step),
             step=step,
@@ -299,6 +309,10 @@ class RoundPipeEngine:
         if closes_step:
             self._last = self.stepper.close_step()
         self._timeline = result.timeline
+        self._stats_open.add(result.stats)
+        if closes_step:
+            self._step_stats, self._stats_open = self._stats_open, RunStats()
+            self.monitor.write_events(_stats_events(self._step_stats, self.global_samples))
         return result
 
     def _abort_step(self) -> None:
@@ -335,9 +349,8 @@ class RoundPipeEngine:
 
     def _eval_losses(self, batches: list[Any]) -> list[float]:
         step = self.global_steps + 1
-        actions = self.planner.actions(len(batches), ops=_FORWARD_OPS)
         spec = RunSpec(
-            actions=actions,
+            plan=self.planner.plan(len(batches), ops=_FORWARD_OPS),
             batches=batches,
             version=self.stepper.required_version(step),
             step=step,
@@ -446,6 +459,29 @@ class RoundPipeEngine:
     def no_sync(self) -> Iterator[None]:
         yield
 
+    def last_step_stats(self) -> dict[str, Any]:
+        """What the last optimizer step moved and computed, measured by the devices: bytes
+        each way (all, weights, gradients, activations), weight uploads, wall seconds of its
+        runs, and per device the compute busy seconds (CUDA: timing events on the compute
+        stream) and busy fraction. Empty before the first step."""
+        st = self._step_stats
+        if st is None:
+            return {}
+        return {
+            "h2d_bytes": st.h2d_bytes,
+            "d2h_bytes": st.d2h_bytes,
+            "weight_h2d_bytes": st.weight_h2d_bytes,
+            "grad_d2h_bytes": st.grad_d2h_bytes,
+            "activation_bytes": st.activation_bytes,
+            "uploads": st.uploads,
+            "downloads": st.downloads,
+            "seconds": st.seconds,
+            "busy_s": dict(st.busy_s),
+            "busy_fraction": {
+                d: (b / st.seconds if st.seconds > 0 else 0.0) for d, b in st.busy_s.items()
+            },
+        }
+
     def last_timeline(self) -> list[TimelineRecord]:
         """Compute actions of the last run: (device, action text, start s, end s)."""
         return list(self._timeline)
@@ -505,6 +541,19 @@ class RoundPipeEngine:
         if name == "module" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.__dict__["module"], name)
+
+
+def _stats_events(st: RunStats, samples: int) -> list[tuple[str, float, int]]:
+    """Monitor events of one optimizer step's traffic and device busy fraction."""
+    busy = (
+        sum(st.busy_s.values()) / (len(st.busy_s) * st.seconds) if st.busy_s and st.seconds else 0
+    )
+    return [
+        ("Train/Samples/h2d_bytes", float(st.h2d_bytes), samples),
+        ("Train/Samples/d2h_bytes", float(st.d2h_bytes), samples),
+        ("Train/Samples/weight_h2d_bytes", float(st.weight_h2d_bytes), samples),
+        ("Train/Samples/device_busy_fraction", float(busy), samples),
+    ]
 
 
 def _compute_dtype(cfg: DSConfig) -> torch.dtype:

@@ -64,12 +64,42 @@ class WeightUpload:
 
     def __init__(self) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
+        self.params: dict[int, torch.nn.Parameter] = {}  # made on first use; hold .grad
         self.event: Event | None = None
+        self.nbytes = 0
+        self._grads: dict[int, torch.Tensor] = {}  # accumulated over the group's micro-batches
+
+    def fold_grads(self) -> None:
+        """After each backward micro-batch: move ``.grad`` into the group's accumulator.
+
+        fp32 gradients add up in place. Half-precision ones add up in fp32 from the second
+        micro-batch on (exactly what an fp32 host accumulation of each micro-batch's gradient
+        gives); a group of one micro-batch keeps its half gradient and downloads half the bytes.
+        """
+        for key, p in self.params.items():
+            g = p.grad
+            if g is None:
+                continue
+            p.grad = None
+            acc = self._grads.get(key)
+            if acc is None:
+                self._grads[key] = g
+            elif acc.dtype != torch.float32:
+                self._grads[key] = acc.float().add_(g)
+            else:
+                acc.add_(g)
+
+    def grads(self) -> dict[int, torch.Tensor]:
+        """Gradients accumulated on the device by the slot's micro-batches, by id(host param)."""
+        return dict(self._grads)
 
     def release(self, device: Device) -> None:
+        """Drop the weights and the accumulated gradients (after their download)."""
         for t in self.tensors.values():
             device.free(t)
         self.tensors = {}
+        self.params = {}
+        self._grads = {}
 
 
 def upload_weights(
@@ -93,6 +123,7 @@ def upload_weights(
     if before is not None:
         stream.submit(before, label=label)
     sizes = [t.numel() * t.element_size() for t in host_tensors]
+    handle.nbytes = sum(sizes)
     for chunk in pack_largest_first(sizes, chunk_bytes):
 
         def copy_chunk(chunk: list[int] = chunk) -> None:

@@ -60,11 +60,15 @@ def test_stage_costs_fold_layers_onto_slots() -> None:
         param_bytes=10,
         act_bytes=3,
         head_param_bytes=100,
+        prefix_param_bytes=1000,
     )
     st = costs.stages((3, 1), (1, 3))
-    assert st.pre_ms == (3.0, 1.0, 5.0 + 1.0, 3.0)  # HEAD: head fwd + its layer, no recompute
+    # As the runtime runs it: layer 3 belongs to the HEAD slot, which computes it once (forward
+    # + backward, no recompute), so forward slot 1 only passes its input on; the prefix rides
+    # with forward slot 0 and with the last backward slot (its recompute).
+    assert st.pre_ms == (3.0, 0.0, 5.0 + 1.0, 3.0)
     assert st.post_ms == (0.0, 0.0, 7.0 + 2.0, 6.0)
-    assert st.param_bytes == (30, 10, 110, 30) and st.grad_bytes == (0, 0, 110, 30)
+    assert st.param_bytes == (1030, 0, 110, 1030) and st.grad_bytes == (0, 0, 110, 1030)
     bound = costs.stages((3, 1), (1, 3), fused_head=False)
     assert bound.pre_ms[1] == 1.0 + 5.0  # head forward in the last forward stage
     assert bound.post_ms[2] == 2.0 + 7.0

@@ -60,7 +60,9 @@ def _peak(layers: int) -> int:
 
 
 def test_device_memory_does_not_grow_with_depth() -> None:
-    shallow, deep = _peak(4), _peak(16)
+    # 8 and 16 blocks have the same stage shapes and the same runs of consecutive forward slots
+    # per device (with 4 blocks no device holds two forward slots in a row, so less prefetch)
+    shallow, deep = _peak(8), _peak(16)
     assert shallow > 0
     assert abs(deep - shallow) / shallow < 0.10, (shallow, deep)
 

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["StreamRole", "Event", "Stream", "Device", "DeviceError"]
+__all__ = ["StreamRole", "Event", "Stream", "Device", "DeviceError", "ComputeTimer"]
 
 
 class StreamRole(enum.Enum):
@@ -86,6 +86,14 @@ class Stream(Protocol):
         ...
 
 
+class ComputeTimer(Protocol):
+    """A span of work on one stream: ``stop()`` ends it, ``seconds()`` reads it once done."""
+
+    def stop(self) -> None: ...
+
+    def seconds(self) -> float: ...
+
+
 @runtime_checkable
 class Device(Protocol):
     """One worker of the pool. Stateless between iterations: weights come and go."""
@@ -128,6 +136,12 @@ class Device(Protocol):
         ...
 
     def reset_peak(self) -> None: ...
+
+    def timer(self) -> ComputeTimer:
+        """Inside a COMPUTE closure: a timer started now on this device's compute stream. Call
+        ``stop()`` at the closure's end and ``seconds()`` after the work is done (e.g. after a
+        drain): on CUDA it measures GPU execution with timing events, not host issue time."""
+        ...
 
     def rng_scope(self, seed: int) -> AbstractContextManager[None]:
         """Run the enclosed compute with the default RNG seeded to ``seed`` and restore it after.

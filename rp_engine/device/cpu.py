@@ -26,7 +26,7 @@ from typing import NoReturn
 
 import torch
 
-from .base import DeviceError, Event, StreamRole
+from .base import ComputeTimer, DeviceError, Event, StreamRole
 
 __all__ = [
     "CPUDevice",
@@ -353,6 +353,20 @@ class MemoryLedger:
             self._allocated = 0
 
 
+class HostTimer:
+    """A ``ComputeTimer`` on the host clock (virtual devices compute synchronously)."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._end = self._start
+
+    def stop(self) -> None:
+        self._end = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self._end - self._start
+
+
 class ThreadedDevice:
     """Streams (one ``ThreadStream`` per role), memory ledger, synchronize/reset/close.
 
@@ -386,6 +400,10 @@ class ThreadedDevice:
 
     def reset_peak(self) -> None:
         self._ledger.reset_peak()
+
+    def timer(self) -> ComputeTimer:
+        """Host time of the calling closure: on virtual devices that is the compute itself."""
+        return HostTimer()
 
     def synchronize(self) -> None:
         """Wait until every stream has run what was queued so far; raise the first error."""

@@ -28,10 +28,10 @@ from contextlib import contextmanager
 
 import torch
 
-from .base import DeviceError, StreamRole
+from .base import ComputeTimer, DeviceError, StreamRole
 from .cpu import CPUEvent, ThreadedDevice, ThreadStream
 
-__all__ = ["CUDADevice", "CUDAEvent", "CUDAStream", "pin", "stream_priorities"]
+__all__ = ["CUDADevice", "CUDAEvent", "CUDAStream", "CUDATimer", "pin", "stream_priorities"]
 
 
 def pin(t: torch.Tensor) -> torch.Tensor:
@@ -90,6 +90,23 @@ class CUDAEvent(CPUEvent):
         if not self._done.is_set():
             return False
         return self._error is not None or self.cuda_event.query()
+
+
+class CUDATimer:
+    """Two timing events on the current stream: GPU busy time, not host issue time."""
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def stop(self) -> None:
+        self._end.record()
+
+    def seconds(self) -> float:
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
 
 
 class CUDAStream(ThreadStream):
@@ -185,6 +202,10 @@ class CUDADevice(ThreadedDevice):
     def reset_peak(self) -> None:
         super().reset_peak()
         torch.cuda.reset_peak_memory_stats(self.index)
+
+    def timer(self) -> ComputeTimer:
+        """GPU execution time of the work the calling closure launches on its stream."""
+        return CUDATimer(self.index)
 
     def _synchronize_device(self) -> None:
         try:

@@ -140,6 +140,10 @@ class Plan:
     schedule: str = "custom"
     next_start_device: int = 0
     optimizer: str = ""
+    # weight groups a device may hold beyond the one computing: an UPLOAD of group g waits for
+    # the FREE of group g - 1 - prefetch_depth on its device (lowered plans; chosen by the
+    # planner from the memory budget)
+    prefetch_depth: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(self.actions))
@@ -154,6 +158,8 @@ class Plan:
             raise PlanError("a plan needs at least one forward and one backward stage")
         if self.optimizer not in ("", "sync", "async"):
             raise PlanError(f"optimizer must be '', 'sync' or 'async', got {self.optimizer!r}")
+        if self.prefetch_depth < 0:
+            raise PlanError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
 
     # ---- shape -------------------------------------------------------------------------------
     @property
@@ -249,6 +255,7 @@ class Plan:
             f"microbatches={self.num_microbatches} fwd_cuts={_csv(self.fwd_cuts)} "
             f"bwd_cuts={_csv(self.bwd_cuts)} next_start_device={self.next_start_device} "
             f"optimizer={self.optimizer or '-'}"
+            + (f" prefetch={self.prefetch_depth}" if self.prefetch_depth != 1 else "")
         )
         lines = [header, format_grid(self)]
         lines.append("issue: " + " ".join(_run_length(_row_name(a.device) for a in self.actions)))
@@ -282,6 +289,7 @@ class Plan:
             schedule=meta.get("schedule", "custom"),
             next_start_device=int(meta.get("next_start_device", 0)),
             optimizer="" if meta.get("optimizer", "-") == "-" else meta["optimizer"],
+            prefetch_depth=int(meta.get("prefetch", 1)),
         )
 
 
@@ -433,8 +441,9 @@ class _DepContext:
     def upload_deps(self, u: Action) -> list[Action]:
         found = self._group(u)
         deps: list[Action] = []
-        if found is not None and found[0] >= 2:  # prefetch depth 1: two groups' weights at most
-            older = self.groups[u.device][found[0] - 2][0]
+        back = self.plan.prefetch_depth + 1  # at most prefetch_depth + 1 groups' weights at once
+        if found is not None and found[0] >= back:
+            older = self.groups[u.device][found[0] - back][0]
             key = (Op.FREE, self.plan.slot(older), older.microbatch, u.device, older.iteration)
             deps += [self.by_key[key]] if key in self.by_key else []
         lag = OPTIMIZER_LAG.get(self.plan.optimizer)

@@ -100,6 +100,8 @@ class LayerCosts:
     head_act_bytes: int = 0
     boundary_bytes: int = 0
     comm_ms: float = 0.0
+    # the prefix (embeddings, rotary): uploaded with forward slot 0 and the last backward slot
+    prefix_param_bytes: int = 0
     _cache: dict[tuple, StageCosts] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
@@ -153,6 +155,7 @@ class LayerCosts:
             "head_act_bytes",
             "boundary_bytes",
             "comm_ms",
+            "prefix_param_bytes",
         }
         unknown = sorted(set(data) - known - _DESCRIPTIVE_KEYS)
         if unknown:
@@ -182,6 +185,7 @@ class LayerCosts:
             head_param_bytes=int(data.get("head_param_bytes", 0)),
             head_act_bytes=int(data.get("head_act_bytes", 0)),
             boundary_bytes=int(data.get("boundary_bytes", 0)),
+            prefix_param_bytes=int(data.get("prefix_param_bytes", 0)),
         )
 
     def stages(
@@ -196,17 +200,21 @@ class LayerCosts:
     def _stages(
         self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...], fused_head: bool
     ) -> StageCosts:
+        """As the runtime runs a cut: with a fused head, the head stage's blocks run once, in
+        the HEAD slot (forward + backward, no recompute), never in a forward slot; the prefix
+        rides with forward slot 0 and the last backward slot (its recompute)."""
         L = self.num_layers
         if sum(fwd_cuts) != L or sum(bwd_cuts) != L:
             raise ValueError(f"cuts {list(fwd_cuts)} / {list(bwd_cuts)} must each sum to L={L}")
+        head_first = L - bwd_cuts[0] if fused_head else L
         pre, post, params, grads, work = [], [], [], [], []
         start = 0
         for s, n in enumerate(fwd_cuts):
-            layers = range(start, start + n)
+            layers = range(start, min(start + n, head_first))
             head = not fused_head and s == len(fwd_cuts) - 1
             pre.append(sum(self.fwd_ms[i] for i in layers) + (self.head_fwd_ms if head else 0.0))
             post.append(0.0)
-            params.append(self._params(layers, head))
+            params.append(self._params(layers, head) + (self.prefix_param_bytes if s == 0 else 0))
             grads.append(0)
             acts = max((self.act_bytes[i] for i in layers), default=0)
             work.append(acts + (self.head_act_bytes if head else 0) + 2 * self.boundary_bytes)
@@ -215,10 +223,13 @@ class LayerCosts:
         for j, n in enumerate(bwd_cuts):
             layers = range(end - n, end)
             head = j == 0
-            head_fwd = self.head_fwd_ms if head and fused_head else 0.0
-            pre.append(sum(self.recompute_ms[i] for i in layers) + head_fwd)
+            fused = head and fused_head
+            head_fwd = self.head_fwd_ms if fused else 0.0
+            redo = self.fwd_ms if fused else self.recompute_ms  # the HEAD slot does not recompute
+            pre.append(sum(redo[i] for i in layers) + head_fwd)
             post.append(sum(self.bwd_ms[i] for i in layers) + (self.head_bwd_ms if head else 0.0))
-            params.append(self._params(layers, head))
+            last = j == len(bwd_cuts) - 1
+            params.append(self._params(layers, head) + (self.prefix_param_bytes if last else 0))
             grads.append(params[-1])
             acts = sum(self.act_bytes[i] for i in layers)
             work.append(acts + (self.head_act_bytes if head else 0) + 2 * self.boundary_bytes)

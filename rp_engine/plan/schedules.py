@@ -60,19 +60,25 @@ def roundpipe(
     num_microbatches: int,
     start_device: int = 0,
     iteration: int = 0,
+    round_size: int | None = None,
 ) -> Plan:
-    """RoundPipe: rounds of ``num_devices`` micro-batches; slot i of a round (forward stages, then
-    HEAD, then backward stages) runs all micro-batches of the round on device (g0 + i) mod N.
+    """RoundPipe: rounds of ``round_size`` micro-batches (M_R, default ``num_devices``); slot i of
+    a round (forward stages, then HEAD, then backward stages) runs all M_R micro-batches of the
+    round on device (g0 + i) mod N, so each slot uploads its weights once per round and
+    accumulates its gradients on the device across the round (see ``lower``).
 
     The dispatch order is the global issue order; ``next_start_device`` is where the next round
     (of the next iteration) starts, so rounds roll across iterations.
     """
     _check_shape(fwd_cuts, bwd_cuts, num_devices, num_microbatches)
+    size = num_devices if round_size is None else round_size
+    if size < 1:
+        raise ValueError(f"round_size must be >= 1, got {round_size}")
     num_fwd, num_slots = len(fwd_cuts), len(fwd_cuts) + len(bwd_cuts)
     g0 = start_device % num_devices
     actions: list[Action] = []
-    for first in range(0, num_microbatches, num_devices):
-        round_mbs = range(first, min(num_microbatches, first + num_devices))
+    for first in range(0, num_microbatches, size):
+        round_mbs = range(first, min(num_microbatches, first + size))
         for slot in range(num_slots):
             device = (g0 + slot) % num_devices
             actions += [_slot_action(slot, num_fwd, m, device, iteration) for m in round_mbs]
@@ -423,15 +429,20 @@ def _check_shape(
 
 
 # ---- lowering: transfers and optimizer steps ---------------------------------------------------
-def lower(plan: Plan, *, offload: bool | None = None, optimizer: str = "async") -> Plan:
+def lower(
+    plan: Plan, *, offload: bool | None = None, optimizer: str = "async", prefetch_depth: int = 1
+) -> Plan:
     """Add transfer and optimizer actions to a compute-only plan.
 
     Every cross-device data edge gets a SEND to the consumer's device. With ``offload`` (default:
-    RoundPipe and Mobius) every group of consecutive same-slot compute actions on a device gets
-    an UPLOAD of its weights (issued when the device's previous group starts: prefetch depth 1),
-    a FREE after it, a DOWNLOAD of the weight gradients for backward groups, and each layer an
-    OPT per iteration on the host (``optimizer`` "sync" or "async", "" for none).
+    RoundPipe and Mobius) every group of consecutive same-slot compute actions on a device (a
+    slot's round) gets ONE UPLOAD of its weights, issued as soon as the FREE of the group
+    ``prefetch_depth + 1`` back on that device allows (at most ``prefetch_depth + 1`` groups'
+    weights resident), a DOWNLOAD of the gradients the group accumulated on the device (backward
+    groups), a FREE after it, and each layer an OPT per iteration on the host (``optimizer``
+    "sync" or "async", "" for none). This is the plan the executor runs.
     """
+    plan = dataclasses.replace(plan, prefetch_depth=prefetch_depth)
     if any(not a.is_compute for a in plan.actions):
         raise ValueError("lower() takes a compute-only plan (FWD/HEAD/BWD actions)")
     offload = plan.schedule in OFFLOADED_SCHEDULES if offload is None else offload
@@ -473,9 +484,10 @@ def _weight_keys(plan: Plan, key: Mapping[Action, float]) -> dict[Action, float]
         for gi, group in enumerate(groups):
             first, last = group[0], group[-1]
             slot, m0, it = plan.slot(first), first.microbatch, first.iteration
-            # issued when the device starts its previous group (prefetch depth 1)
+            # issued when the device starts the group prefetch_depth back (its memory gate)
+            back = plan.prefetch_depth
             out[Action(Op.UPLOAD, slot, m0, d, it)] = (
-                key[groups[gi - 1][0]] + 0.25 if gi else key[first] - 0.5
+                key[groups[gi - back][0]] + 0.25 if back and gi >= back else key[first] - 0.5
             )
             if slot >= plan.num_fwd_stages:
                 out[Action(Op.DOWNLOAD, slot, m0, d, it)] = key[last] + 0.3

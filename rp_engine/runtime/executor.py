@@ -1,15 +1,29 @@
-"""The executor: runs a Plan's compute actions on a device pool, with real tensors.
+"""The executor: runs a lowered Plan on a device pool, with real tensors.
 
-For each action, in the plan's global issue order, a handler (table ``Op -> method``) queues work
-on the action's device: weight upload (H2D_PARAM, gated by the layer's version), input arrival
-(kept on the device when the producer ran there, else D2H on the producer and H2D_ACT here),
-compute, and downloads (saved stage inputs, gradients). Streams only meet through events, so a
-device computes stage k while stage k+1's weights upload and stage k-1's gradients download.
+The plan is the single source of truth (``plan.schedules.lower``): the executor walks its
+actions in the global issue order and dispatches each through a table ``Op -> handler``:
 
-Per-layer protocol (see optim/stepper.py): an upload of layer l waits until the compute weights
-of l hold the version this iteration must read; a gradient download into l's host buffer waits
-until the previous step has consumed it; when a run closes an optimizer step, each layer is
-reported ready the moment its last gradient has landed.
+    UPLOAD(slot, m0)@d    one weight upload for the slot's round (group) on d (H2D_PARAM),
+                          gated by the plan: the FREE it depends on, and the layers' versions
+    FWD / HEAD / BWD      compute (COMPUTE stream) with the group's weights; a HEAD or BWD
+                          group accumulates its micro-batches' gradients in device ``.grad``
+    DOWNLOAD(slot, m0)@d  the group's accumulated gradients, once, to the host (D2H)
+    FREE(slot, m0)@d      weights and gradients of the group released (after the download)
+    SEND, OPT             bookkeeping only: activations move along data edges when their
+                          consumer is issued (kept on the device when it ran there, else D2H
+                          on the producer and H2D_ACT here); optimizer steps follow the
+                          per-layer protocol of optim/stepper.py
+
+Per round, weights therefore cross the link once per slot, not once per micro-batch:
+
+    d0 H2D_PARAM |== w(F0) ==|      |== w(H) ==|
+    d0 COMPUTE              |F0.0|F0.1|F0.2|F0.3|H.0|H.1|H.2|H.3|      grads add up on d0
+    d0 D2H                                                      |== g(H) ==|
+
+Per-layer protocol: an upload of layer l waits until the compute weights of l hold the version
+this iteration must read; a gradient download into l's host buffer waits until the previous step
+has consumed it; when a run closes an optimizer step, each layer is reported ready the moment its
+last gradient download has landed.
 
 Errors: any exception on any stream comes back from ``run`` in the caller's thread as a
 DeviceError naming the device and the action ("F2.3@1"); the pool is reset so the next run works.
@@ -29,7 +43,7 @@ import torch
 
 from rp_engine.device.base import Device, DeviceError, Event, StreamRole
 from rp_engine.model.host_store import HostStore
-from rp_engine.plan.actions import Action, Op
+from rp_engine.plan.actions import Action, Op, Plan
 from rp_engine.runtime.replica import Replica
 from rp_engine.runtime.stages import StageMap
 from rp_engine.transfer import (
@@ -40,7 +54,16 @@ from rp_engine.transfer import (
     upload_weights,
 )
 
-__all__ = ["Executor", "RunSpec", "RunResult", "TimelineRecord", "GradSink", "Carry", "layer_seed"]
+__all__ = [
+    "Executor",
+    "RunSpec",
+    "RunResult",
+    "RunStats",
+    "TimelineRecord",
+    "GradSink",
+    "Carry",
+    "layer_seed",
+]
 
 
 @dataclass(frozen=True)
@@ -76,7 +99,7 @@ class GradSink:
 class RunSpec:
     """One call of ``Executor.run``."""
 
-    actions: Sequence[Action]  # compute actions (FWD/HEAD/BWD) in a valid global issue order
+    plan: Plan  # a lowered plan (plan.schedules.lower), or a subset of one iteration's actions
     batches: Sequence[State]  # host micro-batches, indexed by Action.microbatch
     version: int  # compute-weight version every upload must see
     step: int  # boundary step these gradients belong to (RNG seeds, bookkeeping)
@@ -104,12 +127,42 @@ class Carry:
 
 
 @dataclass
+class RunStats:
+    """What one run moved and computed, measured by the devices themselves."""
+
+    h2d_bytes: int = 0  # every host-to-device byte (weights + activations)
+    d2h_bytes: int = 0
+    weight_h2d_bytes: int = 0
+    grad_d2h_bytes: int = 0
+    uploads: int = 0  # weight uploads (one per UPLOAD action)
+    downloads: int = 0  # gradient downloads (one per DOWNLOAD action)
+    seconds: float = 0.0  # wall time of the run, issue to drain
+    busy_s: dict[int, float] = field(default_factory=dict)  # per device: compute time
+
+    @property
+    def activation_bytes(self) -> int:
+        """Activation traffic both ways (micro-batches, stage inputs, boundary states)."""
+        return self.h2d_bytes - self.weight_h2d_bytes + self.d2h_bytes - self.grad_d2h_bytes
+
+    def add(self, other: RunStats) -> None:
+        """Accumulate another run (the imperative loop's runs of one optimizer step)."""
+        for name in ("h2d_bytes", "d2h_bytes", "weight_h2d_bytes", "grad_d2h_bytes"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.uploads += other.uploads
+        self.downloads += other.downloads
+        self.seconds += other.seconds
+        for d, s in other.busy_s.items():
+            self.busy_s[d] = self.busy_s.get(d, 0.0) + s
+
+
+@dataclass
 class RunResult:
     losses: list[float]
     timeline: list[TimelineRecord]
     layer_ms: dict[int, list[float]] = field(default_factory=dict)  # fwd ms per layer
     bwd_ms: dict[int, list[float]] = field(default_factory=dict)  # backward ms per bwd stage
     carry: Carry | None = None
+    stats: RunStats = field(default_factory=RunStats)
 
 
 class Countdown:
@@ -136,6 +189,29 @@ class Countdown:
         return done
 
 
+@dataclass(frozen=True)
+class _GroupKey:
+    """One slot's round on one device: the unit of UPLOAD / DOWNLOAD / FREE (slot, first mb)."""
+
+    slot: int
+    microbatch: int
+    device: int
+
+    @classmethod
+    def of(cls, a: Action) -> _GroupKey:
+        return cls(a.stage, a.microbatch, a.device)
+
+
+@dataclass
+class _Group:
+    """A group's device state: its weight upload (Parameters holding the accumulated .grad),
+    the event of its last compute, and the event of its release."""
+
+    weights: WeightUpload
+    layers: tuple[int, ...]
+    last_compute: Event | None = None
+
+
 class _Ctx:
     """Per-run scratch space. Producers write before recording the event consumers wait on."""
 
@@ -148,9 +224,14 @@ class _Ctx:
         self.host_inputs: dict[Any, Callable[[], State]] = {}  # key -> host state, on demand
         self.losses: dict[int, torch.Tensor] = {}
         self.timeline: list[TimelineRecord] = []
+        self.timers: list[tuple[int, Any]] = []  # (device, ComputeTimer)
         self.layer_ms: dict[int, list[float]] = {}
         self.bwd_ms: dict[int, list[float]] = {}
-        self.remaining = Countdown()  # backward contributions still due, per layer
+        self.remaining = Countdown()  # gradient downloads still due, per layer
+        self.groups: dict[_GroupKey, _Group] = {}
+        self.freed: dict[_GroupKey, Event] = {}
+        self.upload_of: dict[Action, _GroupKey] = {}  # compute action -> its group
+        self.stats = RunStats()
         self.head_out: tuple[int, dict[int, torch.Tensor], torch.Tensor | None, int] | None = None
         self.t0 = time.perf_counter()
 
@@ -167,7 +248,6 @@ class Executor:
         sink: GradSink,
         seed: int = 0,
         use_rng: bool = False,
-        prefetch_depth: int = 1,
     ) -> None:
         self.modules = list(modules)
         self.stages = stages
@@ -176,44 +256,75 @@ class Executor:
         self.store = sink.store
         self.seed = seed
         self.use_rng = use_rng
-        self.prefetch_depth = prefetch_depth
         self._replicas: dict[tuple[int, int], Replica] = {}
         self._saved_at = stages.saved_inputs()
         self._handlers: dict[Op, Callable[[_Ctx, Action], None]] = {
+            Op.UPLOAD: self._upload,
             Op.FWD: self._forward,
             Op.HEAD: self._head,
             Op.BWD: self._backward,
+            Op.DOWNLOAD: self._download,
+            Op.FREE: self._free,
+            Op.SEND: _bookkeeping,
+            Op.OPT: _bookkeeping,
         }
-        self._compute_done: dict[int, list[Event]] = {}
 
     # --- public -----------------------------------------------------------------------------
     def run(self, spec: RunSpec) -> RunResult:
-        """Execute the plan's compute actions; blocks until every stream has drained."""
+        """Execute the lowered plan's actions; blocks until every stream has drained."""
         ctx = _Ctx(spec)
-        self._compute_done = {d.index: [] for d in self.devices}
+        plan = spec.plan
+        for a in plan.actions:
+            if a.is_compute:
+                ups = [d for d in plan.deps[a] if d.op is Op.UPLOAD]
+                if not ups:
+                    raise ValueError(f"{a} has no UPLOAD in the plan: run a lowered plan")
+                ctx.upload_of[a] = _GroupKey.of(ups[0])
         if spec.train:
-            for j, idx in enumerate(self.stages.bwd):
-                n = sum(1 for a in spec.actions if _is_bwd(a) and a.stage == j)
-                ctx.remaining.set(idx, n)
+            due: dict[int, int] = {}
+            for a in plan.actions:
+                if a.op is Op.DOWNLOAD:
+                    for layer in self._slot_layers(plan, a.stage):
+                        due[layer] = due.get(layer, 0) + 1
+            for layer, n in due.items():
+                ctx.remaining.set([layer], n)
+        before = [d.memory_stats() for d in self.devices]
         for device in self.devices:
             device.reset_peak()
         if spec.carry is not None:
             self._resume_from(ctx, spec.carry)
-        for action in spec.actions:
-            handler = self._handlers.get(action.op)
-            if handler is not None:  # transfer/optimizer actions are lowered by the handlers
-                handler(ctx, action)
+        for action in plan.actions:
+            self._handlers[action.op](ctx, action)
         self._drain()
         carry = None
         if spec.defer_head and spec.train:
             carry = Carry(ctx.saved, *ctx.head_out)  # type: ignore[misc]
+        self._measure(ctx, before)
         return RunResult(
             carry=carry,
             losses=[float(ctx.losses[m]) for m in sorted(ctx.losses)],
             timeline=sorted(ctx.timeline, key=lambda r: (r.start, r.device)),
             layer_ms=ctx.layer_ms,
             bwd_ms=ctx.bwd_ms,
+            stats=ctx.stats,
         )
+
+    def _measure(self, ctx: _Ctx, before: list[dict[str, int]]) -> None:
+        stats = ctx.stats
+        stats.seconds = time.perf_counter() - ctx.t0
+        for device, b in zip(self.devices, before, strict=True):
+            now = device.memory_stats()
+            stats.h2d_bytes += now.get("h2d_bytes", 0) - b.get("h2d_bytes", 0)
+            stats.d2h_bytes += now.get("d2h_bytes", 0) - b.get("d2h_bytes", 0)
+            stats.busy_s.setdefault(device.index, 0.0)
+        for index, timer in ctx.timers:
+            stats.busy_s[index] += timer.seconds()
+
+    def _slot_layers(self, plan: Plan, slot: int) -> tuple[int, ...]:
+        """Host layer indices a plan slot runs (forward stage s, or backward stage slot - S_f)."""
+        if slot < plan.num_fwd_stages:
+            return self.stages.fwd[slot]
+        return self.stages.bwd[slot - plan.num_fwd_stages]
 
     def _resume_from(self, ctx: _Ctx, carry: Carry) -> None:
         """Start a backward run from a forward run's carry: scale the head's gradients by the
@@ -239,10 +350,74 @@ class Executor:
             ctx.act_where[key] = (carry.head_device, done)
         head_layers = self.stages.bwd[0]
         ctx.remaining.set(head_layers, 1)
-        self._download_grads(ctx, device, carry.head_grads, head_layers, done, label="H.grads")
+        grads = carry.head_grads
+        self._download_grads(
+            ctx, device, lambda: grads, head_layers, done, release=None, label="H.grads"
+        )
 
     def close(self) -> None:
         self._replicas.clear()
+
+    # --- transfer handlers --------------------------------------------------------------------
+    def _upload(self, ctx: _Ctx, a: Action) -> None:
+        """UPLOAD: the slot's weights, once for its whole round on this device. Waits for the
+        memory the plan frees first (prefetch depth) and for the layers' weight versions."""
+        key = _GroupKey.of(a)
+        layers = self._slot_layers(ctx.spec.plan, a.stage)
+        seen: dict[int, torch.Tensor] = {}
+        for layer in layers:
+            hl = self.store.layers[layer]
+            for _, t in itertools.chain(hl.params, hl.buffers):
+                seen.setdefault(id(t), t)
+        gates = [ctx.freed[_GroupKey.of(d)] for d in ctx.spec.plan.deps[a] if d.op is Op.FREE]
+        version = ctx.spec.version
+
+        def wait_versions() -> None:
+            for layer in layers:
+                self.store.wait_version(layer, version)
+
+        device = self.devices[a.device]
+        weights = upload_weights(
+            device, list(seen.values()), after=gates, before=wait_versions, label=str(a)
+        )
+        ctx.groups[key] = _Group(weights, layers)
+        ctx.stats.uploads += 1
+        ctx.stats.weight_h2d_bytes += weights.nbytes
+
+    def _download(self, ctx: _Ctx, a: Action) -> None:
+        """DOWNLOAD: the gradients the group accumulated on the device, once, to the host."""
+        group = ctx.groups[_GroupKey.of(a)]
+        device = self.devices[a.device]
+        assert group.last_compute is not None, a
+        if ctx.spec.defer_head and a.stage == ctx.spec.plan.num_fwd_stages:
+            # imperative loop: the head's gradients wait on the device for engine.backward()
+            assert ctx.head_out is not None, "the head's forward run left no carry"
+            taken = ctx.head_out[1]  # the carry's dict (filled on the compute stream)
+            compute = device.stream(StreamRole.COMPUTE)
+            compute.submit(lambda: taken.update(group.weights.grads()), label=f"{a}.keep")
+            group.last_compute = compute.record()  # the FREE must not run before this
+            return
+        self._download_grads(
+            ctx, device, group.weights.grads, group.layers, group.last_compute,
+            release=None, label=str(a),
+        )  # fmt: skip
+
+    def _free(self, ctx: _Ctx, a: Action) -> None:
+        """FREE: release the group's weights and gradients, after its last use (the download
+        when there is one, FIFO on D2H; else its last compute, FIFO on COMPUTE)."""
+        key = _GroupKey.of(a)
+        group = ctx.groups.pop(key)
+        device = self.devices[a.device]
+        downloads = any(d.op is Op.DOWNLOAD for d in ctx.spec.plan.deps[a])
+        stream = device.stream(StreamRole.D2H if downloads else StreamRole.COMPUTE)
+        if downloads and group.last_compute is not None:
+            stream.wait(group.last_compute)
+
+        def release() -> None:  # deferred head gradients (keep) live on in the carry
+            group.weights.release(device)
+
+        stream.submit(release, label=str(a))
+        ctx.freed[key] = stream.record()
 
     # --- handlers -----------------------------------------------------------------------------
     # Each handler names the stage's inputs and outputs and gives the compute body; _launch
@@ -287,14 +462,10 @@ class Executor:
         body = functools.partial(
             self._head_train if train else self._head_eval, ctx, a, in_key, grads
         )
+        if train and ctx.spec.defer_head:  # the imperative loop scales them in backward()
+            ctx.head_out = (a.device, grads, None, a.microbatch)
         done = self._launch(ctx, a, layers, [in_key], body, backward=train)
         ctx.act_where[("G", 1, a.microbatch)] = (a.device, done)
-        if not train:
-            return
-        if ctx.spec.defer_head:  # the imperative loop scales and downloads them in backward()
-            ctx.head_out = (a.device, grads, None, a.microbatch)
-            return
-        self._download_grads(ctx, self.devices[a.device], grads, layers, done, label=f"{a}.grads")
 
     def _head_train(
         self, ctx: _Ctx, a: Action, in_key: Any, grads: dict[int, torch.Tensor],
@@ -319,7 +490,6 @@ class Executor:
                 grad_in = x["hidden"].grad
         ctx.losses[m] = loss.detach()
         _free(device, x)
-        grads.update(self._grads(device, layers))
         if grad_in is not None and len(self.stages.bwd) > 1:
             ctx.acts[("G", 1, m)] = {"hidden": grad_in}
             _track(device, ctx.acts[("G", 1, m)])
@@ -346,7 +516,6 @@ class Executor:
             self._put_saved(ctx, x_key, a)
         g_key, out_key = ("G", a.stage, m), ("G", a.stage + 1, m)
         last = a.stage == len(self.stages.bwd) - 1
-        grads: dict[int, torch.Tensor] = {}
 
         def body(device: Device, weights: WeightUpload) -> None:
             x = _with_grad_input(ctx.acts.pop(x_key))
@@ -358,14 +527,12 @@ class Executor:
                 torch.autograd.backward(y["hidden"], grad_out)
             _free(device, x)
             _free(device, {"hidden": grad_out})
-            grads.update(self._grads(device, layers))
             if not last:
                 ctx.acts[out_key] = {"hidden": x["hidden"].grad}
                 _track(device, ctx.acts[out_key])
 
         done = self._launch(ctx, a, layers, [x_key, g_key], body, backward=True)
         ctx.act_where[out_key] = (a.device, done)
-        self._download_grads(ctx, self.devices[a.device], grads, layers, done, label=f"{a}.grads")
 
     def _launch(
         self,
@@ -377,47 +544,31 @@ class Executor:
         *,
         backward: bool = False,
     ) -> Event:
-        """Queue one compute action: its weights, its inputs, then ``body`` on the compute
-        stream once all have arrived. Returns the event of the compute's end."""
+        """Queue one compute action on its group's weights: its inputs, then ``body`` on the
+        compute stream once all have arrived. Returns the event of the compute's end."""
         device = self.devices[a.device]
-        weights = self._upload(ctx, device, layers, a)
+        group = ctx.groups[ctx.upload_of[a]]
+        weights = group.weights
         arrived = [self._arrive(ctx, key, device, str(a)) for key in inputs]
         compute = device.stream(StreamRole.COMPUTE)
         _wait(compute, weights.event, *arrived)
 
         def run() -> None:
+            timer = device.timer()
             start = time.perf_counter()
             body(device, weights)
-            self._finish_compute(ctx, device, weights, layers, a, start, backward=backward)
+            if backward:
+                weights.fold_grads()
+            timer.stop()
+            ctx.timers.append((device.index, timer))
+            self._finish_compute(ctx, device, layers, a, start, backward=backward)
 
         compute.submit(run, label=str(a))
         done = compute.record()
-        self._compute_done[a.device].append(done)
+        group.last_compute = done
         return done
 
     # --- building blocks ----------------------------------------------------------------------
-    def _upload(self, ctx: _Ctx, device: Device, layers: Sequence[int], a: Action) -> WeightUpload:
-        """Queue the stage's weights; waits for the memory of the stage two slots back."""
-        seen: dict[int, torch.Tensor] = {}
-        for layer in layers:
-            hl = self.store.layers[layer]
-            for _, t in itertools.chain(hl.params, hl.buffers):
-                seen.setdefault(id(t), t)
-        # Prefetch depth d: this upload may start once the compute d+1 slots back on this device
-        # has finished, so at most d+1 stages' weights are resident at once.
-        done = self._compute_done[device.index]
-        depth = self.prefetch_depth
-        after = [done[-(depth + 1)]] if len(done) > depth else []
-        version = ctx.spec.version
-
-        def wait_versions() -> None:
-            for layer in layers:
-                self.store.wait_version(layer, version)
-
-        return upload_weights(
-            device, list(seen.values()), after=after, before=wait_versions, label=str(a)
-        )
-
     def _put_saved(self, ctx: _Ctx, key: Any, a: Action) -> None:
         saved = (a.stage, a.microbatch)
         if saved not in ctx.saved_ev:
@@ -492,32 +643,23 @@ class Executor:
         replica = self._replicas.get(key)
         if replica is None:
             replica = self._replicas[key] = Replica(self.modules[layer])
-        replica.load(weights.tensors, training=self.modules[layer].training)
+        replica.load(weights.tensors, training=self.modules[layer].training, params=weights.params)
         return replica
-
-    def _grads(self, device: Device, layers: Sequence[int]) -> dict[int, torch.Tensor]:
-        grads: dict[int, torch.Tensor] = {}
-        for layer in layers:
-            replica = self._replicas[(device.index, layer)]
-            grads.update(replica.grads())
-        return grads
 
     def _finish_compute(
         self,
         ctx: _Ctx,
         device: Device,
-        weights: WeightUpload,
         layers: Sequence[int],
         a: Action,
         start: float,
         *,
         backward: bool = False,
     ) -> None:
-        for layer in layers:
+        for layer in layers:  # the group's Parameters keep the weights and grads, not the module
             replica = self._replicas.get((device.index, layer))
             if replica is not None:
                 replica.release()
-        weights.release(device)
         end = time.perf_counter()
         if ctx.spec.profile and backward:
             ctx.bwd_ms.setdefault(a.stage, []).append((end - start) * 1e3)
@@ -527,27 +669,35 @@ class Executor:
         self,
         ctx: _Ctx,
         device: Device,
-        grads: dict[int, torch.Tensor],
+        take: Callable[[], dict[int, torch.Tensor]],
         layers: Sequence[int],
         after: Event,
         *,
+        release: Callable[[], None] | None,
         label: str,
     ) -> None:
+        """Queue the download of ``take()`` (device grads by id(host param)) into the host
+        buffers once ``after`` is done; report layers whose last contribution this was."""
         stream = device.stream(StreamRole.D2H)
         stream.wait(after)
         params = {id(p): p for layer in layers for p in self.store.trainable_of(layer)}
         # a tied weight's buffer belongs to its owner layer, which may sit in another stage
         owners = {key: self.store.owner_layer(p) for key, p in params.items()}
+        stats = ctx.stats
 
         def run() -> None:
+            grads = take()
             host = {k: device.to_host(g) for k, g in grads.items() if k in params}
+            stats.grad_d2h_bytes += sum(g.numel() * g.element_size() for g in host.values())
+            stats.downloads += 1
             device.host_sync()  # the copies must land before host code adds them up
             for key, grad in host.items():
                 self.sink.wait_free(owners[key])
                 self.store.accumulate(params[key], grad)
             for grad in grads.values():
                 device.free(grad)
-            grads.clear()
+            if release is not None:
+                release()
             for layer in ctx.remaining.arrive(layers):
                 if ctx.spec.closes_step:
                     self.sink.ready(layer)
@@ -581,15 +731,15 @@ def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
     return ((seed * 1_000_003 + step * 10_007 + microbatch) * 1_009 + layer) & 0x7FFF_FFFF
 
 
+def _bookkeeping(ctx: _Ctx, a: Action) -> None:
+    """SEND and OPT: accounted by the plan; the runtime realises them elsewhere (see above)."""
+
+
 def _wait(stream: Any, *events: Event | None) -> None:
     """Make later work on ``stream`` wait for each event that exists (None: already there)."""
     for event in events:
         if event is not None:
             stream.wait(event)
-
-
-def _is_bwd(a: Action) -> bool:
-    return a.op in (Op.BWD, Op.HEAD)
 
 
 def _with_grad_input(state: State) -> State:

@@ -7,13 +7,14 @@ partition search and the schedule, and turns cuts into a :class:`StageMap` for t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rp_engine.plan import schedules
-from rp_engine.plan.actions import Action, Op
+from rp_engine.plan.actions import Op, Plan
 from rp_engine.plan.partition import LayerCosts, partition
 from rp_engine.runtime.stages import StageMap
 
@@ -48,8 +49,10 @@ class Planner:
         memory_budget_bytes: int | None = None,
         profile_iterations: int = 2,
         async_optimizer: bool = True,
+        round_size: int | None = None,
     ) -> None:
         self.shape = shape
+        self.round_size = _round_size(round_size, num_microbatches)
         self.num_devices = num_devices
         self.num_microbatches = num_microbatches
         self.schedule = schedule
@@ -61,6 +64,7 @@ class Planner:
         self._bwd_samples: dict[int, list[float]] = {}
         self.start_device = 0
         self.replanned = False
+        self.last_plan: Plan | None = None  # the last whole iteration issued
         if self.fixed:
             fixed = (tuple(fwd_cuts or ()), tuple(bwd_cuts or ()))
             self.set_cuts(*fixed)  # shape errors first: they name the roundpipe keys
@@ -107,20 +111,40 @@ class Planner:
         return tuple(part.fwd_cuts), tuple(part.bwd_cuts)
 
     # --- plans --------------------------------------------------------------------------------
-    def actions(self, num_microbatches: int, *, ops: frozenset[Op] | None = None) -> list[Action]:
-        """Compute actions of one iteration, starting on the rolling start device."""
-        build = schedules.mobius if self.schedule == "mobius" else schedules.roundpipe
-        plan = build(
-            fwd_cuts=self.fwd_cuts,
-            bwd_cuts=self.bwd_cuts,
-            num_devices=self.num_devices,
-            num_microbatches=num_microbatches,
-            start_device=self.start_device,
-        )
+    def plan(self, num_microbatches: int, *, ops: frozenset[Op] | None = None) -> Plan:
+        """The lowered plan of one iteration (or of its ``ops`` part: the imperative loop runs
+        the forward and the backward of one micro-batch separately), starting on the rolling
+        start device: what the executor runs and what the simulator counts."""
+        if self.schedule == "mobius":
+            plan = schedules.mobius(
+                fwd_cuts=self.fwd_cuts,
+                bwd_cuts=self.bwd_cuts,
+                num_devices=self.num_devices,
+                num_microbatches=num_microbatches,
+                start_device=self.start_device,
+            )
+        else:
+            plan = schedules.roundpipe(
+                fwd_cuts=self.fwd_cuts,
+                bwd_cuts=self.bwd_cuts,
+                num_devices=self.num_devices,
+                num_microbatches=num_microbatches,
+                start_device=self.start_device,
+                round_size=min(self.round_size, num_microbatches),
+            )
         if ops is None or Op.BWD in ops:  # the iteration (or its backward half) is issued
             self.start_device = plan.next_start_device
-        wanted = ops or frozenset({Op.FWD, Op.HEAD, Op.BWD})
-        return [a for a in plan.actions if a.op in wanted]
+        if ops is not None:
+            plan = dataclasses.replace(plan, actions=tuple(a for a in plan.actions if a.op in ops))
+        lowered = schedules.lower(plan, offload=True, optimizer="")
+        if ops is None:
+            self.last_plan = lowered
+        return lowered
+
+    def byte_costs(self) -> LayerCosts:
+        """Layer costs with the model's real byte sizes (times are the estimate): what the
+        simulator needs to count the bytes a plan moves."""
+        return self._estimate()
 
     # --- profiling ----------------------------------------------------------------------------
     def observe(self, fwd_ms: dict[int, list[float]], bwd_ms: dict[int, list[float]]) -> bool:
@@ -173,6 +197,19 @@ class Planner:
         return _costs(self.shape, fwd, bwd, head_total / 3)
 
 
+def _round_size(requested: int | None, gas: int) -> int:
+    """M_R: micro-batches a slot serves per weight upload. Default: the whole step (GAS), so
+    each slot uploads its weights once per optimizer step; a given value must divide GAS."""
+    if requested is None:
+        return gas
+    if requested < 1 or gas % requested:
+        raise ValueError(
+            f"roundpipe.round_size {requested} must be a positive divisor of "
+            f"gradient_accumulation_steps ({gas}); e.g. {gas} (one round per step) or 1"
+        )
+    return requested
+
+
 def _even_split(n: int, parts: int) -> tuple[int, ...]:
     """``n`` items in ``parts`` contiguous groups, sizes differing by at most one."""
     return tuple(n // parts + (1 if i < n % parts else 0) for i in range(parts))
@@ -188,4 +225,5 @@ def _costs(shape: ModelShape, fwd: list[float], bwd: list[float], head_fwd: floa
         head_fwd_ms=head_fwd,
         head_bwd_ms=2 * head_fwd,
         head_param_bytes=shape.head_param_bytes,
+        prefix_param_bytes=shape.prefix_param_bytes,
     )

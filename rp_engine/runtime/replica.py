@@ -29,13 +29,22 @@ class Replica:
         self._param_slots = _slots(module, memo, "_parameters")
         self._buffer_slots = _slots(module, memo, "_buffers")
 
-    def load(self, device_tensors: dict[int, torch.Tensor], *, training: bool) -> None:
+    def load(
+        self,
+        device_tensors: dict[int, torch.Tensor],
+        *,
+        training: bool,
+        params: dict[int, nn.Parameter] | None = None,
+    ) -> None:
         """Point the replica at device tensors, keyed by ``id(host tensor)``.
 
         Every slot of one host parameter gets the SAME device Parameter, so a tied weight's
-        gradient accumulates once, exactly as in the host module.
+        gradient accumulates once, exactly as in the host module. ``params`` (keyed like
+        ``device_tensors``) keeps the Parameters across calls: every micro-batch of a slot's
+        round then accumulates its gradient into the same device ``.grad`` (on-device
+        accumulation, downloaded once per round).
         """
-        made: dict[int, nn.Parameter] = {}
+        made: dict[int, nn.Parameter] = {} if params is None else params
         for owner, attr, host in self._param_slots:
             p = made.get(id(host))
             if p is None:
@@ -45,15 +54,6 @@ class Replica:
         for owner, attr, host in self._buffer_slots:
             owner._buffers[attr] = device_tensors[id(host)]
         self.module.train(training)
-
-    def grads(self) -> dict[int, torch.Tensor]:
-        """Gradients after a backward, keyed by ``id(host parameter)`` (each tensor once)."""
-        out: dict[int, torch.Tensor] = {}
-        for owner, attr, host in self._param_slots:
-            p = owner._parameters[attr]
-            if p is not None and p.grad is not None:
-                out[id(host)] = p.grad
-        return out
 
     def release(self) -> None:
         """Drop device tensors so their memory can be reused."""

@@ -1,0 +1,153 @@
+"""One plan, executed: the executor runs the lowered plan, a slot serves a round of micro-batches
+with one weight upload, and gradients accumulate on the device.
+
+The bytes the devices measure are the bytes the plan says; rounds of M_R micro-batches keep
+parity with plain PyTorch (fp32) and with per-micro-batch rounds (fp16 loss scaling).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import config, engine_for, reference_losses
+from models import mlp_batch, random_batch, tiny_mlp, tiny_qwen3
+
+from rp_engine.plan.actions import Op
+from rp_engine.plan.simulate import Machine, simulate
+
+GAS = 8
+
+
+def _lm_batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    return [random_batch(128, batch=2, seq=12, seed=seed + i) for i in range(n)]
+
+
+def _model_bytes(model: torch.nn.Module) -> int:
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("round_size", [8, 4, 1])
+def test_measured_traffic_is_the_plans(round_size: int) -> None:
+    model = tiny_qwen3(0, layers=4)
+    cfg = config(
+        devices=2,
+        gas=GAS,
+        fwd_cuts=[2, 2],
+        bwd_cuts=[1, 1, 2],
+        roundpipe={"round_size": round_size},
+    )
+    engine = engine_for(model, cfg)
+    try:
+        engine.train_batch(iter(_lm_batches(GAS)))  # cold
+        engine.train_batch(iter(_lm_batches(GAS, seed=50)))  # warm: the one measured
+        stats = engine.last_step_stats()
+        plan = engine.planner.last_plan
+        costs = engine.planner.byte_costs()
+    finally:
+        engine.destroy()
+    assert plan is not None
+    simulated = simulate(plan, costs, machine=Machine("cpu", num_devices=2)).bytes_moved
+    # every weight byte the devices received is one the plan uploads, and nothing else
+    assert stats["weight_h2d_bytes"] == simulated["weights_h2d"]
+    assert stats["uploads"] == sum(1 for a in plan.actions if a.op is Op.UPLOAD)
+    assert stats["downloads"] == sum(1 for a in plan.actions if a.op is Op.DOWNLOAD)
+    assert stats["h2d_bytes"] == stats["weight_h2d_bytes"] + (
+        stats["h2d_bytes"] - stats["weight_h2d_bytes"]
+    )
+    # one upload per slot and round: at most (2 + 0.5) x the model's weights per round
+    rounds = GAS // round_size
+    assert stats["weight_h2d_bytes"] <= 2.5 * _model_bytes(model) * rounds
+    # and per-micro-batch uploads (the landed executor) would have moved GAS / M_R times more
+    slots = len(plan.fwd_cuts) + len(plan.bwd_cuts)
+    assert stats["uploads"] == slots * rounds
+
+
+def test_device_bytes_are_counted_by_the_devices() -> None:
+    """The stats come from the devices' own copy counters: a second run moves as much again."""
+    engine = engine_for(tiny_qwen3(0, layers=2), config(devices=2, gas=4))
+    try:
+        engine.train_batch(iter(_lm_batches(4)))
+        first = engine.last_step_stats()
+        before = sum(d.memory_stats()["h2d_bytes"] for d in engine.pool)
+        engine.train_batch(iter(_lm_batches(4, seed=9)))
+        after = sum(d.memory_stats()["h2d_bytes"] for d in engine.pool)
+        second = engine.last_step_stats()
+    finally:
+        engine.destroy()
+    assert second["h2d_bytes"] == after - before > 0
+    assert second["weight_h2d_bytes"] == first["weight_h2d_bytes"]
+    assert 0 < second["grad_d2h_bytes"] <= second["d2h_bytes"]
+    assert set(second["busy_s"]) == {0, 1} and all(v > 0 for v in second["busy_s"].values())
+    assert all(0 < f <= 1.0 for f in second["busy_fraction"].values())
+
+
+# (devices, fwd_cuts, bwd_cuts): a head stage with no block and with several blocks
+SHAPES = [
+    (1, [4], [0, 4]),
+    (2, [2, 2], [2, 1, 1]),
+    (3, [3, 1], [1, 1, 2]),
+]
+
+
+@pytest.mark.parametrize("round_size", [1, 2, 4])
+@pytest.mark.parametrize(("devices", "fwd", "bwd"), SHAPES)
+def test_rounds_keep_parity_with_pytorch(devices: int, fwd, bwd, round_size: int) -> None:
+    steps, gas = 3, 4
+    model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    batches = _lm_batches(steps * gas, seed=100)
+    expected = reference_losses(ref, batches, steps=steps, gas=gas)
+    cfg = config(
+        devices=devices, gas=gas, fwd_cuts=fwd, bwd_cuts=bwd, roundpipe={"round_size": round_size}
+    )
+    engine = engine_for(model, cfg)
+    try:
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(steps)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _fp16_losses(devices: int, round_size: int) -> tuple[list[float], list[torch.Tensor]]:
+    model = tiny_mlp(0, layers=4)
+    model.loss_fn = F.cross_entropy
+    cfg = config(
+        devices=devices,
+        gas=4,
+        fwd_cuts=[2, 1],
+        bwd_cuts=[1, 1, 1],
+        fp16={"enabled": True, "initial_scale_power": 12},
+        roundpipe={"round_size": round_size},
+    )
+    engine = engine_for(model, cfg)
+    try:
+        batches = iter([mlp_batch(seed=i) for i in range(12)])
+        losses = [float(engine.train_batch(batches)) for _ in range(3)]
+        engine.synchronize()
+        weights = [p.detach().float().clone() for p in model.parameters()]
+        assert engine.optimizer.cur_scale > 1.0  # loss scaling really was on
+    finally:
+        engine.destroy()
+    return losses, weights
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_fp16_rounds_match_per_microbatch_accumulation(devices: int) -> None:
+    """fp16 with loss scaling: gradients summed on the device over a round (in fp32 from the
+    second micro-batch on) equal the per-micro-batch fp32 host accumulation."""
+    base_losses, base_weights = _fp16_losses(devices, 1)
+    for round_size in (2, 4):
+        losses, weights = _fp16_losses(devices, round_size)
+        torch.testing.assert_close(losses, base_losses, rtol=1e-6, atol=0)
+        for a, b in zip(weights, base_weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_round_size_must_divide_the_accumulation_steps() -> None:
+    with pytest.raises(ValueError, match=r"roundpipe\.round_size 3 .*divisor.*8"):
+        engine_for(tiny_qwen3(0, layers=2), config(devices=2, gas=8, roundpipe={"round_size": 3}))
