@@ -277,7 +277,7 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
     accumulation) vs one per micro-batch (M_R = 1: what the landed executor did), cpu:2 with an
     emulated link slow enough that uploads dominate. Windows of steps synchronised at both ends
     (never per step), interleaved."""
-    seq, gas, mbs, window = 32, 8, 2, 2
+    seq, gas, mbs, window = 16, 8, 1, 2
     data = list(_take(batches(stdlib_corpus(), seq_len=seq, micro_batch=mbs), gas * 200))
     engines = {}
     for name, size in (("per_microbatch", 1), ("per_round", gas)):

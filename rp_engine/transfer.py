@@ -162,8 +162,9 @@ def download_state(
     after: Event,
     label: str = "",
 ) -> Event:
-    """Copy a device state to the host on the D2H stream once ``after`` has completed."""
-    stream = device.stream(StreamRole.D2H)
+    """Copy a device state to the host on the activation download stream once ``after`` has
+    completed (its own stream and thread: gradient downloads never delay it)."""
+    stream = device.stream(StreamRole.D2H_ACT)
     stream.wait(after)
 
     def run() -> None:

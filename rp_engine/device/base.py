@@ -30,7 +30,9 @@ class StreamRole(enum.Enum):
     COMPUTE = "compute"
     H2D_ACT = "h2d_act"  # activations / gradients flowing into the device
     H2D_PARAM = "h2d_param"  # weight uploads (prefetch)
-    D2H = "d2h"  # all downloads: activations, gradients
+    D2H = "d2h"  # gradient downloads
+    D2H_ACT = "d2h_act"  # activations leaving the device (saved stage inputs, sends)
+    HOST = "host"  # host work ordered by events (gradient accumulation), off the copy threads
 
 
 class DeviceError(RuntimeError):

@@ -63,6 +63,8 @@ def stream_priorities(device_index: int) -> dict[StreamRole, int]:
         StreamRole.COMPUTE: high,
         StreamRole.H2D_ACT: high,
         StreamRole.D2H: normal,
+        StreamRole.D2H_ACT: high,
+        StreamRole.HOST: normal,  # runs host closures; its CUDA stream stays idle
         StreamRole.H2D_PARAM: low,
     }
 

@@ -676,33 +676,43 @@ class Executor:
         release: Callable[[], None] | None,
         label: str,
     ) -> None:
-        """Queue the download of ``take()`` (device grads by id(host param)) into the host
-        buffers once ``after`` is done; report layers whose last contribution this was."""
-        stream = device.stream(StreamRole.D2H)
-        stream.wait(after)
+        """Queue the download of ``take()`` (device grads by id(host param)) once ``after`` is
+        done, and its accumulation into the host buffers on the device's HOST worker once the
+        copies have landed (an event, not a blocking sync on the copy thread: the next download
+        is already on its way while this one is added up); report layers whose last
+        contribution this was."""
+        d2h = device.stream(StreamRole.D2H)
+        d2h.wait(after)
         params = {id(p): p for layer in layers for p in self.store.trainable_of(layer)}
         # a tied weight's buffer belongs to its owner layer, which may sit in another stage
         owners = {key: self.store.owner_layer(p) for key, p in params.items()}
         stats = ctx.stats
+        host: dict[int, torch.Tensor] = {}
 
-        def run() -> None:
+        def download() -> None:
             grads = take()
-            host = {k: device.to_host(g) for k, g in grads.items() if k in params}
+            host.update({k: device.to_host(g) for k, g in grads.items() if k in params})
             stats.grad_d2h_bytes += sum(g.numel() * g.element_size() for g in host.values())
             stats.downloads += 1
-            device.host_sync()  # the copies must land before host code adds them up
-            for key, grad in host.items():
-                self.sink.wait_free(owners[key])
-                self.store.accumulate(params[key], grad)
             for grad in grads.values():
                 device.free(grad)
             if release is not None:
                 release()
+
+        d2h.submit(download, label=label)
+        landed = d2h.record()
+
+        def accumulate() -> None:
+            landed.synchronize()  # blocks this HOST worker only, until the copies are done
+            for key, grad in host.items():
+                self.sink.wait_free(owners[key])
+                self.store.accumulate(params[key], grad)
+            host.clear()
             for layer in ctx.remaining.arrive(layers):
                 if ctx.spec.closes_step:
                     self.sink.ready(layer)
 
-        stream.submit(run, label=label)
+        device.stream(StreamRole.HOST).submit(accumulate, label=f"{label}.acc")
 
     def _drain(self) -> None:
         """Wait for every stream of every device; re-raise the first device error."""
