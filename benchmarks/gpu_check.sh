@@ -7,6 +7,11 @@
 #   python3 -m pip wheel --no-deps -w .whl deepspeed==0.19.8
 # then: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Logs land in $OUT (or ./gpu_check_out) for benchmarks/RESULTS.md. Not yet run on a GPU.
+# Besides the CUDA tests it runs the head-to-head on the Qwen3-1.7B shape (one JSON line per
+# system: plain PyTorch, DeepSpeed ZeRO-Infinity, rp_engine async and sync; each in its own
+# process, a window of steps timed between two synchronisations). The device machine also lacks
+# pydantic: add pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
+# typing-extensions to the download above (see shared/reference/gpu_measurements.md).
 set -uo pipefail
 out="${OUT:-gpu_check_out}"
 mkdir -p "$out"
@@ -23,3 +28,5 @@ python3 -c "import torch, transformers; print(torch.__version__, transformers.__
 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_device_cuda.py \
     tests/test_engine_cuda.py 2>&1 | tee "$out/gpu_tests.log"
 python3 -m rp_engine.cli --steps 20 --json 2>"$out/rp_train.err" | tee "$out/rp_train.json"
+python3 benchmarks/gpu_head_to_head.py --shape qwen3-1.7b --warmup 2 --steps 5 \
+    2>"$out/head_to_head.err" | tee "$out/head_to_head.jsonl"
