@@ -41,21 +41,20 @@ DEEPSPEED_GLOBALS = (
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
 
-_OPT_IN = "trust_checkpoint=True"
+_OPT_IN = "trust_checkpoint=True to engine.load_checkpoint(...)"
 
 
 class UntrustedCheckpointError(pickle.UnpicklingError):
     """A file holds Python globals outside the allowlist; it was not unpickled."""
 
 
-def load(path: str, *, trust: bool = False, opt_in: str = _OPT_IN) -> Any:
+def load(path: str, *, trust: bool = False) -> Any:
     """``torch.load(path)`` onto the CPU without running code from the file (memory-mapped when
     it is in torch's zip format, as every file torch.save has written since PyTorch 1.6).
 
     Allowed: what PyTorch's weights_only unpickler builds, plus :data:`DEEPSPEED_GLOBALS`.
     Anything else raises :class:`UntrustedCheckpointError` before unpickling, unless ``trust``,
-    which loads with ``weights_only=False`` (a warning names the globals). ``opt_in`` is how the
-    caller's user turns ``trust`` on, quoted in the error.
+    which loads with ``weights_only=False`` (a warning names the globals).
     """
     unsafe = _unsafe_globals(path)
     mmap = unsafe is not None  # mmap needs the zip format, which the scan read
@@ -70,7 +69,7 @@ def load(path: str, *, trust: bool = False, opt_in: str = _OPT_IN) -> Any:
             )
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     if refused:
-        raise UntrustedCheckpointError(_refusal(path, ", ".join(refused), opt_in))
+        raise UntrustedCheckpointError(_refusal(path, ", ".join(refused)))
     # Legacy (non-zip) files cannot be scanned; the weights_only unpickler still guards them.
     allowed = _resolve(DEEPSPEED_GLOBALS if unsafe is None else sorted(unsafe))
     try:
@@ -78,7 +77,7 @@ def load(path: str, *, trust: bool = False, opt_in: str = _OPT_IN) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         # A global the static scan could not see (pushed dynamically), or a legacy-format file.
-        raise UntrustedCheckpointError(_refusal(path, _reason(exc), opt_in)) from exc
+        raise UntrustedCheckpointError(_refusal(path, _reason(exc))) from exc
 
 
 def _unsafe_globals(path: str) -> set[str] | None:
@@ -102,12 +101,12 @@ def _resolve(names: Iterable[str]) -> list[Any]:
     return out
 
 
-def _refusal(path: str, what: str, opt_in: str) -> str:
+def _refusal(path: str, what: str) -> str:
     return (
         f"refusing to load {os.fspath(path)!r}: it holds Python globals that rp_engine does not "
         f"allow ({what}); unpickling them could run code from the file. Only tensors, plain "
         "containers and the DeepSpeed classes in rp_engine.safe_load.DEEPSPEED_GLOBALS are "
-        f"loaded by default. If you trust this file, pass {opt_in} (it is then unpickled fully, "
+        f"loaded by default. If you trust this file, pass {_OPT_IN} (it is then unpickled fully, "
         "as DeepSpeed does)."
     )
 
