@@ -207,3 +207,22 @@ def _deepspeed_flat_state(tag: Path) -> dict[str, torch.Tensor]:
     inner = osd.get("base_optimizer_state") or osd["optimizer_state_dict"]
     (group,) = inner["param_groups"]
     return inner["state"][group["params"][0]]
+
+
+def test_deepspeed_zero3_weights_need_the_optim_file(
+    deepspeed_checkpoints: tuple[Path, dict],
+) -> None:
+    # DeepSpeed's ZeRO-3 model file holds empty placeholders; its weights are in the optim file.
+    import ds_checkpoints
+
+    out, _ = deepspeed_checkpoints
+    cfg = {
+        **ds_checkpoints.config("zero3_offload"),
+        "roundpipe": {"devices": "cpu:1", "fwd_cuts": [LAYERS], "bwd_cuts": [0, LAYERS]},
+    }
+    engine = engine_for(tiny_qwen3(1, layers=LAYERS, hidden=HIDDEN, vocab=VOCAB), cfg)
+    try:
+        with pytest.raises(RuntimeError, match="ZeRO-3 placeholders.*load_optimizer_states=True"):
+            engine.load_checkpoint(str(out / "zero3_offload"), load_module_only=True)
+    finally:
+        engine.destroy()
