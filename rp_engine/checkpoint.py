@@ -23,7 +23,8 @@ Choices where DeepSpeed's own output would be less useful (files are single-proc
 - Frozen parameters are recorded (``frozen_param_shapes`` / ``frozen_param_fragments``) at every
   stage, not only from stage 2, so zero_to_fp32 returns them too (in the compute dtype).
 - Files hold plain ints, dicts and tensors (no DeepSpeed classes): ``torch.load(weights_only=True)``
-  reads them.
+  reads them. Loading never runs code from a file (:mod:`rp_engine.safe_load`): DeepSpeed's own
+  checkpoints load through an allowlist of its classes; anything else needs the caller's opt-in.
 
 Writes are atomic: files go to ``save_dir/.<tag>.tmp-<pid>``, are fsynced, and the folder is renamed
 to ``<tag>``; ``latest`` is replaced last. A crash leaves the previous checkpoint and ``latest``.
@@ -38,16 +39,17 @@ import importlib.util
 import logging
 import math
 import os
-import pickle
 import re
 import shutil
 import stat
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from rp_engine import safe_load
 
 __all__ = [
     "save",
@@ -489,6 +491,7 @@ def load(
     optimizer_states: bool,
     scheduler_states: bool,
     module_only: bool = False,
+    trust: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Restore ``engine`` from a checkpoint; returns (model-states file path, client_state).
 
@@ -496,7 +499,10 @@ def load(
     file and no tag it warns and returns (None, None). Without ``optimizer_states`` the fp32
     masters are rebuilt from the loaded compute weights (DeepSpeed's ``_restore_from_bit16_
     weights``); ``module_only`` (``load_module_only``) also keeps the engine's counters.
-    Afterwards every layer is declared at version ``global_steps``.
+    Afterwards every layer is declared at version ``global_steps``. Files load with
+    ``weights_only=True`` (plus DeepSpeed's own classes, see :mod:`rp_engine.safe_load`); one
+    holding any other Python global is refused before it is unpickled unless ``trust``
+    (``load_checkpoint(trust_checkpoint=True)``).
     """
     load_dir = os.fspath(load_dir)
     if tag is None:
@@ -514,18 +520,22 @@ def load(
     _recover_interrupted(load_dir, remove_stale=False)
     folder = _tag_folder(load_dir, str(tag))
     model_path = _find_file(folder, model_file_name(engine._config.zero.stage), "*_model_states.pt")
-    ckpt = _torch_load(model_path)
+    ckpt = safe_load.load(model_path, trust=trust)
+    osd = None
+    if optimizer_states and not module_only and engine.optimizer is not None:
+        bf16 = bool(engine._config.bf16.enabled)
+        optim_path = _find_file(folder, optim_file_name(bf16=bf16), "*_optim_states.pt")
+        # Read (and vet) both files before the engine changes: a refused file leaves it as it was.
+        osd = safe_load.load(optim_path, trust=trust)[_OPTIMIZER_STATE_DICT]
 
-    missing, unexpected = engine.module.load_state_dict(ckpt["module"], strict=strict)
+    module_state = _fill_zero3_placeholders(engine.module, ckpt, loading_masters=osd is not None)
+    missing, unexpected = engine.module.load_state_dict(module_state, strict=strict)
     if missing or unexpected:
         log.warning("checkpoint module: missing keys %s, unexpected keys %s", missing, unexpected)
     store = engine.store
     store.zero_grads()
     store.reload_masters()
-    if optimizer_states and not module_only and engine.optimizer is not None:
-        bf16 = bool(engine._config.bf16.enabled)
-        optim_path = _find_file(folder, optim_file_name(bf16=bf16), "*_optim_states.pt")
-        osd = _torch_load(optim_path)[_OPTIMIZER_STATE_DICT]
+    if osd is not None:
         _load_optimizer(engine, ckpt, osd, strict=strict)
     if scheduler_states and not module_only and engine.lr_scheduler is not None:
         if ckpt.get("lr_scheduler") is None:
@@ -599,18 +609,6 @@ def _find_file(folder: str, name: str, pattern: str) -> str:
     )
 
 
-def _torch_load(path: str) -> Any:
-    """weights_only load (our files); falls back to a full unpickle for checkpoints written by
-    DeepSpeed itself, which pickle DeepSpeed classes (DeepSpeed always loads that way)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
-        log.warning(
-            "%s holds Python objects besides tensors; loading it with weights_only=False", path
-        )
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-
-
 def _load_optimizer(
     engine: Any, ckpt: Mapping[str, Any], osd: Mapping[str, Any], *, strict: bool
 ) -> None:
@@ -647,6 +645,8 @@ def _load_optimizer(
         log.warning(msg + "; missing masters were rebuilt from the loaded weights")
 
     inner = osd.get(_BASE_OPTIMIZER_STATE, osd.get(_OPTIMIZER_STATE_DICT))
+    if inner is not None and _is_flat_state(inner, flats):
+        inner = _unflatten_state(engine, ckpt, inner, flats, osd, stage=stage)
     if inner is not None:
         try:
             engine.optimizer.load_state_dict(_materialize(inner))
@@ -662,6 +662,117 @@ def _load_optimizer(
             _scaler_dict(scaler_state, engine.optimizer.loss_scaler)
         )
     engine.optimizer.overflow = bool(osd.get("overflow", False))
+
+
+def _fill_zero3_placeholders(
+    module: nn.Module, ckpt: Mapping[str, Any], *, loading_masters: bool
+) -> Mapping[str, torch.Tensor]:
+    """``ckpt["module"]`` with DeepSpeed ZeRO-3's empty placeholders filled in.
+
+    DeepSpeed's ZeRO-3 model file holds a 0-element tensor per partitioned parameter: trained
+    weights live in the optim file as fp32 partitions (loaded after this, into the masters and
+    the weights), frozen ones in ``frozen_param_fragments``. rp_engine's own files hold full
+    tensors and pass through unchanged.
+    """
+    saved = ckpt["module"]
+    current = module.state_dict()
+    empty = [k for k, v in saved.items() if v.numel() == 0 and current.get(k, v).numel() > 0]
+    if not empty:
+        return saved
+    fragments = ckpt.get("frozen_param_fragments") or {}
+    trained = {name for shapes in ckpt.get("param_shapes") or [] for name in shapes}
+    unrestorable = sorted(
+        k for k in empty if k not in fragments and not (loading_masters and k in trained)
+    )
+    if unrestorable:
+        raise RuntimeError(
+            f"checkpoint module entries {unrestorable[:5]}{' ...' if len(unrestorable) > 5 else ''}"
+            " are DeepSpeed ZeRO-3 placeholders whose weights are in the optim-states file; load "
+            "with load_optimizer_states=True (and without load_module_only), or convert the "
+            "checkpoint with zero_to_fp32.py"
+        )
+    filled = dict(saved)
+    for key in empty:
+        if key in fragments:
+            filled[key] = fragments[key].reshape(current[key].shape)
+        else:  # overwritten from the fp32 partition by _load_optimizer
+            filled[key] = current[key]
+    return filled
+
+
+def _is_flat_state(inner: Mapping[str, Any], flats: list[torch.Tensor]) -> bool:
+    """DeepSpeed's inner optimizer steps one flat fp32 partition per group (ZeRO 1-3): its
+    state_dict has one parameter per group. rp_engine's files hold one entry per parameter (a
+    file whose groups hold one parameter each reads correctly either way)."""
+    groups = inner.get("param_groups") or []
+    return len(groups) == len(flats) > 0 and all(len(g["params"]) == 1 for g in groups)
+
+
+def _unflatten_state(
+    engine: Any,
+    ckpt: Mapping[str, Any],
+    inner: Mapping[str, Any],
+    flats: list[torch.Tensor],
+    osd: Mapping[str, Any],
+    *,
+    stage: int,
+) -> dict[str, Any]:
+    """DeepSpeed's flat-partition optimizer state as a per-parameter state_dict of
+    ``engine.optimizer``: state tensors the size of a flat group (Adam's moments) are split like
+    the fp32 partitions (zero_to_fp32's layout); other entries (``step``) go to every parameter."""
+    flat_states = [inner["state"].get(g["params"][0], {}) for g in inner["param_groups"]]
+    state: dict[int, dict[str, Any]] = {}
+    if not any(flat_states):  # saved before the first step
+        return {"state": state, "param_groups": _groups_like(engine, inner, lambda _: None, state)}
+    if not all(flat_states):
+        raise RuntimeError(
+            "the checkpoint's optimizer has state for some flat groups only; it cannot be split "
+            "per parameter. Pass load_optimizer_states=False to load weights only"
+        )
+    first, numel = flat_states[0], flats[0].numel()
+    tensors = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.numel() == numel]
+    scalars = {k: v for k, v in first.items() if k not in tensors}
+    paddings = osd.get(_PARAM_ALIGNMENT_PADDINGS)
+    split = {
+        k: _split_flat(
+            ckpt["param_shapes"], [st[k].reshape(-1) for st in flat_states], paddings, stage=stage
+        )
+        for k in tensors
+    }
+
+    def per_param(name: str) -> dict[str, Any] | None:
+        if not all(name in split[k] for k in tensors):
+            return None
+        return {**scalars, **{k: split[k][name] for k in tensors}}
+
+    groups = _groups_like(engine, inner, per_param, state)
+    return {"state": state, "param_groups": groups}
+
+
+def _groups_like(
+    engine: Any,
+    inner: Mapping[str, Any],
+    per_param: Callable[[str], dict[str, Any] | None],
+    state: dict[int, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """``engine.optimizer``'s param groups in state_dict form (params numbered in order), with
+    the saved hyper-parameters; ``state[index] = per_param(name)`` where that is not None."""
+    names = _ParamNames(engine.module)
+    owner = {id(hp.master): hp for hp in engine.store.owned_params()}
+    saved = inner["param_groups"]
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for gi, group in enumerate(engine.optimizer.optimizer.param_groups):
+        ids = []
+        for master in group["params"]:
+            entry = per_param(names.of(owner[id(master)].param))
+            if entry is not None:
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        # DeepSpeed has one flat group per param group (ZeRO-3 sub-groups share the settings).
+        groups.append({**saved[min(gi, len(saved) - 1)], "params": ids})
+    return groups
 
 
 def _split_flat(

@@ -505,14 +505,19 @@ class RoundPipeEngine:
     def load_checkpoint(
         self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False, custom_load_fn: Any = None,
+        load_module_only: bool = False, custom_load_fn: Any = None, *,
+        trust_checkpoint: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
+        """DeepSpeed's load_checkpoint. Files load with ``weights_only=True`` (DeepSpeed-written
+        ones too, through an allowlist of its classes); a file holding any other Python global is
+        refused unless ``trust_checkpoint=True``, which unpickles it fully (only for files you
+        trust: unpickling can run code)."""
         self.synchronize()
         return _ckpt().load(
             self, load_dir, tag=tag, strict=load_module_strict,
             optimizer_states=load_optimizer_states and not load_module_only,
             scheduler_states=load_lr_scheduler_states and not load_module_only,
-            module_only=load_module_only,
+            module_only=load_module_only, trust=trust_checkpoint,
         )  # fmt: skip
 
     def save_16bit_model(
