@@ -253,6 +253,7 @@ def test_mobius_on_one_device_with_a_prefix_binds_two_blocks() -> None:
         (4, 1, 2, False, {}),
         (2, 3, 5, True, {"head_chunk_tokens": 8}),
         (5, 2, 1, False, {"schedule": "mobius"}),
+        (3, 1, 2, False, {"schedule": "mobius"}),  # two blocks bound to the one device
     ],
 )
 def test_grid_points_train_two_steps_without_cuts(layers, devices, gas, async_optimizer, extra):
