@@ -25,7 +25,11 @@ from rp_engine.runtime.planning import ModelShape, Planner
 from rp_engine.runtime.stages import StageMap
 
 _SETTINGS = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+    database=None,
 )
 _CUT_KEYS = ("fwd_cuts", "bwd_cuts")
 
