@@ -130,7 +130,7 @@ def _partition_cases(draw: st.DrawFn) -> dict:
         "num_microbatches": draw(st.integers(1, 8)),
         "async_optimizer": draw(st.booleans()),
         "memory_budget_bytes": None if budget_mib is None else budget_mib * mib,
-        "min_bwd_stages": draw(st.integers(1, 2)),
+        "min_bwd_stages": draw(st.integers(1, min(4, layers + 1))),
     }
 
 
