@@ -37,6 +37,7 @@ __all__ = [
     "LayerCosts",
     "StageCosts",
     "Partition",
+    "CutsError",
     "partition",
     "estimate_iteration_ms",
     "balanced_stage_layers",
@@ -271,6 +272,13 @@ def load_costs(path: str | os.PathLike[str]) -> LayerCosts:
 
 
 # ---- the search ------------------------------------------------------------------------------
+class CutsError(ValueError):
+    """Given cuts that cannot be used (coverage, stage count, memory). The message starts with
+    the cuts' name, ``fwd_cuts`` or ``bwd_cuts``, so a caller whose cuts came from a config can
+    prefix the config section; other ValueErrors of ``partition()`` are about the model and the
+    budget, whoever chose the cuts."""
+
+
 @dataclass(frozen=True)
 class Partition:
     """Forward and backward cuts (RoundPipe numbering) and the estimated iteration time."""
@@ -298,6 +306,7 @@ def partition(
     fwd_cuts: Sequence[int] | None = None,
     bwd_cuts: Sequence[int] | None = None,
     max_work: int = 150_000,
+    min_bwd_stages: int = 1,
 ) -> Partition:
     """Choose RoundPipe forward and backward cuts for ``costs`` on ``num_devices`` devices.
 
@@ -307,8 +316,15 @@ def partition(
     against the memory budget and estimated instead. Raises ValueError naming the layer and the
     budget when one layer cannot fit. ``max_work`` bounds the search: the number of actions the
     timing model may simulate over all candidates (about 1 s of pure Python at the default).
+
+    ``min_bwd_stages`` (1 .. L + 1) is the fewest backward stages, the head stage included, that
+    the caller's executor accepts: a model with an embedding prefix needs 2, because the prefix
+    runs in a backward stage after the head stage. Every candidate the search scores satisfies
+    it (with one layer and 2 stages: an empty head stage, then the layer), so the result does.
     """
-    search = _Search(costs, memory_budget_bytes, num_devices, num_microbatches, async_optimizer)
+    search = _Search(
+        costs, memory_budget_bytes, num_devices, num_microbatches, async_optimizer, min_bwd_stages
+    )
     if fwd_cuts is not None or bwd_cuts is not None:
         if fwd_cuts is None or bwd_cuts is None:
             raise ValueError("give both fwd_cuts and bwd_cuts, or neither")
@@ -386,8 +402,15 @@ class _Search:
         num_devices: int,
         num_microbatches: int,
         async_optimizer: bool,
+        min_bwd_stages: int = 1,
     ) -> None:
+        if not 1 <= min_bwd_stages <= costs.num_layers + 1:
+            raise ValueError(
+                f"min_bwd_stages must be in 1..{costs.num_layers + 1} for "
+                f"{costs.num_layers} layers, got {min_bwd_stages}"
+            )
         self.costs, self.budget = costs, budget
+        self.min_bwd_stages = min_bwd_stages
         self.shape = (num_devices, num_microbatches, async_optimizer)
         self.L = L = costs.num_layers
         self.head_ms = costs.head_fwd_ms + costs.head_bwd_ms
@@ -428,19 +451,22 @@ class _Search:
         if self.budget is None:
             return
         budget = format_bytes(self.budget)
+        # every stage runs on one device: more devices do not help a layer that cannot fit
+        where = f"on any of the {self.shape[0]} device(s)"
         for layer in range(self.L):
             need = self._stage_bytes(layer, layer + 1, backward=True, head=False)
             if need > self.budget:
                 raise ValueError(
                     f"layer {layer} needs {format_bytes(need)} as a backward stage (weights, "
-                    f"gradients, activations) but the device memory budget is {budget}; "
+                    f"gradients, activations) but the device memory budget is {budget} {where}; "
                     "raise the budget (roundpipe.device_memory_gb) or shrink the micro-batch"
                 )
         need = self._stage_bytes(self.L, self.L, backward=True, head=True)
         if need > self.budget:
             raise ValueError(
                 f"the LM head needs {format_bytes(need)}, over the device memory "
-                f"budget of {budget}; lower head_chunk_tokens or the micro-batch"
+                f"budget of {budget} {where}; raise the budget (roundpipe.device_memory_gb) "
+                "or lower roundpipe.head_chunk_tokens or the micro-batch"
             )
 
     def _reach_fwd(self, i: int) -> int:
@@ -456,24 +482,34 @@ class _Search:
         return i
 
     def check_cuts(self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...]) -> None:
+        """Raise CutsError when the cuts do not cover the layers, have too few backward stages,
+        or a stage exceeds the memory budget."""
         if sum(fwd_cuts) != self.L or sum(bwd_cuts) != self.L or min(fwd_cuts + bwd_cuts) < 0:
-            raise ValueError(
-                f"cuts {list(fwd_cuts)} / {list(bwd_cuts)} must be layer counts "
+            raise CutsError(
+                f"fwd_cuts {list(fwd_cuts)} / bwd_cuts {list(bwd_cuts)} must be layer counts "
                 f">= 0 each summing to L={self.L}"
+            )
+        if len(bwd_cuts) < self.min_bwd_stages:
+            raise CutsError(
+                f"bwd_cuts {list(bwd_cuts)} has {len(bwd_cuts)} stage(s); this model needs at "
+                f"least {self.min_bwd_stages} (the head stage, then the stage running the "
+                "embedding prefix)"
             )
         start = 0
         for s, n in enumerate(fwd_cuts):
             if n and not self._fits_fwd(start, start + n):
-                raise ValueError(
-                    f"forward stage {s} (layers {start}..{start + n - 1}) exceeds "
+                raise CutsError(
+                    f"fwd_cuts {list(fwd_cuts)}: forward stage {s} (layers {start}.."
+                    f"{start + n - 1}) exceeds "
                     f"the memory budget of {format_bytes(self.budget or 0)}"
                 )
             start += n
         end = self.L
         for j, n in enumerate(bwd_cuts):
             if not self._fits_bwd(end - n, end, j == 0):
-                raise ValueError(
-                    f"backward stage {j} (layers {end - n}..{end - 1}) exceeds "
+                raise CutsError(
+                    f"bwd_cuts {list(bwd_cuts)}: backward stage {j} (layers {end - n}.."
+                    f"{end - 1}) exceeds "
                     f"the memory budget of {format_bytes(self.budget or 0)}"
                 )
             end -= n
@@ -493,13 +529,19 @@ class _Search:
         stage runs forward, loss and backward in one go), then stages toward the input."""
         L, pb = self.L, self.pb
         start = bisect.bisect_left(pb, pb[L] + self.head_ms - cap - _EPS)
-        start = min(max(start, self.head_reach), L)
+        # leave at least one layer for each further stage the executor requires
+        start = min(max(start, self.head_reach, self.min_bwd_stages - 1), L)
         cuts, j = [L - start], start
         while j > 0:
             i = bisect.bisect_left(pb, pb[j] - cap - _EPS)
             i = min(max(i, self.bwd_reach[j]), j - 1)
             cuts.append(j - i)
             j = i
+        # still too few stages (a large cap): halve the largest non-head stage, which keeps
+        # every stage within the memory budget
+        while len(cuts) < self.min_bwd_stages:
+            k = max(range(1, len(cuts)), key=cuts.__getitem__)
+            cuts[k : k + 1] = [cuts[k] - cuts[k] // 2, cuts[k] // 2]
         return tuple(cuts)
 
     def split_fwd(self, k: int, mode: str) -> tuple[int, ...]:
@@ -528,7 +570,7 @@ class _Search:
         if cuts not in self.scores:
             n, m, async_opt = self.shape
             work = (len(cuts[0]) + len(cuts[1])) * m * (3 if async_opt else 1)
-            if work > self.work_left:
+            if work > self.work_left and self.scores:  # the first candidate is always scored
                 return math.inf
             self.work_left -= work
             self.scores[cuts] = estimate_iteration_ms(
@@ -542,6 +584,8 @@ class _Search:
         return self.scores[cuts]
 
     def _valid(self, cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+        """Cuts the executor accepts: forward stages and backward stages after the head stage
+        non-empty, at least ``min_bwd_stages`` backward stages, every stage within the budget."""
         fwd, bwd = cuts
         if min(fwd) < 1 or min(bwd[1:], default=1) < 1 or sum(fwd) != self.L:
             return False
@@ -557,12 +601,18 @@ class _Search:
         seen: dict[tuple[int, int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         for cap in self.caps():
             fwd, bwd = self.greedy_fwd(cap), self.greedy_bwd(cap)
-            seen.setdefault((len(fwd), bwd[0], len(bwd)), (fwd, bwd))
+            if self._valid((fwd, bwd)):  # always, by construction; the check keeps it so
+                seen.setdefault((len(fwd), bwd[0], len(bwd)), (fwd, bwd))
         return list(seen.values())
 
     def run(self, max_work: int) -> Partition:
         self.work_left = max_work
         chain = self.shapes()
+        if not chain:  # unreachable while single layers fit (checked in __init__)
+            raise ValueError(
+                f"no cuts of the {self.L} layers fit the device memory budget of "
+                f"{format_bytes(self.budget or 0)}; raise the budget (roundpipe.device_memory_gb)"
+            )
         # 1. coarse scan of the shape chain (a quarter of the budget), refined around its
         #    three best local minima (the objective is not unimodal along the chain)
         seeds = self._scan(chain, max_work // 4)

@@ -3,6 +3,11 @@
 The planner owns the rolling start device (RoundPipe never resets rounds between iterations)
 and the cost profile of the first iterations. It calls the pure ``plan`` package for the
 partition search and the schedule, and turns cuts into a :class:`StageMap` for the executor.
+
+Contract: the search only considers cuts the executor accepts (``StageMap.min_bwd_stages``),
+so the automatic path either yields a runnable plan or raises one ValueError about the memory
+budget. Errors name ``roundpipe.fwd_cuts`` / ``roundpipe.bwd_cuts`` only when the user set them.
+Given the same costs the search returns the same cuts; the plan in use is logged once (info).
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rp_engine.plan import schedules
-from rp_engine.plan.actions import Op, Plan
-from rp_engine.plan.partition import LayerCosts, partition
+from rp_engine.plan.actions import Op, Plan, format_grid
+from rp_engine.plan.partition import CutsError, LayerCosts, Partition, partition
 from rp_engine.runtime.stages import StageMap
 
 __all__ = ["Planner", "ModelShape"]
@@ -59,34 +64,66 @@ class Planner:
         self.memory_budget_bytes = memory_budget_bytes
         self.async_optimizer = async_optimizer  # the two modes want different cuts
         self.fixed = fwd_cuts is not None and bwd_cuts is not None
+        self.user_cuts = self.fixed  # errors about cuts name the roundpipe keys only then
         self.profile_left = 0 if self.fixed else profile_iterations
         self._fwd_samples: dict[int, list[float]] = {}
         self._bwd_samples: dict[int, list[float]] = {}
         self.start_device = 0
         self.replanned = False
         self.last_plan: Plan | None = None  # the last whole iteration issued
+        self.est_iteration_ms: float | None = None
         if self.fixed:
             fixed = (tuple(fwd_cuts or ()), tuple(bwd_cuts or ()))
             self.set_cuts(*fixed)  # shape errors first: they name the roundpipe keys
             if memory_budget_bytes is not None:  # and a stage that cannot fit fails now
-                self._search(self._estimate(), cuts=fixed)
+                try:
+                    self._search(self._estimate(), cuts=fixed)
+                except CutsError as e:  # a stage too large: the user's cuts are to blame
+                    raise ValueError(
+                        f"roundpipe.{e}; choose smaller stages, raise roundpipe.device_memory_gb, "
+                        "or remove roundpipe.fwd_cuts and roundpipe.bwd_cuts to let the planner "
+                        "choose"
+                    ) from None
         elif schedule == "mobius":
-            # Mobius binds one block of layers per GPU, forward and backward alike.
-            blocks = _even_split(shape.num_blocks, min(num_devices, shape.num_blocks))
             self.fixed, self.profile_left = True, 0
+            blocks = self._mobius_blocks()
             self.set_cuts(blocks, blocks[::-1])
         else:
             self.set_cuts(*self._search(self._estimate()))
+        self._log_plan("plan")
 
     # --- cuts ---------------------------------------------------------------------------------
     def set_cuts(self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...]) -> None:
-        self.fwd_cuts, self.bwd_cuts = fwd_cuts, bwd_cuts
-        self.stages = StageMap.from_cuts(
-            num_blocks=self.shape.num_blocks,
-            has_prefix=self.shape.has_prefix,
-            fwd_cuts=fwd_cuts,
-            bwd_cuts=bwd_cuts,
-        )
+        """Use these cuts. Cuts the executor rejects raise ValueError naming the roundpipe key
+        when the user wrote them, else RuntimeError (a planner bug: the search never offers
+        such cuts)."""
+        try:
+            stages = StageMap.from_cuts(
+                num_blocks=self.shape.num_blocks,
+                has_prefix=self.shape.has_prefix,
+                fwd_cuts=fwd_cuts,
+                bwd_cuts=bwd_cuts,
+            )
+        except CutsError as e:
+            if self.user_cuts:  # every CutsError message starts with "fwd_cuts" or "bwd_cuts"
+                raise ValueError(f"roundpipe.{e}") from None
+            raise RuntimeError(
+                f"rp_engine's planner chose cuts the executor rejects ({e}); this is a bug, "
+                "please report it (explicit roundpipe.fwd_cuts and roundpipe.bwd_cuts avoid the "
+                "automatic planner)"
+            ) from e
+        self.fwd_cuts, self.bwd_cuts, self.stages = fwd_cuts, bwd_cuts, stages
+
+    def _mobius_blocks(self) -> tuple[int, ...]:
+        """Mobius binds one block of layers per GPU, forward and backward alike; a model with
+        an embedding prefix needs two blocks at least (the prefix's backward follows the head's)."""
+        n, least = self.shape.num_blocks, StageMap.min_bwd_stages(self.shape.has_prefix)
+        if n < least:
+            raise ValueError(
+                f"roundpipe.schedule 'mobius' needs at least {least} decoder layers for a model "
+                f"with an embedding prefix (this one has {n}); use schedule 'roundpipe'"
+            )
+        return _even_split(n, max(min(self.num_devices, n), least))
 
     def _estimate(self) -> LayerCosts:
         """Costs before any measurement: time proportional to parameter bytes (a dense layer's
@@ -98,8 +135,17 @@ class Planner:
     def _search(
         self, costs: LayerCosts, *, cuts: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The partition search (or, with ``cuts``, only its memory check of those cuts)."""
-        part = partition(
+        """The partition search over cuts the executor accepts (or, with ``cuts``, only the
+        memory check and estimate of those cuts); sets ``est_iteration_ms``."""
+        part = self._partition(costs, cuts)
+        self.est_iteration_ms = part.est_iteration_ms
+        return tuple(part.fwd_cuts), tuple(part.bwd_cuts)
+
+    def _partition(
+        self, costs: LayerCosts, cuts: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    ) -> Partition:
+        """``partition()`` for this engine; deterministic: the same costs give the same cuts."""
+        return partition(
             costs,
             num_devices=self.num_devices,
             num_microbatches=self.num_microbatches,
@@ -107,31 +153,53 @@ class Planner:
             async_optimizer=self.async_optimizer,
             fwd_cuts=cuts[0] if cuts else None,
             bwd_cuts=cuts[1] if cuts else None,
+            min_bwd_stages=StageMap.min_bwd_stages(self.shape.has_prefix),
         )
-        return tuple(part.fwd_cuts), tuple(part.bwd_cuts)
+
+    def compute_plan(self, start_device: int = 0) -> Plan:
+        """The compute plan of one iteration of ``num_microbatches`` with the current cuts
+        (not lowered; does not move the rolling start device)."""
+        return self._schedule(self.num_microbatches, start_device)
+
+    def _schedule(self, num_microbatches: int, start_device: int) -> Plan:
+        if self.schedule == "mobius":
+            return schedules.mobius(
+                fwd_cuts=self.fwd_cuts,
+                bwd_cuts=self.bwd_cuts,
+                num_devices=self.num_devices,
+                num_microbatches=num_microbatches,
+                start_device=start_device,
+            )
+        return schedules.roundpipe(
+            fwd_cuts=self.fwd_cuts,
+            bwd_cuts=self.bwd_cuts,
+            num_devices=self.num_devices,
+            num_microbatches=num_microbatches,
+            start_device=start_device,
+            round_size=min(self.round_size, num_microbatches),
+        )
+
+    def _log_plan(self, what: str) -> None:
+        """Log the plan in use once: its cuts, estimate and the start of its device grid."""
+        est = "" if self.est_iteration_ms is None else f", est. {self.est_iteration_ms:.3g} ms"
+        log.info(
+            "%s: schedule=%s devices=%d microbatches=%d fwd_cuts=%s bwd_cuts=%s%s\n%s",
+            what,
+            self.schedule,
+            self.num_devices,
+            self.num_microbatches,
+            list(self.fwd_cuts),
+            list(self.bwd_cuts),
+            est,
+            format_grid(self.compute_plan(), limit=12),
+        )
 
     # --- plans --------------------------------------------------------------------------------
     def plan(self, num_microbatches: int, *, ops: frozenset[Op] | None = None) -> Plan:
         """The lowered plan of one iteration (or of its ``ops`` part: the imperative loop runs
         the forward and the backward of one micro-batch separately), starting on the rolling
         start device: what the executor runs and what the simulator counts."""
-        if self.schedule == "mobius":
-            plan = schedules.mobius(
-                fwd_cuts=self.fwd_cuts,
-                bwd_cuts=self.bwd_cuts,
-                num_devices=self.num_devices,
-                num_microbatches=num_microbatches,
-                start_device=self.start_device,
-            )
-        else:
-            plan = schedules.roundpipe(
-                fwd_cuts=self.fwd_cuts,
-                bwd_cuts=self.bwd_cuts,
-                num_devices=self.num_devices,
-                num_microbatches=num_microbatches,
-                start_device=self.start_device,
-                round_size=min(self.round_size, num_microbatches),
-            )
+        plan = self._schedule(num_microbatches, self.start_device)
         if ops is None or Op.BWD in ops:  # the iteration (or its backward half) is issued
             self.start_device = plan.next_start_device
         if ops is not None:
@@ -151,7 +219,8 @@ class Planner:
         """Feed one profiled iteration; re-plans once after ``profile_iterations``.
 
         ``fwd_ms``: layer index -> forward times; ``bwd_ms``: backward stage -> stage times.
-        Returns True when the cuts changed.
+        Returns True when the cuts changed: only when the search finds cuts estimated faster
+        than the current ones under the measured costs (ties keep the current plan).
         """
         if self.profile_left <= 0:
             return False
@@ -165,13 +234,17 @@ class Planner:
         costs = self._measured()
         if costs is None:
             return False
-        old = (self.fwd_cuts, self.bwd_cuts)
-        self.set_cuts(*self._search(costs))
-        self.replanned = (self.fwd_cuts, self.bwd_cuts) != old
-        log.info(
-            "re-planned from measurements: fwd_cuts %s bwd_cuts %s", self.fwd_cuts, self.bwd_cuts
-        )
-        return self.replanned
+        current = self._partition(costs, (self.fwd_cuts, self.bwd_cuts))
+        best = self._partition(costs)
+        if best.est_iteration_ms >= current.est_iteration_ms * (1 - 1e-9):
+            self.est_iteration_ms = current.est_iteration_ms
+            log.info("measured costs keep the plan (est. %.3g ms)", current.est_iteration_ms)
+            return False
+        self.set_cuts(best.fwd_cuts, best.bwd_cuts)
+        self.est_iteration_ms = best.est_iteration_ms
+        self.replanned = True
+        self._log_plan("re-planned from measurements")
+        return True
 
     def _measured(self) -> LayerCosts | None:
         p = 1 if self.shape.has_prefix else 0
@@ -216,14 +289,18 @@ def _even_split(n: int, parts: int) -> tuple[int, ...]:
 
 
 def _costs(shape: ModelShape, fwd: list[float], bwd: list[float], head_fwd: float) -> LayerCosts:
+    # The prefix always shares stages with block 0 (forward stage 0, the last backward stage;
+    # never the head stage), so its weights count there, for the memory checks and the bytes
+    # a plan uploads alike.
+    params = list(shape.block_param_bytes)
+    params[0] += shape.prefix_param_bytes
     return LayerCosts(
         fwd_ms=tuple(fwd),
         bwd_ms=tuple(bwd),
         recompute_ms=tuple(fwd),
-        param_bytes=shape.block_param_bytes,
+        param_bytes=tuple(params),
         act_bytes=tuple(0 for _ in fwd),
         head_fwd_ms=head_fwd,
         head_bwd_ms=2 * head_fwd,
         head_param_bytes=shape.head_param_bytes,
-        prefix_param_bytes=shape.prefix_param_bytes,
     )

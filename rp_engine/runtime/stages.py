@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rp_engine.plan.partition import CutsError
+
 __all__ = ["StageMap"]
 
 
@@ -36,6 +38,12 @@ class StageMap:
     has_prefix: bool
     num_blocks: int
 
+    @staticmethod
+    def min_bwd_stages(has_prefix: bool) -> int:
+        """Fewest backward stages (head stage included) ``from_cuts`` accepts: the embedding
+        prefix runs in the last backward stage, which must come after the head stage."""
+        return 2 if has_prefix else 1
+
     @classmethod
     def from_cuts(
         cls,
@@ -45,22 +53,26 @@ class StageMap:
         fwd_cuts: tuple[int, ...],
         bwd_cuts: tuple[int, ...],
     ) -> StageMap:
-        """Build from block counts; raises ValueError naming the cuts when they do not add up."""
+        """Build from block counts; raises CutsError (a ValueError) naming the cuts when they do
+        not add up.
+
+        Each message starts with the bad cuts' name (``fwd_cuts`` or ``bwd_cuts``), not a config
+        key: the caller knows whether the user wrote them (``Planner`` then names the
+        ``roundpipe.*`` key) or the planner chose them.
+        """
         p = 1 if has_prefix else 0
         if not bwd_cuts or sum(bwd_cuts) != num_blocks or any(c < 0 for c in bwd_cuts):
-            raise ValueError(
-                f"roundpipe.bwd_cuts {list(bwd_cuts)} must be non-negative and sum to the "
+            raise CutsError(
+                f"bwd_cuts {list(bwd_cuts)} must be non-negative and sum to the "
                 f"{num_blocks} decoder blocks"
             )
         if not fwd_cuts or sum(fwd_cuts) != num_blocks or any(c <= 0 for c in fwd_cuts):
-            raise ValueError(
-                f"roundpipe.fwd_cuts {list(fwd_cuts)} must be positive and sum to the "
+            raise CutsError(
+                f"fwd_cuts {list(fwd_cuts)} must be positive and sum to the "
                 f"{num_blocks} decoder blocks"
             )
         if any(c <= 0 for c in bwd_cuts[1:]):
-            raise ValueError(
-                f"roundpipe.bwd_cuts {list(bwd_cuts)}: stages after the first need >= 1 block"
-            )
+            raise CutsError(f"bwd_cuts {list(bwd_cuts)}: stages after the first need >= 1 block")
         fwd: list[tuple[int, ...]] = []
         start = 0
         for s, n in enumerate(fwd_cuts):
@@ -79,9 +91,10 @@ class StageMap:
             bwd.append(tuple(range(p + end - n, p + end)))
             end -= n
         if has_prefix:
-            if len(bwd) == 1:
-                raise ValueError(
-                    "roundpipe.bwd_cuts: the prefix needs a backward stage after the head stage"
+            if len(bwd) < cls.min_bwd_stages(has_prefix):
+                raise CutsError(
+                    f"bwd_cuts {list(bwd_cuts)}: the embedding prefix needs a backward stage "
+                    "after the head stage (at least 2 backward stages)"
                 )
             bwd[-1] = (0, *bwd[-1])
         return cls(tuple(fwd), tuple(bwd), has_prefix, num_blocks)
