@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,7 +86,12 @@ def stdlib_corpus() -> bytes:
         for attr in sorted(vars(mod)):
             with warnings.catch_warnings():  # deprecated aliases (typing.io) warn on access
                 warnings.simplefilter("ignore")
-                doc = getattr(getattr(mod, attr, None), "__doc__", None)
+                member = getattr(mod, attr, None)
+                doc = getattr(member, "__doc__", None)
+            # Submodules show up as attributes only once something imported them: skipping them
+            # keeps the corpus (and a resumed run's data position) the same in every process.
+            if isinstance(member, types.ModuleType):
+                continue
             if attr.startswith("_") or not isinstance(doc, str) or len(doc) < 80:
                 continue
             parts.append(doc)

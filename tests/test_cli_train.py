@@ -90,6 +90,17 @@ def test_micro_batches_resume_from_a_position() -> None:
         assert torch.equal(next(resumed)["input_ids"], expected)
 
 
+def test_embedded_corpus_does_not_depend_on_imports() -> None:
+    """Submodules become attributes of their package once imported; their docstrings must not
+    enter the corpus, or a resumed run in another process would see different data."""
+    import json.tool
+    import logging.handlers
+
+    corpus = cli.stdlib_corpus().decode()
+    assert logging.handlers.__doc__ and logging.handlers.__doc__ not in corpus
+    assert json.tool.__doc__ and json.tool.__doc__ not in corpus
+
+
 # --- the main acceptance test: HF folder + jsonl prompt/completion + LoRA ---------------------------
 def _hand_loss(model: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
     """(masked, unmasked) mean over micro-batches of the token-mean next-token cross entropy,
