@@ -120,41 +120,84 @@ def batches(
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rp-train", description=__doc__.splitlines()[0])
     a = p.add_argument
-    a("--model", default="tiny-qwen3",
-      help="preset (tiny-qwen3, tiny-llama, qwen3-0.6b, qwen3-1.7b, llama-3.1-8b), a local "
-      "save_pretrained folder, or a Hugging Face hub id (downloaded only then)")
-    a("--data", help="jsonl (text or prompt/completion), text file, or folder; default: the "
-      "embedded standard-library corpus")
-    a("--config", "--ds-config", "--deepspeed", dest="config",
-      help='DeepSpeed config (json/hjson); "auto" values are filled as Hugging Face does')
-    a("--lora", metavar="R,ALPHA[,TARGETS]", help="train a peft LoRA adapter, e.g. 8,16 or "
-      "8,16,q_proj,k_proj,v_proj,o_proj (default targets q_proj,v_proj)")
+    a(
+        "--model",
+        default="tiny-qwen3",
+        help="preset (tiny-qwen3, tiny-llama, qwen3-0.6b, qwen3-1.7b, llama-3.1-8b), a local "
+        "save_pretrained folder, or a Hugging Face hub id (downloaded only then)",
+    )
+    a(
+        "--data",
+        help="jsonl (text or prompt/completion), text file, or folder; default: the "
+        "embedded standard-library corpus",
+    )
+    a(
+        "--config",
+        "--ds-config",
+        "--deepspeed",
+        dest="config",
+        help='DeepSpeed config (json/hjson); "auto" values are filled as Hugging Face does',
+    )
+    a(
+        "--lora",
+        metavar="R,ALPHA[,TARGETS]",
+        help="train a peft LoRA adapter, e.g. 8,16 or "
+        "8,16,q_proj,k_proj,v_proj,o_proj (default targets q_proj,v_proj)",
+    )
     a("--devices", help='"cpu:N", "cuda", "cuda:0,1" (default: all GPUs, else cpu:2)')
-    a("--steps", type=int, help="optimizer steps (default: 30 on the embedded corpus, else "
-      "one epoch)")
+    a(
+        "--steps",
+        type=int,
+        help="optimizer steps (default: 30 on the embedded corpus, else one epoch)",
+    )
     a("--epochs", type=float, help="epochs over the training split (instead of --steps)")
     a("--seq-len", type=int, default=128)
-    a("--micro-batch", type=int, default=4, help='micro-batch size (a --deepspeed config: '
-      'fills "auto")')
-    a("--grad-accum", type=int, default=4, help='gradient accumulation steps (a --deepspeed '
-      'config: fills "auto")')
-    a("--lr", type=float, help='fills "auto" (default 2e-3 from scratch, 2e-4 LoRA, 2e-5 '
-      "full fine-tune)")
+    a(
+        "--micro-batch",
+        type=int,
+        default=4,
+        help='micro-batch size (a --deepspeed config: fills "auto")',
+    )
+    a(
+        "--grad-accum",
+        type=int,
+        default=4,
+        help='gradient accumulation steps (a --deepspeed config: fills "auto")',
+    )
+    a(
+        "--lr",
+        type=float,
+        help='fills "auto" (default 2e-3 from scratch, 2e-4 LoRA, 2e-5 full fine-tune)',
+    )
     a("--warmup", type=int, default=5, help='warmup steps for "auto"')
-    a("--eval-every", type=int, default=0, help="evaluate on the held-out split every N steps "
-      "(and at the start and the end); 0: only at the end")
+    a(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="evaluate on the held-out split every N steps "
+        "(and at the start and the end); 0: only at the end",
+    )
     a("--eval-split", type=float, default=0.05, help="share of sequences held out (0.05)")
     a("--eval-batches", type=int, default=4, help="micro-batches per evaluation (4)")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
     a("--no-save", action="store_true", help="write no checkpoint at the end")
-    a("--resume", nargs="?", const="latest", metavar="PATH|latest",
-      help="continue from a checkpoint folder (or run folder); 'latest': --out's, else the "
-      "newest run of this model")
+    a(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="PATH|latest",
+        help="continue from a checkpoint folder (or run folder); 'latest': --out's, else the "
+        "newest run of this model",
+    )
     a("--out", help="run folder (default ./rp-runs/<time>-<model>)")
     a("--no-wandb", action="store_true", help="no W&B run (default: on, offline without a key)")
     a("--no-preflight", action="store_true", help="skip the host-memory check")
-    a("--plan", action="store_true", help="print the plan (cuts, memory, tokens/s, bubble) "
-      "on --machine and exit without training")
+    a(
+        "--plan",
+        action="store_true",
+        help="print the plan (cuts, memory, tokens/s, bubble) "
+        "on --machine and exit without training",
+    )
     a("--machine", default="rtx4090_pcie4_8x", help="machine preset for --plan")
     a("--plan-devices", type=int, help="devices for --plan (default: the machine's)")
     a("--layers", type=int, default=4, help="tiny presets only")
@@ -230,7 +273,7 @@ class _Job:
         self.steps = self._total_steps(data.per_epoch, gas)
         loaded = load_model(args.model, layers=args.layers, hidden=args.hidden, seed=args.seed)
         model = apply_lora(loaded.model, args.lora) if args.lora else loaded.model
-        self.model = model
+        self.model: Any = model
         return self._train(model, raw, data, shape.name)
 
     def _config(self, hidden: int | None, train_sequences: int) -> tuple[dict[str, Any], Any]:
@@ -320,11 +363,13 @@ class _Job:
             if self.resume_from is not None:
                 _, client = engine.load_checkpoint(str(self.resume_from))
                 client = client or {}
-                data.position = int(client.get("data_position", engine.global_steps * data_gas(engine)))
+                data.position = int(
+                    client.get("data_position", engine.global_steps * data_gas(engine))
+                )
                 self.train_losses = [tuple(x) for x in client.get("train_losses", [])]  # type: ignore[misc]
                 self.eval_losses = [tuple(x) for x in client.get("eval_losses", [])]  # type: ignore[misc]
                 log.info("resumed from %s at step %d", self.resume_from, engine.global_steps)
-            if not args.no_wandb:
+            if _wandb_wanted(args, raw):
                 self.wandb_run = _start_wandb(self.run_dir, name, raw, wandb_cfg)
                 self._wandb_dir = str(Path(self.wandb_run.dir).parent)
             status = self._loop(engine, data)
@@ -371,7 +416,9 @@ class _Job:
             for s, h in previous.items():
                 signal.signal(s, h)
         if self.stop_signal is not None:
-            log.warning("interrupted by signal %d at step %d", self.stop_signal, engine.global_steps)
+            log.warning(
+                "interrupted by signal %d at step %d", self.stop_signal, engine.global_steps
+            )
             return _EXIT_CODES[signal.Signals(self.stop_signal)]
         return 0
 
@@ -411,7 +458,9 @@ class _Job:
         # On the newest weights (the async optimizer may still be applying the last step), so
         # an evaluation matches the checkpoint / adapter saved at the same step.
         engine.synchronize()
-        loss = float(engine.eval_batch(iter(self.eval_batches), num_micro_batches=len(self.eval_batches)))
+        loss = float(
+            engine.eval_batch(iter(self.eval_batches), num_micro_batches=len(self.eval_batches))
+        )
         step = engine.global_steps
         self.eval_losses.append((step, loss))
         log.info("eval at step %d: loss %.4f, perplexity %.2f", step, loss, _ppl(loss))
@@ -462,7 +511,9 @@ class _Job:
         return {
             "model": self.args.model,
             "lora": self.args.lora,
-            "status": {0: "finished", 130: "interrupted (SIGINT)", 143: "terminated (SIGTERM)"}.get(status, str(status)),
+            "status": {0: "finished", 130: "interrupted (SIGINT)", 143: "terminated (SIGTERM)"}.get(
+                status, str(status)
+            ),
             "steps": engine.global_steps,
             "steps_this_run": trained,
             "data_position": data.position,
@@ -498,7 +549,11 @@ class _Job:
             f"trained {s['steps_this_run']} steps (step {s['steps']}) on {s['devices']} "
             f"device(s): loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "
             f"{s['tokens_per_s']:.0f} tokens/s"
-            + (f", eval loss {s['final_eval_loss']:.3f}" if s["final_eval_loss"] is not None else "")
+            + (
+                f", eval loss {s['final_eval_loss']:.3f}"
+                if s["final_eval_loss"] is not None
+                else ""
+            )
         )
         print(f"run folder: {s['run_dir']}")
         for key in ("checkpoints", "adapter", "wandb"):
@@ -543,12 +598,21 @@ def _cpu_devices(devices: str | None) -> int:
     return 0
 
 
+def _wandb_wanted(args: argparse.Namespace, raw: dict[str, Any]) -> bool:
+    """On by default; off with --no-wandb or when the config's wandb section says
+    ``"enabled": false`` (the config wins when it has the section)."""
+    section = raw.get("wandb")
+    if isinstance(section, dict) and section.get("enabled") is False:
+        return False
+    return not args.no_wandb
+
+
 def _start_wandb(run_dir: Path, name: str, raw: dict[str, Any], cfg: Any) -> Any:
     from rp_engine.train.tracker import start_wandb
 
     return start_wandb(
         run_dir=run_dir, name=run_dir.name or name, config=raw,
-        project=cfg.project if cfg.project != "deepspeed" or cfg.enabled else None,
+        project=cfg.project if cfg.enabled else None,  # the config's section, when it has one
         team=cfg.team, group=cfg.group,
     )  # fmt: skip
 

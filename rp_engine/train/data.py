@@ -210,6 +210,9 @@ class MicroBatches:
 def eval_batches(data: Packed, micro_batch: int) -> list[dict[str, torch.Tensor]]:
     """The held-out set in order, as micro-batches (the last one may be smaller)."""
     return [
-        {"input_ids": data.input_ids[s : s + micro_batch], "labels": data.labels[s : s + micro_batch]}
+        {
+            "input_ids": data.input_ids[s : s + micro_batch],
+            "labels": data.labels[s : s + micro_batch],
+        }
         for s in range(0, len(data), micro_batch)
     ]

@@ -19,7 +19,14 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["PreflightError", "HostEstimate", "model_counts", "estimate_host", "check_host", "plan_preview"]
+__all__ = [
+    "PreflightError",
+    "HostEstimate",
+    "model_counts",
+    "estimate_host",
+    "check_host",
+    "plan_preview",
+]
 
 
 class PreflightError(RuntimeError):

@@ -189,18 +189,18 @@ def _from_pretrained(where: str, name: str, source: str, meta: bool) -> LoadedMo
     return LoadedModel(model, tokenizer, name, source, getattr(config, "hidden_size", None))
 
 
-def parse_lora(text: str) -> tuple[int, float, list[str]]:
+def parse_lora(text: str) -> tuple[int, int, list[str]]:
     """``"r,alpha[,target,target...]"`` -> (r, alpha, targets); default targets q_proj,v_proj."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     try:
-        r, alpha = int(parts[0]), float(parts[1])
+        r, alpha = int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
         raise ModelError(
             f"--lora {text!r}: expected 'r,alpha[,targets]', e.g. --lora 8,16 or "
             "--lora 8,16,q_proj,k_proj,v_proj,o_proj"
         ) from None
-    if r < 1 or alpha <= 0:
-        raise ModelError(f"--lora {text!r}: r must be >= 1 and alpha > 0")
+    if r < 1 or alpha < 1:
+        raise ModelError(f"--lora {text!r}: r and alpha must be integers >= 1")
     return r, alpha, parts[2:] or ["q_proj", "v_proj"]
 
 

@@ -80,4 +80,3 @@ def write_timeline(run_dir: Path, records: Sequence[Any], *, title: str) -> dict
         f"{result.makespan_ms:.0f} ms",
     )
     return {"bubble_ratio": result.bubble_ratio, "iteration_ms": result.makespan_ms}
-
