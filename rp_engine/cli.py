@@ -363,9 +363,7 @@ class _Job:
             if self.resume_from is not None:
                 _, client = engine.load_checkpoint(str(self.resume_from))
                 client = client or {}
-                data.position = int(
-                    client.get("data_position", engine.global_steps * data_gas(engine))
-                )
+                data.position = int(client.get("data_position", engine.global_steps * _gas(engine)))
                 self.train_losses = [tuple(x) for x in client.get("train_losses", [])]  # type: ignore[misc]
                 self.eval_losses = [tuple(x) for x in client.get("eval_losses", [])]  # type: ignore[misc]
                 log.info("resumed from %s at step %d", self.resume_from, engine.global_steps)
@@ -451,7 +449,12 @@ class _Job:
         if records:
             from rp_engine.plan.render import measured_result
 
-            metrics["timeline/bubble_ratio"] = measured_result(records).bubble_ratio
+            measured = measured_result(records)
+            metrics["timeline/bubble_ratio"] = measured.bubble_ratio
+            span = measured.makespan_ms or 1.0
+            for d in range(measured.num_devices):  # busy fraction of the measured iteration
+                busy = sum(i.end_ms - i.start_ms for i in measured.timeline(d))
+                metrics[f"timeline/busy_fraction/{d}"] = busy / span
         self.wandb_run.log(metrics, step=step)
 
     def _evaluate(self, engine: Any) -> float:
@@ -567,7 +570,7 @@ class _Job:
 _SCRATCH = ("tiny-qwen3", "tiny-llama")  # presets trained from scratch: the default's high LR
 
 
-def data_gas(engine: Any) -> int:
+def _gas(engine: Any) -> int:
     return int(engine.gradient_accumulation_steps())
 
 

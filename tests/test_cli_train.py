@@ -288,3 +288,25 @@ def test_clear_errors(tmp_path: Path, capsys) -> None:
 
     rc, _, err = _run(["--lora", "eight", "--out", str(tmp_path)], capsys)
     assert rc == 2 and "r,alpha" in err
+
+
+def test_deepspeed_config_auto_values_are_filled_and_written(tmp_path: Path, capsys) -> None:
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    argv = [*TINY, "--deepspeed", str(tmp_path / "ds.json"), "--steps", "1", "--no-wandb",
+            "--micro-batch", "2", "--grad-accum", "3", "--lr", "1e-3", "--out", str(tmp_path / "r")]  # fmt: skip
+    rc, out, _ = _run(argv, capsys)
+    assert rc == 0, out
+    resolved = json.loads((tmp_path / "r" / "ds_config.json").read_text())
+    assert resolved["train_micro_batch_size_per_gpu"] == 2
+    assert resolved["gradient_accumulation_steps"] == 3
+    assert resolved["optimizer"]["params"]["lr"] == 1e-3
+    assert resolved["scheduler"]["params"]["warmup_max_lr"] == 1e-3
+    assert _summary(tmp_path / "r")["data_position"] == 3
