@@ -442,6 +442,10 @@ class _Job:
         norm = engine.get_global_grad_norm()
         if norm is not None:
             metrics["train/grad_norm"] = float(norm)
+        for i, device in enumerate(engine.pool):
+            if device.torch_device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device.torch_device)
+                metrics[f"device/{i}/peak_memory_gb"] = peak / 2**30
         stats_fn = getattr(engine, "last_step_stats", None)  # lands with issue 8
         if callable(stats_fn):
             metrics.update(_flatten("transfer", stats_fn() or {}))

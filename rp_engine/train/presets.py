@@ -162,7 +162,13 @@ def load_model(
         return _from_pretrained(str(path), path.resolve().name, "local", meta)
     looks_like_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
     if looks_like_hub_id:
-        return _from_pretrained(spec, spec.split("/")[1], "hub", meta)
+        try:
+            return _from_pretrained(spec, spec.split("/")[1], "hub", meta)
+        except OSError as e:  # no network, no such repo, gated model...
+            raise ModelError(
+                f"--model {spec!r}: no such local path, and loading it as a Hugging Face hub id "
+                f"failed ({e}); give an existing folder or a reachable hub id"
+            ) from e
     raise ModelError(
         f"--model {spec!r}: not a preset ({', '.join(PRESETS)}), not an existing path, and not "
         "a Hugging Face hub id (org/name)"
