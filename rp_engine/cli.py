@@ -268,6 +268,12 @@ class _Job:
             return self._plan(counts, host, mbs, gas)
         if not args.no_preflight:
             preflight.check_host(host)
+            budget = _device_budget(cfg)
+            if budget is not None:
+                preflight.check_device(
+                    counts, budget_bytes=budget, seq_len=args.seq_len, micro_batch=mbs,
+                    dtype_bytes=2 if (cfg.bf16.enabled or cfg.fp16.enabled) else 4,
+                )  # fmt: skip
         data = D.MicroBatches(train_set, mbs, seed=args.seed)
         self.eval_batches = D.eval_batches(eval_set, mbs)[: max(args.eval_batches, 0)]
         self.steps = self._total_steps(data.per_epoch, gas)
@@ -612,6 +618,19 @@ def _wandb_wanted(args: argparse.Namespace, raw: dict[str, Any]) -> bool:
     if isinstance(section, dict) and section.get("enabled") is False:
         return False
     return not args.no_wandb
+
+
+def _device_budget(cfg: Any) -> int | None:
+    """Bytes one device may use: roundpipe.device_memory_gb, else the smallest visible GPU's
+    memory when the run uses GPUs; None for CPU virtual devices without a budget."""
+    if cfg.roundpipe.device_memory_gb:
+        return int(cfg.roundpipe.device_memory_gb * 2**30)
+    if _cpu_devices(cfg.roundpipe.devices) or not torch.cuda.is_available():
+        return None
+    sizes = [
+        torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())
+    ]
+    return min(sizes) if sizes else None
 
 
 def _start_wandb(run_dir: Path, name: str, raw: dict[str, Any], cfg: Any) -> Any:

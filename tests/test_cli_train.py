@@ -246,6 +246,15 @@ def test_preflight_rejects_an_impossible_run(tmp_path: Path, capsys) -> None:
     assert needed > available and needed > 100  # 8 B params x 20 B each
 
 
+def test_preflight_rejects_a_layer_larger_than_a_device(tmp_path: Path, capsys) -> None:
+    ds = {"train_micro_batch_size_per_gpu": 4, "roundpipe": {"device_memory_gb": 0.001}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    argv = ["--deepspeed", str(tmp_path / "ds.json"), "--no-wandb", "--seq-len", "64",
+            "--out", str(tmp_path), "--devices", "cpu:2"]  # fmt: skip
+    rc, _, err = _run(argv, capsys)
+    assert rc == 2 and "largest layer needs about" in err and "a device has 1.0 MiB" in err
+
+
 def _gib_numbers(text: str) -> list[str]:
     import re
 

@@ -89,7 +89,7 @@ class HostEstimate:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def estimate_host(
@@ -128,6 +128,30 @@ def check_host(estimate: HostEstimate, available: int | None = None) -> int:
             "smaller --model, or --no-preflight to try anyway"
         )
     return available
+
+
+def check_device(
+    counts: Counts, *, budget_bytes: int, dtype_bytes: int, seq_len: int, micro_batch: int,
+    trainable: bool = True,
+) -> int:  # fmt: skip
+    """The smallest stage RoundPipe can run is one layer: its weights twice (the next stage's
+    upload overlaps), its gradients, and one micro-batch's activations. Raise PreflightError
+    when even that exceeds a device's budget; returns the bytes needed."""
+    largest = max((*counts.block_params, counts.head_params, counts.prefix_params), default=0)
+    weights = 2 * largest * dtype_bytes
+    grads = largest * dtype_bytes if trainable else 0
+    # hidden states of a layer's forward (attention + MLP intermediates ~ 16 x hidden)
+    acts = 16 * micro_batch * seq_len * max(counts.hidden, 1) * dtype_bytes
+    needed = weights + grads + acts
+    if needed > budget_bytes:
+        raise PreflightError(
+            f"the largest layer needs about {_gb(needed)} on a device (weights double-buffered "
+            f"{_gb(weights)}, gradients {_gb(grads)}, activations {_gb(acts)}) but a device has "
+            f"{_gb(budget_bytes)}:\nto fit: a shorter --seq-len, a smaller "
+            "train_micro_batch_size_per_gpu, bf16 (the config's bf16.enabled), or devices with "
+            "more memory (roundpipe.device_memory_gb)"
+        )
+    return needed
 
 
 def plan_preview(
