@@ -290,16 +290,21 @@ class _Job:
         lr = args.lr
         if lr is None:
             lr = 2e-4 if args.lora else (2e-3 if args.model in _SCRATCH else 2e-5)
-        per_epoch = max(train_sequences // max(args.micro_batch, 1), 1)
-        auto = hf_auto_values(
-            hidden_size=hidden, micro_batch_size=args.micro_batch,
-            gradient_accumulation_steps=args.grad_accum, lr=lr, warmup_steps=args.warmup,
-            total_steps=self._total_steps(per_epoch, args.grad_accum),
-        )  # fmt: skip
+
+        def auto(mbs: int, gas: int) -> dict[str, Any]:
+            per_epoch = max(train_sequences // max(mbs, 1), 1)
+            return hf_auto_values(
+                hidden_size=hidden, micro_batch_size=mbs, gradient_accumulation_steps=gas,
+                lr=lr, warmup_steps=args.warmup, total_steps=self._total_steps(per_epoch, gas),
+            )  # fmt: skip
+
         if args.config:
             if not Path(args.config).is_file():
                 raise DataError(f"--deepspeed {args.config}: no such file")
-            raw = load_config(args.config, auto_values=auto).to_dict()
+            first = load_config(args.config, auto_values=auto(args.micro_batch, args.grad_accum))
+            mbs, gas = first.train_micro_batch_size_per_gpu, first.gradient_accumulation_steps
+            # A config that fixes the batch sizes: the "auto" total steps follow its values.
+            raw = load_config(args.config, auto_values=auto(mbs, gas)).to_dict()
         else:
             raw = default_config(
                 args.devices, micro_batch=args.micro_batch, grad_accum=args.grad_accum, lr=lr,
