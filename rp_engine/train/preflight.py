@@ -1,0 +1,230 @@
+"""Before anything is allocated: will the run fit in host memory? And ``--plan``: what would run.
+
+Both work on a model built on the meta device (shapes only), so they cost no memory.
+
+Host bytes (RoundPipe keeps all model state on the host, see model/host_store.py):
+  every parameter      compute weight (2 B bf16/fp16, 4 B fp32)
+  trainable parameter  + fp32 master (4) + fp32 gradient (4) + Adam m, v (8)
+  activations          one hidden state per decoder layer per micro-batch of a step (stage
+                       boundaries are a subset; this is the upper bound)
+  CPU virtual devices  their "device memory" is host memory too: two stage copies of weights
+                       (double buffer) per device, a stage being layers / devices
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = [
+    "PreflightError",
+    "HostEstimate",
+    "model_counts",
+    "estimate_host",
+    "check_host",
+    "plan_preview",
+]
+
+
+class PreflightError(RuntimeError):
+    """The run cannot fit; the message has the needed and available bytes and what to change."""
+
+
+@dataclass(frozen=True)
+class Counts:
+    trainable: int
+    frozen: int
+    num_layers: int
+    hidden: int
+    block_params: tuple[int, ...]  # per decoder layer
+    head_params: int  # final norm + lm_head
+    prefix_params: int  # embeddings
+
+
+def _decoder(model: nn.Module) -> Any:
+    """PeftModelForCausalLM -> the HF causal LM inside; an HF model as is."""
+    from rp_engine.model.layers import _unwrap_peft
+
+    return _unwrap_peft(model)
+
+
+def model_counts(model: nn.Module) -> Counts:
+    """Parameter counts of an HF causal LM (peft-wrapped or not), meta tensors allowed."""
+    params = {id(p): p for p in model.parameters()}.values()
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    lm = _decoder(model)
+    base = getattr(lm, "model", None)
+    layers = list(getattr(base, "layers", []) or [])
+    blocks = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    head = sum(p.numel() for p in lm.lm_head.parameters()) + sum(
+        p.numel() for p in base.norm.parameters()
+    ) if base is not None and hasattr(lm, "lm_head") else 0  # fmt: skip
+    prefix = sum(p.numel() for p in base.embed_tokens.parameters()) if base is not None else 0
+    hidden = int(getattr(getattr(lm, "config", None), "hidden_size", 0) or 0)
+    return Counts(trainable, frozen, len(layers), hidden, blocks, head, prefix)
+
+
+@dataclass(frozen=True)
+class HostEstimate:
+    weights: int
+    optimizer_state: int  # masters + gradients + Adam moments
+    activations: int
+    device_copies: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer_state + self.activations + self.device_copies
+
+    def lines(self) -> list[str]:
+        return [
+            f"  compute weights        {_gb(self.weights)}",
+            f"  masters+grads+Adam     {_gb(self.optimizer_state)}",
+            f"  activations            {_gb(self.activations)}",
+            f"  CPU device copies      {_gb(self.device_copies)}",
+        ]
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def estimate_host(
+    counts: Counts, *, dtype_bytes: int, seq_len: int, micro_batch: int, grad_accum: int,
+    cpu_devices: int,
+) -> HostEstimate:  # fmt: skip
+    total = counts.trainable + counts.frozen
+    weights = total * dtype_bytes
+    state = counts.trainable * (4 + 4 + 8)
+    acts = counts.num_layers * grad_accum * micro_batch * seq_len * counts.hidden * dtype_bytes
+    copies = 0
+    if cpu_devices:
+        stage = max(counts.block_params, default=0) * math.ceil(
+            max(counts.num_layers, 1) / cpu_devices
+        )
+        stage = max(stage, counts.head_params, counts.prefix_params)
+        copies = 2 * cpu_devices * stage * dtype_bytes
+    return HostEstimate(weights, state, acts, copies)
+
+
+def check_host(estimate: HostEstimate, available: int | None = None) -> int:
+    """Raise PreflightError when the estimate exceeds available host memory (psutil); returns
+    the available bytes."""
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    if estimate.total > available:
+        raise PreflightError(
+            f"this run needs about {_gb(estimate.total)} of host memory but {_gb(available)} "
+            "is available:\n"
+            + "\n".join(estimate.lines())
+            + "\nto fit: train a LoRA adapter (--lora 8,16: no optimizer state for the base "
+            "weights), use bf16 (the config's bf16.enabled), a shorter --seq-len, fewer "
+            "micro-batches (train_micro_batch_size_per_gpu / gradient_accumulation_steps), a "
+            "smaller --model, or --no-preflight to try anyway"
+        )
+    return available
+
+
+def check_device(
+    counts: Counts, *, budget_bytes: int, dtype_bytes: int, seq_len: int, micro_batch: int,
+    trainable: bool = True,
+) -> int:  # fmt: skip
+    """The smallest stage RoundPipe can run is one layer: its weights twice (the next stage's
+    upload overlaps), its gradients, and one micro-batch's activations. Raise PreflightError
+    when even that exceeds a device's budget; returns the bytes needed."""
+    largest = max((*counts.block_params, counts.head_params, counts.prefix_params), default=0)
+    weights = 2 * largest * dtype_bytes
+    grads = largest * dtype_bytes if trainable else 0
+    # hidden states of a layer's forward (attention + MLP intermediates ~ 16 x hidden)
+    acts = 16 * micro_batch * seq_len * max(counts.hidden, 1) * dtype_bytes
+    needed = weights + grads + acts
+    if needed > budget_bytes:
+        raise PreflightError(
+            f"the largest layer needs about {_gb(needed)} on a device (weights double-buffered "
+            f"{_gb(weights)}, gradients {_gb(grads)}, activations {_gb(acts)}) but a device has "
+            f"{_gb(budget_bytes)}:\nto fit: a shorter --seq-len, a smaller "
+            "train_micro_batch_size_per_gpu, bf16 (the config's bf16.enabled), or devices with "
+            "more memory (roundpipe.device_memory_gb)"
+        )
+    return needed
+
+
+def plan_preview(
+    counts: Counts, *, machine_name: str, num_devices: int | None, seq_len: int,
+    micro_batch: int, grad_accum: int, mfu: float = 0.5,
+) -> tuple[dict[str, Any], Any]:  # fmt: skip
+    """Cuts, per-device memory, predicted tokens/s and bubble for this model on a machine
+    preset, from the simulator. Compute times are analytic: 2 FLOPs per parameter per token
+    forward, twice that backward, at ``mfu`` of the preset's peak bf16 TFLOPS. Returns
+    (summary dict, SimResult for the Gantt)."""
+    from rp_engine.plan import schedules
+    from rp_engine.plan.partition import LayerCosts, partition
+    from rp_engine.plan.simulate import load_machine, simulate
+
+    machine = load_machine(machine_name)
+    n = num_devices or machine.num_devices
+    info = machine.info
+    peak = float(
+        info.get("peak_tflops_bf16") or info.get("peak_tflops_bf16_fp32_acc") or 100.0  # type: ignore[arg-type]
+    )
+    tokens = micro_batch * seq_len
+    ms_per_param = 2 * tokens / (peak * 1e12 * mfu) * 1e3
+    fwd = tuple(p * ms_per_param for p in counts.block_params)
+    head_fwd = counts.head_params * ms_per_param
+    act = micro_batch * seq_len * counts.hidden * 2
+    costs = LayerCosts(
+        fwd_ms=fwd, bwd_ms=tuple(2 * f for f in fwd),
+        param_bytes=tuple(2 * p for p in counts.block_params), act_bytes=(act,) * len(fwd),
+        head_fwd_ms=head_fwd, head_bwd_ms=2 * head_fwd, head_param_bytes=2 * counts.head_params,
+        head_act_bytes=micro_batch * seq_len * 4 * 1024, boundary_bytes=act,
+    )  # fmt: skip
+    part = partition(
+        costs, num_devices=n, num_microbatches=grad_accum,
+        memory_budget_bytes=machine.memory_bytes, async_optimizer=True,
+    )  # fmt: skip
+    plan = schedules.build(
+        "roundpipe", num_iterations=4, fwd_cuts=part.fwd_cuts, bwd_cuts=part.bwd_cuts,
+        num_devices=n, num_microbatches=grad_accum,
+    )  # fmt: skip
+    sim = simulate(plan, costs, machine=machine, optimizer="async")
+    summary = {
+        "machine": machine.name,
+        "devices": n,
+        "fwd_cuts": list(part.fwd_cuts),
+        "bwd_cuts": list(part.bwd_cuts),
+        "micro_batches_per_step": grad_accum,
+        "round_size": min(n, grad_accum),
+        "device_peak_bytes": list(sim.peak_memory_bytes),
+        "device_budget_bytes": machine.memory_bytes,
+        "iteration_ms": sim.iteration_ms,
+        "tokens_per_s": grad_accum * tokens / (sim.iteration_ms / 1e3) if sim.iteration_ms else 0.0,
+        "bubble_ratio": sim.bubble_ratio,
+        "assumptions": f"dense FLOPs at {mfu:.0%} of {peak:g} TFLOPS; simulator transfers",
+    }
+    return summary, sim
+
+
+def format_plan(summary: dict[str, Any], host: HostEstimate, available: int) -> str:
+    peaks = ", ".join(_gb(b) for b in summary["device_peak_bytes"])
+    budget = summary["device_budget_bytes"]
+    return "\n".join(
+        [
+            f"plan on {summary['machine']} ({summary['devices']} devices)",
+            f"  forward cuts  {summary['fwd_cuts']}",
+            f"  backward cuts {summary['bwd_cuts']} (head stage first)",
+            f"  micro-batches per step {summary['micro_batches_per_step']}, round size "
+            f"{summary['round_size']}",
+            f"  device memory peak per device: {peaks}"
+            + (f" (budget {_gb(budget)})" if budget else ""),
+            f"  predicted {summary['tokens_per_s']:.0f} tokens/s, iteration "
+            f"{summary['iteration_ms']:.1f} ms, bubble {100 * summary['bubble_ratio']:.1f} %",
+            f"  ({summary['assumptions']})",
+            f"host memory: {_gb(host.total)} needed, {_gb(available)} available",
+            *host.lines(),
+        ]
+    )
