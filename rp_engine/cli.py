@@ -457,9 +457,7 @@ class _Job:
             if device.torch_device.type == "cuda":
                 peak = torch.cuda.max_memory_allocated(device.torch_device)
                 metrics[f"device/{i}/peak_memory_gb"] = peak / 2**30
-        stats_fn = getattr(engine, "last_step_stats", None)  # lands with issue 8
-        if callable(stats_fn):
-            metrics.update(_flatten("transfer", stats_fn() or {}))
+        metrics.update(_flatten("transfer", engine.last_step_stats()))  # bytes, busy per device
         records = engine.last_timeline()
         if records:
             from rp_engine.plan.render import measured_result
