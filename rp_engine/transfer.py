@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from rp_engine.device.base import Device, Event, StreamRole
+from rp_engine.device.base import ComputeTimer, Device, Event, StreamRole
 
 __all__ = [
     "State",
@@ -136,19 +136,25 @@ def upload_weights(
     return handle
 
 
+Trace = Callable[[ComputeTimer], None]  # receives the timer of one transfer, once stopped
+
+
 def upload_state(
     device: Device,
     get_state: Callable[[], State],
     put: Callable[[State], None],
     *,
     label: str = "",
+    trace: Trace | None = None,
 ) -> Event:
     """Copy a host state to ``device`` on its activation stream (high priority), handing the
     device copy to ``put``. Queue any wait on the stream before calling this."""
     stream = device.stream(StreamRole.H2D_ACT)
 
     def run() -> None:
+        timer = device.timer()
         put({k: device.to_device(v) for k, v in get_state().items()})
+        _done(timer, trace)
 
     stream.submit(run, label=label)
     return stream.record()
@@ -161,6 +167,7 @@ def download_state(
     *,
     after: Event,
     label: str = "",
+    trace: Trace | None = None,
 ) -> Event:
     """Copy a device state to the host on the activation download stream once ``after`` has
     completed (its own stream and thread: gradient downloads never delay it)."""
@@ -168,10 +175,18 @@ def download_state(
     stream.wait(after)
 
     def run() -> None:
+        timer = device.timer()
         state = get_state()
         put({k: device.to_host(v) for k, v in state.items()})
         for v in state.values():
             device.free(v)  # the device copy is dropped once it is on the host
+        _done(timer, trace)
 
     stream.submit(run, label=label)
     return stream.record()
+
+
+def _done(timer: ComputeTimer, trace: Trace | None) -> None:
+    timer.stop()
+    if trace is not None:
+        trace(timer)

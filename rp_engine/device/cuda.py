@@ -101,14 +101,22 @@ class CUDATimer:
         self.device_index = device_index
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
-        self._start.record()
+        with torch.cuda.device(device_index):  # this device's current stream
+            self._start.record()
 
     def stop(self) -> None:
-        self._end.record()
+        with torch.cuda.device(self.device_index):
+            self._end.record()
 
     def seconds(self) -> float:
         self._end.synchronize()
         return self._start.elapsed_time(self._end) / 1e3
+
+    def offsets(self, base: ComputeTimer) -> tuple[float, float]:
+        assert isinstance(base, CUDATimer)
+        self._end.synchronize()
+        ms = base._start.elapsed_time
+        return ms(self._start) / 1e3, ms(self._end) / 1e3
 
 
 class CUDAStream(ThreadStream):
