@@ -69,8 +69,9 @@ class WeightUpload:
         self.nbytes = 0
         self._grads: dict[int, torch.Tensor] = {}  # accumulated over the group's micro-batches
 
-    def fold_grads(self) -> None:
-        """After each backward micro-batch: move ``.grad`` into the group's accumulator.
+    def fold_grads(self, device: Device) -> None:
+        """After each backward micro-batch: move ``.grad`` into the group's accumulator (counted
+        against ``device``'s memory budget until the download frees it).
 
         fp32 gradients add up in place. Half-precision ones add up in fp32 from the second
         micro-batch on (exactly what an fp32 host accumulation of each micro-batch's gradient
@@ -84,8 +85,11 @@ class WeightUpload:
             acc = self._grads.get(key)
             if acc is None:
                 self._grads[key] = g
+                device.track(g)
             elif acc.dtype != torch.float32:
+                device.free(acc)
                 self._grads[key] = acc.float().add_(g)
+                device.track(self._grads[key])
             else:
                 acc.add_(g)
 

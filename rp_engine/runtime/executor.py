@@ -591,7 +591,7 @@ class Executor:
             timer = device.timer()
             body(device, weights)
             if backward:
-                weights.fold_grads()
+                weights.fold_grads(device)
             timer.stop()
             ctx.spans.append((device.index, "compute", a, timer))
             self._finish_compute(device, layers)
