@@ -192,6 +192,7 @@ class OptimizerStepper:
 
         def task() -> None:
             if not skip and masters:
+                self.store.attach_grads([layer])
                 self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
             self._finish([layer], st.step)
 
@@ -202,6 +203,7 @@ class OptimizerStepper:
 
         def task() -> None:
             if not skip:
+                self.store.attach_grads()
                 self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
             self._finish(list(range(self._num_layers)), st.step)
 
