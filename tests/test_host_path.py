@@ -246,3 +246,32 @@ def test_a_python_thread_keeps_running_during_a_large_adam_step() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert inside >= 16 and gap < duration / 8, attempts
+
+
+# --- pinned memory (CUDA only) ----------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_memory_is_exact_size_page_locked_and_released() -> None:
+    import mmap
+
+    from rp_engine.device.cuda import pin, pinned_empty
+
+    n = 38_912_003  # 155.6 MB: the caching host allocator would lock 256 MiB
+    arena = pinned_empty(n)
+    assert arena.is_pinned() and arena.numel() == n and arena.dtype == torch.float32
+    assert arena.untyped_storage().nbytes() < n * 4 + 3 * mmap.PAGESIZE
+    dev = torch.arange(n, device="cuda", dtype=torch.float32)
+    arena.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(arena, dev.cpu())
+    weight = torch.randn(1000, 3).to(torch.bfloat16)
+    pinned = pin(weight)
+    assert pinned.is_pinned() and torch.equal(pinned, weight) and pinned.shape == weight.shape
+    for _ in range(20):  # neighbours never share a registered page; freeing unregisters
+        small = [pinned_empty(1000) for _ in range(8)]
+        assert all(t.is_pinned() for t in small)
+        del small
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    store = HostStore(list(model), pin=pin, alloc=pinned_empty)
+    assert store.grads.arena.is_pinned()
+    assert all(p.is_pinned() for p in model.parameters())
