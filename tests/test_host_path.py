@@ -53,10 +53,12 @@ def test_wrong_gradient_shape_names_both_shapes() -> None:
         bufs.write(0, torch.zeros(4, 3))
 
 
-def _store(dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Sequential, HostStore]:
+def _store(
+    dtype: torch.dtype = torch.bfloat16, *, double: bool = False
+) -> tuple[nn.Sequential, HostStore]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1100, 1100), nn.Linear(1100, 8)).to(dtype)
-    return model, HostStore(list(model))
+    return model, HostStore(list(model), double_buffer=double)
 
 
 def test_buffers_are_views_into_one_arena_with_stable_addresses() -> None:
@@ -141,6 +143,89 @@ def test_grad_slot_reports_the_first_contribution() -> None:
     with pytest.raises(RuntimeError, match="copy failed"), store.grad_slot(bias) as (buf, first):
         raise RuntimeError("copy failed")
     assert not store.has_grad(bias)  # a failed write is not a contribution
+
+
+# --- double-buffered gradients ---------------------------------------------------------------
+def test_double_buffers_alternate_between_two_fixed_addresses() -> None:
+    model, store = _store(double=True)
+    weight = model[0].weight
+    seen = []
+    for step in range(4):
+        g = torch.full_like(weight, float(step + 1))
+        store.accumulate(weight, g)
+        seen.append(store.grad_buffer(weight).data_ptr())
+        for layer in range(2):
+            store.seal_grads(layer)
+        store.accumulate(weight, torch.full_like(weight, 9.0))  # next step, other buffer
+        store.attach_grads()
+        assert torch.equal(store.master_of(weight).grad, g.float())  # the sealed step's
+        store.release_grads(range(2))
+        store.zero_grads()
+    assert seen[0] == seen[2] and seen[1] == seen[3] and seen[0] != seen[1]
+    # the weight is the first buffer of each arena
+    assert sorted(seen[:2]) == sorted(a.data_ptr() for a in store.grads.arenas)
+
+
+def _stepper_run(double: bool) -> tuple[list[torch.Tensor], bool]:
+    """Two async steps; step 1's optimizer is held back while step 2's gradients arrive.
+    Returns the masters and whether step 2's buffer was free while step 1 was still held."""
+    from rp_engine.optim.optimizer import build_inner_optimizer
+    from rp_engine.optim.stepper import OptimizerStepper
+
+    model, store = _store(torch.float32, double=double)
+    masters = [hp.master for hp in store.owned_params()]
+    inner, per_layer = build_inner_optimizer("adamw", {"lr": 1e-2}, [{"params": masters}])
+    opt = HostOptimizer(inner, per_layer=per_layer, scaler=LossScaler(), slice_elems=1 << 14)
+    stepper = OptimizerStepper(store, opt, clip=0.0, async_mode=True, fp16=False)
+    hold = threading.Event()
+    real = opt.step_params
+
+    def held(*args, **kwargs) -> None:
+        assert hold.wait(timeout=60)
+        real(*args, **kwargs)
+
+    opt.step_params = held  # type: ignore[method-assign]
+    params = [hp.param for hp in store.owned_params()]
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(2)]
+    try:
+        stepper.open_step(1)
+        for p, g in zip(params, grads[0], strict=True):
+            store.accumulate(p, g)
+        for layer in (1, 0):
+            stepper.layer_ready(layer)
+        stepper.close_step()
+        free = threading.Thread(target=lambda: [stepper.wait_grads_free(x, 2) for x in (1, 0)])
+        free.start()
+        free.join(timeout=0.5 if not double else 30)
+        was_free = not free.is_alive()
+        if was_free:  # double-buffered: step 2's gradients land while step 1 is held
+            for p, g in zip(params, grads[1], strict=True):
+                store.accumulate(p, g)
+        hold.set()
+        free.join(timeout=30)
+        stepper.open_step(2)
+        if not was_free:
+            for p, g in zip(params, grads[1], strict=True):
+                store.accumulate(p, g)
+        for layer in (1, 0):
+            stepper.layer_ready(layer)
+        stepper.close_step()
+        stepper.synchronize()
+    finally:
+        hold.set()
+        stepper.close()
+    return [m.clone() for m in masters], was_free
+
+
+def test_double_buffering_lets_the_next_step_land_during_the_optimizer_step() -> None:
+    """Async: with two buffers step 2's gradients land while step 1's optimizer is still held;
+    with one they must wait. Both give bit-identical weights (each step read its own grads)."""
+    double, double_free = _stepper_run(True)
+    single, single_free = _stepper_run(False)
+    assert double_free and not single_free
+    for a, b in zip(double, single, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
 
 
 # --- sliced CPU Adam --------------------------------------------------------------------------

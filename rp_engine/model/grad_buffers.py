@@ -1,8 +1,10 @@
-"""fp32 gradient buffers: one preallocated arena per store, written without temporaries.
+"""fp32 gradient buffers: one preallocated arena per store (two when double-buffered), written
+without temporaries.
 
 Every trainable master's gradient is a fixed view into ONE flat fp32 tensor (the *arena*),
 allocated once when the store is built (pinned when the pool is CUDA), so addresses never change
-and no gradient-sized host memory is allocated per step. Within a step:
+and no gradient-sized host memory is allocated per step. Double-buffered, a second arena of the
+same layout takes step t+1's contributions while the optimizer reads step t's. Within a step:
 
 - the first contribution to a parameter is a copy (``buf.copy_(grad)`` converts bf16/fp16 to
   fp32 on the fly): nothing has to be zeroed after the previous step;
@@ -36,11 +38,17 @@ _ALIGN = 16
 
 
 class GradBuffers:
-    """fp32 gradient buffers for ``masters`` (fp32 tensors), views into one arena.
+    """fp32 gradient buffers for ``masters`` (fp32 tensors), views into one arena per copy.
 
     ``alloc(n)`` returns a flat fp32 tensor of ``n`` elements (e.g. pinned memory); default
-    ``torch.empty``. Buffer ``i`` is ``buffer(i)``; its contents are meaningful only while
-    ``has(i)`` (a contribution landed this step).
+    ``torch.empty``. With ``copies=2`` (double buffering) each parameter alternates between two
+    arenas: ``seal(i)`` ends the step's contributions and points new ones at the other arena,
+    while the optimizer still reads the sealed one (``attach``) until it is released. So a
+    download for step t+1 never waits for step t's optimizer. With one copy, ``seal`` changes
+    nothing and the caller must not contribute again before ``release``.
+
+    Per parameter: ``buffer(i)`` receives contributions, its contents are meaningful only while
+    ``has(i)`` (a contribution landed in the current step).
     """
 
     def __init__(
@@ -49,11 +57,29 @@ class GradBuffers:
         *,
         alloc: Callable[[int], torch.Tensor] | None = None,
         chunk: int = CONVERT_CHUNK,
+        copies: int = 1,
     ) -> None:
+        if copies not in (1, 2):
+            raise ValueError(f"copies={copies}: gradient buffers are single (1) or double (2)")
         offsets, total = [], 0
         for m in masters:
             offsets.append(total)
             total += -(-m.numel() // _ALIGN) * _ALIGN
+        self.arenas = [self._allocate(alloc, total) for _ in range(copies)]  # (total,) fp32 each
+        self._views = [
+            [arena[o : o + m.numel()].view(m.shape) for o, m in zip(offsets, masters, strict=True)]
+            for arena in self.arenas
+        ]
+        n = len(masters)
+        self._has = [[False] * n for _ in range(copies)]  # [copy][param]: contributed this step
+        self._ever = [False] * n  # contributed in some step
+        self._cur = [0] * n  # the copy receiving contributions
+        self._sealed = [0] * n  # the copy the optimizer reads
+        self._chunk = chunk
+        self._local = threading.local()  # per-thread conversion scratch, made once per thread
+
+    @staticmethod
+    def _allocate(alloc: Callable[[int], torch.Tensor] | None, total: int) -> torch.Tensor:
         arena = alloc(total) if alloc is not None else torch.empty(total, dtype=torch.float32)
         if arena.dtype != torch.float32 or arena.numel() < total or not arena.is_contiguous():
             raise ValueError(
@@ -61,44 +87,47 @@ class GradBuffers:
                 f"(contiguous={arena.is_contiguous()}); it must return a contiguous float32 "
                 f"tensor of at least {total} elements"
             )
-        self.arena = arena  # (total,) fp32
-        self._views = [
-            arena[o : o + m.numel()].view(m.shape) for o, m in zip(offsets, masters, strict=True)
-        ]
-        self._has = [False] * len(self._views)
-        self._ever = [False] * len(self._views)
-        self._chunk = chunk
-        self._local = threading.local()  # per-thread conversion scratch, made once per thread
+        return arena
 
     def __len__(self) -> int:
-        return len(self._views)
+        return len(self._ever)
+
+    @property
+    def arena(self) -> torch.Tensor:
+        """The first arena (the only one unless double-buffered)."""
+        return self.arenas[0]
+
+    @property
+    def copies(self) -> int:
+        return len(self.arenas)
 
     @property
     def nbytes(self) -> int:
-        return self.arena.numel() * self.arena.element_size()
+        return sum(a.numel() * a.element_size() for a in self.arenas)
 
     def buffer(self, i: int) -> torch.Tensor:
-        """The fp32 buffer of parameter ``i`` (a fixed view into the arena)."""
-        return self._views[i]
+        """The fp32 buffer receiving parameter ``i``'s contributions (a fixed view into an arena;
+        with two copies it alternates between two fixed addresses, step by step)."""
+        return self._views[self._cur[i]][i]
 
     def has(self, i: int) -> bool:
-        """Whether parameter ``i`` received a contribution this step."""
-        return self._has[i]
+        """Whether parameter ``i`` received a contribution in the current step."""
+        return self._has[self._cur[i]][i]
 
     def mark(self, i: int) -> None:
         """Record that a contribution was written into ``buffer(i)`` by the caller."""
-        self._has[i] = self._ever[i] = True
+        self._has[self._cur[i]][i] = self._ever[i] = True
 
     @torch.no_grad()
     def write(self, i: int, grad: torch.Tensor) -> None:
         """Accumulate ``grad`` (any float dtype, the parameter's shape) into buffer ``i``."""
-        buf = self._views[i]
+        buf = self.buffer(i)
         if grad.shape != buf.shape:
             raise ValueError(
                 f"gradient of shape {tuple(grad.shape)} for a parameter of shape "
                 f"{tuple(buf.shape)}: gradients must match their parameter"
             )
-        if not self._has[i]:
+        if not self.has(i):
             buf.copy_(grad)  # converts on the fly: no temporary, no zeroing pass
         elif grad.dtype == torch.float32:
             buf.add_(grad)
@@ -123,21 +152,36 @@ class GradBuffers:
             self._local.scratch = scratch
         return scratch
 
-    def attach(self, i: int) -> torch.Tensor | None:
-        """The gradient the optimizer should use for parameter ``i`` this step.
+    def seal(self, i: int) -> None:
+        """The current step's contributions to ``i`` are complete: the optimizer reads them
+        (``attach``); later contributions go to the other copy, if there is one."""
+        self._sealed[i] = self._cur[i]
+        if self.copies == 2:
+            self._cur[i] ^= 1
 
-        A contribution this step: the buffer. None this step but some earlier: the buffer,
+    def attach(self, i: int) -> torch.Tensor | None:
+        """The gradient the optimizer should use for parameter ``i``: the sealed step's.
+
+        A contribution that step: the buffer. None that step but some earlier: the buffer,
         zero-filled now (a zero gradient, as with buffers zeroed after every step). Never: None
         (the parameter is not stepped, as torch optimizers skip ``grad is None``).
         """
-        if self._has[i]:
-            return self._views[i]
+        k = self._sealed[i]
+        if self._has[k][i]:
+            return self._views[k][i]
         if self._ever[i]:
-            self._views[i].zero_()
-            return self._views[i]
+            self._views[k][i].zero_()
+            return self._views[k][i]
         return None
 
+    def release(self, indices: Sequence[int]) -> None:
+        """The optimizer has consumed the sealed step of ``indices`` (no memory is touched)."""
+        for i in indices:
+            self._has[self._sealed[i]][i] = False
+
     def clear(self, indices: Sequence[int] | None = None) -> None:
-        """Forget this step's contributions (no memory is touched)."""
-        for i in range(len(self._views)) if indices is None else indices:
-            self._has[i] = False
+        """Forget every contribution, sealed or not (no memory is touched)."""
+        for i in range(len(self)) if indices is None else indices:
+            for has in self._has:
+                has[i] = False
+            self._sealed[i] = self._cur[i]

@@ -70,6 +70,9 @@ class HostStore:
     uploads can be asynchronous; CPU virtual devices pass ``None`` (pinning needs a GPU).
     ``alloc(n)`` allocates the flat fp32 gradient arena of ``n`` elements (the CUDA backend's
     ``pinned_empty``); without it the arena is ``pin(torch.empty(n))`` or plain memory.
+    ``double_buffer``: a second gradient arena, so step t+1's gradients land while the optimizer
+    still reads step t's (+4 B per trainable parameter); None decides by free host memory
+    (the second arena must leave at least three times its size available).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class HostStore:
         *,
         pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
         alloc: Callable[[int], torch.Tensor] | None = None,
+        double_buffer: bool | None = None,
     ) -> None:
         self.layers: list[HostLayer] = []
         self._owner: dict[int, HostParam] = {}
@@ -96,7 +100,10 @@ class HostStore:
             hp.slot = slot
         if alloc is None and pin is not None:
             alloc = _pinned_by(pin)
-        self.grads = GradBuffers([hp.master for hp in owned], alloc=alloc)
+        masters = [hp.master for hp in owned]
+        if double_buffer is None:
+            double_buffer = _second_arena_fits(sum(m.numel() for m in masters) * 4)
+        self.grads = GradBuffers(masters, alloc=alloc, copies=2 if double_buffer else 1)
         if pin is not None:
             for layer in self.layers:
                 for _, p in layer.params:
@@ -138,7 +145,7 @@ class HostStore:
             first = not self.grads.has(owner.slot)
             self.grads.write(owner.slot, grad)
             if first:
-                owner.master.grad = self.grads.buffer(owner.slot)
+                self._expose(owner)
 
     def grad_buffer(self, param: nn.Parameter) -> torch.Tensor:
         """The fp32 gradient buffer of a trainable parameter: a fixed view into the arena (same
@@ -161,23 +168,52 @@ class HostStore:
             yield self.grads.buffer(owner.slot), first
             self.grads.mark(owner.slot)
             if first:
-                owner.master.grad = self.grads.buffer(owner.slot)
+                self._expose(owner)
+
+    def _expose(self, owner: HostParam) -> None:
+        # Single-buffered, master.grad shows the buffer as soon as it holds a gradient. Double-
+        # buffered, only the optimizer sets it (attach_grads): step t+1's contributions must not
+        # swap the tensor under step t's optimizer.
+        if self.grads.copies == 1:
+            owner.master.grad = self.grads.buffer(owner.slot)
+
+    @property
+    def double_buffered(self) -> bool:
+        return self.grads.copies == 2
 
     def has_grad(self, param: nn.Parameter) -> bool:
         """Whether the parameter received a gradient contribution in the current step."""
         return self.grads.has(self._owner[id(param)].slot)
 
+    def seal_grads(self, layer: int) -> None:
+        """The layer's gradients for the current step are complete (after ``grad_sq_norm``):
+        the optimizer will read them; double-buffered, new contributions go to the other arena
+        (the caller must not contribute again before the optimizer released that one)."""
+        with self._grad_locks[layer]:
+            for hp in self.layers[layer].owned:
+                self.grads.seal(hp.slot)
+
     def attach_grads(self, layers: Iterable[int] | None = None) -> None:
-        """Set ``master.grad`` for the optimizer: this step's buffer, a zero-filled buffer for a
-        parameter that had gradients in earlier steps but none in this one, None if it never had
-        any (it is not stepped). Called by the optimizer worker right before stepping."""
+        """Set ``master.grad`` for the optimizer from the sealed step: its buffer, a zero-filled
+        buffer for a parameter that had gradients in earlier steps but none in that one, None if
+        it never had any (it is not stepped). Called by the optimizer worker before stepping."""
         for index in range(len(self.layers)) if layers is None else layers:
             for hp in self.layers[index].owned:
                 hp.master.grad = self.grads.attach(hp.slot)
 
+    def release_grads(self, layers: Iterable[int]) -> None:
+        """The optimizer has consumed the sealed step of ``layers``: forget those gradients (no
+        memory is touched; the next contribution to that buffer is copied in)."""
+        for index in layers:
+            owned = self.layers[index].owned
+            with self._grad_locks[index]:
+                self.grads.release([hp.slot for hp in owned])
+            for hp in owned:
+                hp.master.grad = None
+
     def zero_grads(self, layers: Iterable[int] | None = None) -> None:
-        """Discard the gradients of ``layers`` (all by default): the next contribution is
-        copied in, so no memory is touched; ``master.grad`` goes back to None."""
+        """Discard every gradient of ``layers`` (all by default), sealed or accumulating: the
+        next contribution is copied in, so no memory is touched; ``master.grad`` becomes None."""
         for index in range(len(self.layers)) if layers is None else layers:
             owned = self.layers[index].owned
             with self._grad_locks[index]:
@@ -247,6 +283,12 @@ class HostStore:
         with torch.no_grad():
             for hp in self.owned_params():
                 hp.master.copy_(hp.param.data)
+
+
+def _second_arena_fits(nbytes: int) -> bool:
+    import psutil
+
+    return psutil.virtual_memory().available >= 4 * nbytes
 
 
 def _pinned_by(pin: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], torch.Tensor]:
