@@ -16,7 +16,8 @@ stage. Per layer (index in the LayerSequence order: prefix, blocks..., head) the
   result of optimizer step v" (0 = initial weights).
 
 Bytes per trainable parameter on the host: compute weight (2 or 4) + master (4) + Adam m, v (8,
-held by the optimizer) + gradient (4) = 18 B for bf16/fp16 models, 20 B for fp32 models.
+held by the optimizer) + gradient (4) = 18 B for bf16/fp16 models, 20 B for fp32 models; 4 B more
+with double-buffered gradients (the default when host memory allows, ``double_buffer``).
 """
 
 from __future__ import annotations
@@ -148,8 +149,9 @@ class HostStore:
                 self._expose(owner)
 
     def grad_buffer(self, param: nn.Parameter) -> torch.Tensor:
-        """The fp32 gradient buffer of a trainable parameter: a fixed view into the arena (same
-        address every step), e.g. as the destination of a download. Write it via ``grad_slot``."""
+        """The fp32 buffer receiving the parameter's current-step gradient: a fixed view into an
+        arena (double-buffered: one of two fixed views, alternating with each sealed step). Write
+        it via ``grad_slot``, which also says whether to copy or add."""
         return self.grads.buffer(self._owner[id(param)].slot)
 
     @contextmanager
