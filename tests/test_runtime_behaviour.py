@@ -139,8 +139,8 @@ def test_concurrent_gradient_downloads_add_up_exactly() -> None:
         t.start()
     for t in threads:
         t.join()
-    master = store.master_of(layer.weight)
-    assert master.grad is not None and torch.equal(master.grad, torch.full((256, 256), 200.0))
+    assert store.has_grad(layer.weight)
+    assert torch.equal(store.grad_buffer(layer.weight), torch.full((256, 256), 200.0))
 
 
 def test_each_layer_completes_exactly_once_under_concurrent_reports() -> None:
