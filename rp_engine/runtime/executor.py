@@ -194,6 +194,59 @@ class Countdown:
         return done
 
 
+# ---- scratch keys: where one micro-batch's states live between actions --------------------
+@dataclass(frozen=True)
+class _Batch:
+    """The host micro-batch, input of forward stage 0 (and of the prefix's recompute)."""
+
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class _FwdOut:
+    """The output of forward stage ``stage`` (input of the next forward stage or the head)."""
+
+    stage: int
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """Backward stage ``stage``'s input, computed inside a forward stage, before its download."""
+
+    stage: int
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class _BwdIn:
+    """Backward stage ``stage``'s input on its device, ready for the recompute."""
+
+    stage: int
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class _Grad:
+    """The gradient flowing into backward stage ``stage`` (from the head or stage - 1)."""
+
+    stage: int
+    microbatch: int
+
+
+_Key = _Batch | _FwdOut | _Saved | _BwdIn | _Grad
+
+
+@dataclass
+class _HeadOut:
+    """What the head's forward run leaves for the imperative loop's backward run."""
+
+    device: int
+    grads: dict[int, torch.Tensor]  # filled on the compute stream (the group's accumulators)
+    grad_in: torch.Tensor | None
+    microbatch: int
+
+
 @dataclass(frozen=True)
 class _GroupKey:
     """One slot's round on one device: the unit of UPLOAD / DOWNLOAD / FREE (slot, first mb)."""
@@ -222,11 +275,11 @@ class _Ctx:
 
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
-        self.acts: dict[Any, Any] = {}  # device (or host) states by key; see the handlers
-        self.act_where: dict[Any, tuple[int, Event | None]] = {}  # key -> (device|-1, ready)
+        self.acts: dict[_Key, State] = {}  # device (or host) states; see the handlers
+        self.act_where: dict[_Key, tuple[int, Event | None]] = {}  # -> (device|-1, ready)
         self.saved: dict[tuple[int, int], State] = {}  # (bwd stage, mb) -> host input
         self.saved_ev: dict[tuple[int, int], Event | None] = {}
-        self.host_inputs: dict[Any, Callable[[], State]] = {}  # key -> host state, on demand
+        self.host_inputs: dict[_Key, Callable[[], State]] = {}  # host state, on demand
         self.losses: dict[int, torch.Tensor] = {}
         self.timeline: list[TimelineRecord] = []  # host-clock spans (HOST stream)
         self.spans: list[tuple[int, str, Action, ComputeTimer]] = []  # (device, stream, ...)
@@ -237,7 +290,7 @@ class _Ctx:
         self.freed: dict[_GroupKey, Event] = {}
         self.upload_of: dict[Action, _GroupKey] = {}  # compute action -> its group
         self.stats = RunStats()
-        self.head_out: tuple[int, dict[int, torch.Tensor], torch.Tensor | None, int] | None = None
+        self.head_out: _HeadOut | None = None
         self.t0 = time.perf_counter()
 
 
@@ -304,7 +357,9 @@ class Executor:
         self._drain()
         carry = None
         if spec.defer_head and spec.train:
-            carry = Carry(ctx.saved, *ctx.head_out)  # type: ignore[misc]
+            out = ctx.head_out
+            assert out is not None, "a deferred-head run without a HEAD action"
+            carry = Carry(ctx.saved, out.device, out.grads, out.grad_in, out.microbatch)
         self._measure(ctx, before)
         timeline, layer_ms, bwd_ms = self._timeline(ctx)
         return RunResult(
@@ -371,7 +426,7 @@ class Executor:
         for saved in carry.saved:
             ctx.saved_ev[saved] = None  # already on the host
         if carry.grad_in is not None:
-            key = ("G", 1, carry.microbatch)
+            key = _Grad(1, carry.microbatch)
             ctx.acts[key] = {"hidden": carry.grad_in}
             ctx.act_where[key] = (carry.head_device, done)
         head_layers = self.stages.bwd[0]
@@ -426,7 +481,7 @@ class Executor:
         if ctx.spec.defer_head and a.stage == ctx.spec.plan.num_fwd_stages:
             # imperative loop: the head's gradients wait on the device for engine.backward()
             assert ctx.head_out is not None, "the head's forward run left no carry"
-            taken = ctx.head_out[1]  # the carry's dict (filled on the compute stream)
+            taken = ctx.head_out.grads  # the carry's dict (filled on the compute stream)
             compute = device.stream(StreamRole.COMPUTE)
             compute.submit(lambda: taken.update(group.weights.grads()), label=f"{a}.keep")
             group.last_compute = compute.record()  # the FREE must not run before this
@@ -457,10 +512,10 @@ class Executor:
     # queues the weight upload, the input arrivals, the compute and records its event.
     def _forward(self, ctx: _Ctx, a: Action) -> None:
         layers, m = self.stages.fwd[a.stage], a.microbatch
-        in_key = ("B", m) if a.stage == 0 else ("F", a.stage - 1, m)
+        in_key: _Key = _Batch(m) if a.stage == 0 else _FwdOut(a.stage - 1, m)
         if a.stage == 0:
             self._put_host(ctx, in_key, functools.partial(dict, ctx.spec.batches[m]))
-        out_key = ("F", a.stage, m)
+        out_key = _FwdOut(a.stage, m)
         train = ctx.spec.train
         saves = {i: self._saved_at[i] for i in layers if i in self._saved_at and train}
 
@@ -469,7 +524,7 @@ class Executor:
             with torch.no_grad():
                 for layer in layers:
                     if layer in saves:  # a backward stage's input: kept for its recompute
-                        ctx.acts[("S", saves[layer], m)] = state
+                        ctx.acts[_Saved(saves[layer], m)] = state
                     state = self._call(ctx, device, layer, state, m, weights)
             if state is not x_in:  # a pass-through stage hands its input on unchanged
                 _free(device, x_in)
@@ -482,7 +537,7 @@ class Executor:
             key = (j, m)
             ctx.saved_ev[key] = download_state(
                 self.devices[a.device],
-                functools.partial(ctx.acts.pop, ("S", *key)),
+                functools.partial(ctx.acts.pop, _Saved(j, m)),
                 functools.partial(ctx.saved.__setitem__, key),
                 after=done,
                 label=f"{a}.save{j}",
@@ -491,18 +546,18 @@ class Executor:
 
     def _head(self, ctx: _Ctx, a: Action) -> None:
         layers, train = self.stages.bwd[0], ctx.spec.train
-        in_key = ("F", len(self.stages.fwd) - 1, a.microbatch)
+        in_key = _FwdOut(len(self.stages.fwd) - 1, a.microbatch)
         grads: dict[int, torch.Tensor] = {}
         body = functools.partial(
             self._head_train if train else self._head_eval, ctx, a, in_key, grads
         )
         if train and ctx.spec.defer_head:  # the imperative loop scales them in backward()
-            ctx.head_out = (a.device, grads, None, a.microbatch)
+            ctx.head_out = _HeadOut(a.device, grads, None, a.microbatch)
         done = self._launch(ctx, a, layers, [in_key], body, backward=train)
-        ctx.act_where[("G", 1, a.microbatch)] = (a.device, done)
+        ctx.act_where[_Grad(1, a.microbatch)] = (a.device, done)
 
     def _head_train(
-        self, ctx: _Ctx, a: Action, in_key: Any, grads: dict[int, torch.Tensor],
+        self, ctx: _Ctx, a: Action, in_key: _Key, grads: dict[int, torch.Tensor],
         device: Device, weights: WeightUpload,
     ) -> None:  # fmt: skip
         """Head-stage blocks forward, fused head forward+loss+backward, blocks backward."""
@@ -525,13 +580,13 @@ class Executor:
         ctx.losses[m] = loss.detach()
         _free(device, x)
         if grad_in is not None and len(self.stages.bwd) > 1:
-            ctx.acts[("G", 1, m)] = {"hidden": grad_in}
-            _track(device, ctx.acts[("G", 1, m)])
+            ctx.acts[_Grad(1, m)] = {"hidden": grad_in}
+            _track(device, ctx.acts[_Grad(1, m)])
             if spec.defer_head:
-                ctx.head_out = (a.device, grads, grad_in, m)
+                ctx.head_out = _HeadOut(a.device, grads, grad_in, m)
 
     def _head_eval(
-        self, ctx: _Ctx, a: Action, in_key: Any, grads: dict[int, torch.Tensor],
+        self, ctx: _Ctx, a: Action, in_key: _Key, grads: dict[int, torch.Tensor],
         device: Device, weights: WeightUpload,
     ) -> None:  # fmt: skip
         """Evaluation: the head-stage blocks and the head's loss, no gradient."""
@@ -543,12 +598,12 @@ class Executor:
 
     def _backward(self, ctx: _Ctx, a: Action) -> None:
         layers, m = self.stages.bwd[a.stage], a.microbatch
-        x_key: Any = ("X", a.stage, m)
+        x_key = _BwdIn(a.stage, m)
         if layers[0] == 0 and self.stages.has_prefix:  # the prefix recomputes from the batch
             self._put_host(ctx, x_key, functools.partial(dict, ctx.spec.batches[m]))
         else:
             self._put_saved(ctx, x_key, a)
-        g_key, out_key = ("G", a.stage, m), ("G", a.stage + 1, m)
+        g_key, out_key = _Grad(a.stage, m), _Grad(a.stage + 1, m)
         last = a.stage == len(self.stages.bwd) - 1
 
         def body(device: Device, weights: WeightUpload) -> None:
@@ -561,8 +616,10 @@ class Executor:
                 torch.autograd.backward(y["hidden"], grad_out)
             _free(device, x)
             _free(device, {"hidden": grad_out})
-            if not last:
-                ctx.acts[out_key] = {"hidden": x["hidden"].grad}
+            if not last:  # the last stage's input is the micro-batch: no gradient flows on
+                grad_in = x["hidden"].grad
+                assert grad_in is not None, f"{a}: its input received no gradient"
+                ctx.acts[out_key] = {"hidden": grad_in}
                 _track(device, ctx.acts[out_key])
 
         done = self._launch(ctx, a, layers, [x_key, g_key], body, backward=True)
@@ -573,7 +630,7 @@ class Executor:
         ctx: _Ctx,
         a: Action,
         layers: Sequence[int],
-        inputs: Sequence[Any],
+        inputs: Sequence[_Key],
         body: Callable[[Device, WeightUpload], None],
         *,
         backward: bool = False,
@@ -602,7 +659,7 @@ class Executor:
         return done
 
     # --- building blocks ----------------------------------------------------------------------
-    def _put_saved(self, ctx: _Ctx, key: Any, a: Action) -> None:
+    def _put_saved(self, ctx: _Ctx, key: _Key, a: Action) -> None:
         saved = (a.stage, a.microbatch)
         if saved not in ctx.saved_ev:
             raise RuntimeError(f"{a}: its forward input was never saved (plan order?)")
@@ -611,14 +668,14 @@ class Executor:
 
     @staticmethod
     def _put_host(
-        ctx: _Ctx, key: Any, get: Callable[[], State], *, ready: Event | None = None
+        ctx: _Ctx, key: _Key, get: Callable[[], State], *, ready: Event | None = None
     ) -> None:
         """Register a host-resident input (a micro-batch, or a saved stage input whose download
         ``ready`` marks): ``get`` hands it over when the upload runs."""
         ctx.act_where[key] = (-1, ready)
         ctx.host_inputs[key] = get
 
-    def _arrive(self, ctx: _Ctx, key: Any, device: Device, a: Action) -> Event | None:
+    def _arrive(self, ctx: _Ctx, key: _Key, device: Device, a: Action) -> Event | None:
         """Make ``ctx.acts[key]`` available on ``device`` for ``a``; returns the event to wait
         for. Traced as a SEND of ``a``'s slot and micro-batch."""
         src_index, event = ctx.act_where[key]
@@ -648,7 +705,7 @@ class Executor:
         return upload_state(device, get, put, label=f"{label}.in", trace=trace)
 
     @staticmethod
-    def _trace(ctx: _Ctx, device: Device, stream: str, a: Action) -> Callable[[Any], None]:
+    def _trace(ctx: _Ctx, device: Device, stream: str, a: Action) -> Callable[[ComputeTimer], None]:
         """A transfer's timer lands in the timeline as SEND(slot of ``a``, its micro-batch)."""
         slot = a.stage + (len(ctx.spec.plan.fwd_cuts) if a.op is not Op.FWD else 0)
         send = Action(Op.SEND, slot, a.microbatch, device.index)
