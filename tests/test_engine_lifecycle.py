@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -257,3 +258,26 @@ def test_collected_engine_publishes_newest_weights_and_stops_its_threads() -> No
     assert not any(t.is_alive() for t in threads)
     fresh = _snapshot(model)
     assert any(not torch.equal(stale[k], fresh[k]) for k in fresh)  # the last step landed
+
+
+def test_finaliser_run_on_one_of_the_engines_own_workers_still_joins_them_all() -> None:
+    # A GC pass can run the finaliser on any thread, one of the engine's workers included; that
+    # worker cannot join itself, so a helper thread must finish the shutdown.
+    from rp_engine.device import StreamRole
+
+    _, engine = _async_engine()
+    _train_batches(engine, 2)
+    threads = [engine.stepper.thread]  # type: ignore[attr-defined]
+    threads += [t for d in engine.pool.devices for t in d.threads]  # type: ignore[attr-defined]
+    stream = engine.pool[0].stream(StreamRole.COMPUTE)  # type: ignore[attr-defined]
+    stream.submit(engine._finalizer)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 60
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in threads)
+    for t in threading.enumerate():  # the helper itself finishes too
+        if t.name == "rp-shutdown":
+            t.join(timeout=60)
+            assert not t.is_alive()
+    store = engine.store  # type: ignore[attr-defined]
+    assert [store.version(i) for i in range(len(store.layers))] == [2] * len(store.layers)
