@@ -102,6 +102,7 @@ def _run_script(path: Path, mode: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # 10 interpreter start-ups per mode (~4 CPU-seconds each)
 @pytest.mark.parametrize("mode", ["train_batch", "imperative"])
 def test_async_script_ending_without_destroy_exits_cleanly(tmp_path: Path, mode: str) -> None:
     script = tmp_path / "train.py"
