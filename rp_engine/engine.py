@@ -43,6 +43,7 @@ from rp_engine.runtime.executor import (
     TimelineRecord,
 )
 from rp_engine.runtime.planning import ModelShape, Planner
+from rp_engine.runtime.shutdown import watch
 
 __all__ = ["RoundPipeEngine"]
 
@@ -74,7 +75,7 @@ class RoundPipeEngine:
             log.info(summary)
         # DeepSpeed casts the module at initialize; the host copy *is* the compute weights.
         model.to(_compute_dtype(cfg))
-        self.module = model
+        self._module = model  # read through the `module` property, which waits for the optimizer
         budget = int(rp.device_memory_gb * 2**30) if rp.device_memory_gb else None
         self.pool = make_devices(rp.devices, pcie_gbps=rp.pcie_gbps, capacity_bytes=budget)
         try:
@@ -113,6 +114,10 @@ class RoundPipeEngine:
         self.mp_world_size = 1
         self.device = self.pool[0].torch_device
         self.training = model.training
+        self._published_step = 0  # global_steps when the newest weights were last published
+        self._stale_noted = False
+        # Last: it also marks the engine as fully built (attribute fall-through needs that).
+        self._finalizer = watch(self, stepper=self.stepper, pool=self.pool)
 
     def _wire(
         self, cfg: DSConfig, model: nn.Module, optimizer: Any, model_parameters: Any,
@@ -166,7 +171,7 @@ class RoundPipeEngine:
                 ready=lambda layer: self.stepper.layer_ready(layer),
             ),
             seed=self._config.roundpipe.seed,
-            use_rng=_uses_dropout(self.module),
+            use_rng=_uses_dropout(self._module),
         )
 
     # --- DeepSpeed imperative loop --------------------------------------------------------------
@@ -178,7 +183,7 @@ class RoundPipeEngine:
         (a Hugging Face ``CausalLMOutput`` for HF models, else the loss tensor)."""
         self.stepper.check()
         batch = self._batch_of(inputs, kwargs)
-        if not (self.module.training and torch.is_grad_enabled()):
+        if not (self._module.training and torch.is_grad_enabled()):
             return self._wrap(torch.tensor(self._eval_losses([batch])[0]))
         if self._carry is not None:
             raise RuntimeError(
@@ -274,7 +279,7 @@ class RoundPipeEngine:
             )
         n = num_micro_batches or self.gradient_accumulation_steps()
         batches = [self._batch_of((b,), {}) for b in self._take(data_iter, n)]
-        was_training = self.module.training
+        was_training = self._module.training
         self.eval()
         try:
             losses = self._eval_losses(batches)
@@ -336,6 +341,7 @@ class RoundPipeEngine:
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
+        self._note_stale_model()
         self.global_samples += self.train_batch_size()
         every = self._config.steps_per_print
         if every and self.global_steps % every == 0:
@@ -444,7 +450,7 @@ class RoundPipeEngine:
         return self._config.zero.stage
 
     def train(self, mode: bool = True) -> RoundPipeEngine:
-        self.module.train(mode)
+        self._module.train(mode)
         self.training = mode
         return self
 
@@ -489,6 +495,33 @@ class RoundPipeEngine:
     def synchronize(self) -> None:
         """Wait for in-flight optimizer steps and publish the newest weights to the module."""
         self.stepper.synchronize()
+        self._published_step = self.global_steps
+
+    @property
+    def module(self) -> nn.Module:
+        """The model handed to ``initialize``, holding the newest weights.
+
+        In async mode the last optimizer step is still running when a training call returns
+        (the model shows the step before); reading ``engine.module`` (or an attribute that falls
+        through to it) then waits for that step and publishes it, as ``synchronize()`` does.
+        """
+        if self.stepper.async_mode and self._published_step != self.global_steps:
+            if self._finalizer.alive:  # after destroy() the weights are already the newest
+                self.synchronize()
+        return self._module
+
+    def _note_stale_model(self) -> None:
+        """Once, at the first async step: say how to read the model object itself."""
+        if self._stale_noted or not self.stepper.async_mode:
+            return
+        self._stale_noted = True
+        log.warning(
+            "async_optimizer: each optimizer step finishes in the background while the next "
+            "iteration runs, so the model object passed to initialize lags one step behind "
+            "during training. Read it through engine.module (which waits for the step), or call "
+            "engine.synchronize() before using the model object directly (save_pretrained, "
+            "state_dict, evaluation)."
+        )
 
     # --- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(
@@ -532,20 +565,22 @@ class RoundPipeEngine:
         )
 
     def destroy(self) -> None:
-        """Finish in-flight steps, stop workers and devices. Idempotent."""
-        with contextlib.suppress(Exception):
-            self.stepper.synchronize()
-        self.stepper.close()
+        """Finish in-flight steps, publish the newest weights, stop workers and devices.
+
+        Optional: the same shutdown runs when the engine is collected or the process exits
+        (runtime/shutdown.py). Idempotent.
+        """
+        self._finalizer()
+        self._published_step = self.global_steps
         self._executor.close()
-        self.pool.close()
         self.monitor.close()
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: fall through to the wrapped module, as DeepSpeed
         # does (engine.generate(...), engine.config attributes of HF models...).
-        if name == "module" or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.__dict__["module"], name)
+        if name == "module" or name.startswith("__") or "_finalizer" not in self.__dict__:
+            raise AttributeError(name)  # (also while __init__ runs: hasattr must not recurse)
+        return getattr(self.module, name)
 
 
 def _stats_events(st: RunStats, samples: int) -> list[tuple[str, float, int]]:

@@ -456,7 +456,8 @@ class ThreadedDevice:
             s._abandon(reason)
             s._close()
         for s in self._streams.values():
-            s.thread.join(_JOIN_TIMEOUT_S)
+            if s.thread is not threading.current_thread():  # a worker cannot join itself
+                s.thread.join(_JOIN_TIMEOUT_S)
 
     @property
     def threads(self) -> list[threading.Thread]:

@@ -192,10 +192,21 @@ class OptimizerStepper:
             self._sealed = [step] * self._num_layers
         self.store.set_versions(step)
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The optimizer worker thread."""
+        return self._thread
+
     def close(self) -> None:
+        """Run (or, after a failure, skip) the queued steps, then stop and join the worker.
+
+        The join has no timeout: a worker left running at interpreter exit aborts the process
+        (see runtime/shutdown.py), and a queued step always finishes. Idempotent.
+        """
         if self._thread.is_alive():
             self._tasks.put(None)
-            self._thread.join(timeout=10)
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
 
     # --- internals ----------------------------------------------------------------------------
     def _wait_done(self, layer: int, step: int) -> None:
