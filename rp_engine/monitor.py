@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rp_engine.config import DSConfig
 
@@ -81,10 +81,13 @@ class Monitor:
 def _start_wandb(cfg: DSConfig) -> Any:
     import wandb
 
+    # WANDB_MODE or wandb's own settings decide; the environment is left alone
+    mode: Literal["offline"] | None = None
     if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
-        os.environ["WANDB_MODE"] = "offline"
+        mode = "offline"
         log.info("W&B: no API key configured, logging offline (sync later with `wandb sync`)")
     return wandb.init(
+        mode=mode,
         project=cfg.wandb.project,
         group=cfg.wandb.group,
         entity=cfg.wandb.team,

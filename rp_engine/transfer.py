@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from rp_engine.device.base import ComputeTimer, Device, Event, StreamRole
+from rp_engine.model.base import State
 
 __all__ = [
     "State",
@@ -30,7 +31,6 @@ __all__ = [
     "download_state",
 ]
 
-State = dict[str, torch.Tensor]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 

@@ -64,10 +64,27 @@ _UNSUPPORTED = {
 
 
 def cpu_adam_cache_dir() -> str:
-    """Where DeepSpeed's JIT-built CPU Adam lives: a user cache outside any checkout, so CI
-    runs and later sessions on one machine reuse the ~1-2 minute build."""
+    """Where DeepSpeed's JIT-built CPU Adam lives: $TORCH_EXTENSIONS_DIR when the user set it,
+    else a user cache outside any checkout, so CI runs and later sessions on one machine reuse
+    the ~1-2 minute build. Reads the environment, never writes it."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions")
-    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", default)
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or default
+
+
+@contextlib.contextmanager
+def _extensions_dir(path: str) -> Iterator[None]:
+    """DeepSpeed's JIT loader reads TORCH_EXTENSIONS_DIR from the environment only: set it for
+    the build/load and put the user's environment back afterwards (DeepSpeed keeps the loaded
+    op in-process, so later optimizers do not look again)."""
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before
 
 
 def build_inner_optimizer(
@@ -105,19 +122,17 @@ def build_inner_optimizer(
 def _cpu_adam(
     groups: list[dict[str, Any]], *, adamw_mode: bool, **kwargs: Any
 ) -> torch.optim.Optimizer:
-    cpu_adam_cache_dir()
+    cache = cpu_adam_cache_dir()
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except ImportError as exc:  # pragma: no cover - deepspeed is a dependency
         raise RuntimeError("deepspeed is required for Adam/AdamW (DeepSpeedCPUAdam)") from exc
-    if _is_cpu_adam_built():
-        return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
-    log.warning(
-        "building DeepSpeed's CPU Adam once (about 1-2 minutes; cached in %s)",
-        os.environ["TORCH_EXTENSIONS_DIR"],
-    )
-    with _heartbeat("still building DeepSpeed's CPU Adam"):
-        return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
+    with _extensions_dir(cache):
+        if _is_cpu_adam_built(cache):
+            return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
+        log.warning("building DeepSpeed's CPU Adam once (about 1-2 minutes; cached in %s)", cache)
+        with _heartbeat("still building DeepSpeed's CPU Adam"):
+            return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
 
 
 @contextlib.contextmanager
@@ -140,8 +155,7 @@ def _heartbeat(message: str, every_s: float = 15.0) -> Iterator[None]:
         thread.join()
 
 
-def _is_cpu_adam_built() -> bool:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+def _is_cpu_adam_built(root: str) -> bool:
     for _dirpath, _, files in os.walk(root):
         if "cpu_adam.so" in files:
             return True

@@ -255,8 +255,7 @@ class OptimizerStepper:
             try:
                 task()
             except BaseException as exc:  # surfaces at the next engine call
-                names = what
-                err = RuntimeError(f"optimizer step failed on {names}: {exc!r}")
+                err = RuntimeError(f"optimizer step failed on {what}: {exc!r}")
                 err.__cause__ = exc
                 with self._cond:
                     self._error = err
