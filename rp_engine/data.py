@@ -7,7 +7,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-__all__ = ["build_dataloader", "RepeatingLoader", "repeat"]
+__all__ = ["build_dataloader", "RepeatingLoader", "repeat", "DataFeed"]
 
 
 def build_dataloader(training_data: Any, cfg: Any, collate_fn: Any = None) -> DataLoader[Any]:
@@ -61,3 +61,21 @@ class RepeatingLoader:
 def repeat(loader: Any) -> RepeatingLoader:
     """An infinite iterator over ``loader``'s batches, epoch after epoch."""
     return RepeatingLoader(loader)
+
+
+class DataFeed:
+    """Where ``train_batch`` / ``eval_batch`` take micro-batches from: the caller's iterator,
+    else the engine's own training loader (``initialize(training_data=...)``), repeated."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._own: Iterator[Any] | None = None
+
+    def take(self, data_iter: Iterator[Any] | None, n: int) -> list[Any]:
+        if data_iter is None:
+            if self.loader is None:
+                raise ValueError("train_batch() needs a data_iter or initialize(training_data=...)")
+            if self._own is None:
+                self._own = iter(repeat(self.loader))
+            data_iter = self._own
+        return [next(data_iter) for _ in range(n)]

@@ -25,23 +25,20 @@ import torch
 from torch import nn
 
 from rp_engine.config import DSConfig
-from rp_engine.data import build_dataloader, repeat
+from rp_engine.data import DataFeed, build_dataloader
 from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
+from rp_engine.engine_api import DeepSpeedAccessors
+from rp_engine.engine_loop import FORWARD_OPS, ImperativeLoop
+from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
-from rp_engine.model.layers import LayerSequence, to_layers
+from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
 from rp_engine.monitor import Monitor
 from rp_engine.optim.build import build_optimizer, build_scheduler
 from rp_engine.optim.stepper import OptimizerStepper, StepResult
-from rp_engine.plan.actions import Op, Plan
-from rp_engine.runtime.executor import (
-    Carry,
-    Executor,
-    GradSink,
-    RunSpec,
-    RunStats,
-    TimelineRecord,
-)
+from rp_engine.plan.actions import Plan
+from rp_engine.runtime.counters import StepCounters
+from rp_engine.runtime.executor import Executor, GradSink, RunSpec, RunStats, TimelineRecord
 from rp_engine.runtime.planning import ModelShape, Planner
 from rp_engine.runtime.shutdown import watch
 
@@ -49,12 +46,11 @@ __all__ = ["RoundPipeEngine"]
 
 log = logging.getLogger("rp_engine")
 
-_FORWARD_OPS = frozenset({Op.FWD, Op.HEAD})
-_BACKWARD_OPS = frozenset({Op.BWD})
 
-
-class RoundPipeEngine:
-    """Drop-in for ``deepspeed.DeepSpeedEngine``; build it with ``rp_engine.initialize``."""
+class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
+    """Drop-in for ``deepspeed.DeepSpeedEngine``; build it with ``rp_engine.initialize``.
+    DeepSpeed's imperative loop (forward / backward / step) lives in engine_loop.py, the one-line
+    accessors, ``module`` and the checkpoint doors in engine_api.py."""
 
     def __init__(
         self,
@@ -74,17 +70,16 @@ class RoundPipeEngine:
         if summary:
             log.info(summary)
         # DeepSpeed casts the module at initialize; the host copy *is* the compute weights.
-        model.to(_compute_dtype(cfg))
+        model.to(compute_dtype(cfg))
         self._module = model  # read through the `module` property, which waits for the optimizer
         budget = int(rp.device_memory_gb * 2**30) if rp.device_memory_gb else None
         self.pool = make_devices(rp.devices, pcie_gbps=rp.pcie_gbps, capacity_bytes=budget)
         try:
             self._wire(cfg, model, optimizer, model_parameters, lr_scheduler, budget)
             self.training_dataloader = (
-                build_dataloader(training_data, cfg, collate_fn)
-                if training_data is not None
-                else None
+                None if training_data is None else build_dataloader(training_data, cfg, collate_fn)
             )
+            self._feed = DataFeed(self.training_dataloader)
             self.monitor = Monitor.from_config(cfg)
         except BaseException:
             # a bad model/config must not leave device or optimizer threads behind
@@ -92,30 +87,13 @@ class RoundPipeEngine:
                 self.stepper.close()
             self.pool.close()
             raise
-        self._data_iter: Iterator[Any] | None = None
-        # DeepSpeed counters
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self._boundary_override: bool | None = None
-        self._step_applied = False
+        self._counters = StepCounters(cfg.gradient_accumulation_steps, cfg.train_batch_size)
         self._last: StepResult | None = None
-        self._carry: Carry | None = None
-        self._carry_batch: dict[str, Any] | None = None
-        self._loss_leaf: torch.Tensor | None = None
         self._timeline: list[TimelineRecord] = []
         self._stats_open = RunStats()  # runs of the optimizer step in progress
         self._step_stats: RunStats | None = None
-        self.local_rank = 0
-        self.global_rank = 0
-        self.world_size = 1
-        self.dp_world_size = 1
-        self.mp_world_size = 1
         self.device = self.pool[0].torch_device
         self.training = model.training
-        self._published_step = 0  # global_steps when the newest weights were last published
-        self._stale_noted = False
         # Last: it also marks the engine as fully built (attribute fall-through needs that).
         self._finalizer = watch(self, stepper=self.stepper, pool=self.pool)
 
@@ -147,7 +125,7 @@ class RoundPipeEngine:
             fp16=cfg.fp16.enabled,
         )
         self.planner = Planner(
-            _shape(self.seq, self.store),
+            ModelShape.from_sequence(self.seq, self.store),
             num_devices=len(self.pool),
             num_microbatches=cfg.gradient_accumulation_steps,
             schedule=rp.schedule,
@@ -159,6 +137,7 @@ class RoundPipeEngine:
             round_size=rp.round_size,
         )
         self._executor = self._make_executor()
+        self._batches = BatchAdapter(self.seq, compute_dtype(cfg))
 
     def _make_executor(self) -> Executor:
         return Executor(
@@ -171,71 +150,8 @@ class RoundPipeEngine:
                 ready=lambda layer: self.stepper.layer_ready(layer),
             ),
             seed=self._config.roundpipe.seed,
-            use_rng=_uses_dropout(self._module),
+            use_rng=uses_dropout(self._module),
         )
-
-    # --- DeepSpeed imperative loop --------------------------------------------------------------
-    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.forward(*inputs, **kwargs)
-
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the forward stages and the fused head of one micro-batch; returns the loss
-        (a Hugging Face ``CausalLMOutput`` for HF models, else the loss tensor)."""
-        self.stepper.check()
-        batch = self._batch_of(inputs, kwargs)
-        if not (self._module.training and torch.is_grad_enabled()):
-            return self._wrap(torch.tensor(self._eval_losses([batch])[0]))
-        if self._carry is not None:
-            raise RuntimeError(
-                "engine.forward() called twice without engine.backward(): rp_engine computes the "
-                "loss's gradient inside the pipeline, so each forward must be followed by backward"
-            )
-        step = self.global_steps + 1
-        result = self._run(
-            self.planner.plan(1, ops=_FORWARD_OPS),
-            [batch],
-            step=step,
-            defer_head=True,
-            closes_step=False,
-        )
-        self._carry, self._carry_batch = result.carry, batch
-        self._loss_leaf = torch.tensor(result.losses[0], requires_grad=True)
-        return self._wrap(self._loss_leaf)
-
-    def backward(
-        self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True, **kwargs: Any
-    ) -> torch.Tensor:
-        """Backward of the last forward's micro-batch. Returns the loss scaled by 1/GAS (as
-        DeepSpeed). Whatever the caller did to the loss is honoured: its derivative with respect
-        to the returned loss scales the gradients."""
-        self.stepper.check()
-        if self._carry is None or self._loss_leaf is None:
-            raise RuntimeError("engine.backward() needs a preceding engine.forward() in train mode")
-        loss_t = getattr(loss, "loss", loss)
-        scaled = loss_t / self.gradient_accumulation_steps() if scale_wrt_gas else loss_t
-        factor = _derivative(scaled, self._loss_leaf) * self.optimizer.cur_scale
-        closes = self.is_gradient_accumulation_boundary()
-        carry, batch = self._carry, self._carry_batch
-        self._carry = self._carry_batch = None
-        self._run(
-            self.planner.plan(1, ops=_BACKWARD_OPS),
-            [batch],  # type: ignore[list-item]
-            step=self.global_steps + 1,
-            closes_step=closes,
-            carry=carry,
-            head_factor=factor,
-        )
-        return scaled.detach()
-
-    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
-        """Called after every micro-batch; applies the optimizer at the accumulation boundary."""
-        self.stepper.check()
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
-            self._apply_boundary(lr_kwargs)
-        else:
-            self._step_applied = False
-        self.micro_steps += 1
 
     # --- PipelineEngine API ---------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
@@ -243,7 +159,7 @@ class RoundPipeEngine:
         self.stepper.check()
         self.train()
         gas = self.gradient_accumulation_steps()
-        batches = [self._batch_of((b,), {}) for b in self._take(data_iter, gas)]
+        batches = [self._batch_of((b,), {}) for b in self._feed.take(data_iter, gas)]
         profile = self.planner.profile_left > 0
         result = self._run(
             self.planner.plan(gas),
@@ -253,9 +169,7 @@ class RoundPipeEngine:
             grad_scale=self.optimizer.cur_scale / gas,
             profile=profile,
         )
-        self.micro_steps += gas - 1
-        self._apply_boundary(None)
-        self.micro_steps += 1
+        self._counters.whole_step(applied=self._apply_boundary(None))
         if profile and self.planner.observe(result.layer_ms, result.bwd_ms):
             self._executor = self._make_executor()
         loss = torch.tensor(sum(result.losses) / len(result.losses))
@@ -278,7 +192,7 @@ class RoundPipeEngine:
                 "(use return_logits=False, compute_loss=True)"
             )
         n = num_micro_batches or self.gradient_accumulation_steps()
-        batches = [self._batch_of((b,), {}) for b in self._take(data_iter, n)]
+        batches = [self._batch_of((b,), {}) for b in self._feed.take(data_iter, n)]
         was_training = self._module.training
         self.eval()
         try:
@@ -317,7 +231,7 @@ class RoundPipeEngine:
         self._stats_open.add(result.stats)
         if closes_step:
             self._step_stats, self._stats_open = self._stats_open, RunStats()
-            self.monitor.write_events(_stats_events(self._step_stats, self.global_samples))
+            self.monitor.write_step_stats(self.last_step_stats(), self.global_samples)
         return result
 
     def _abort_step(self) -> None:
@@ -330,33 +244,27 @@ class RoundPipeEngine:
             "run failed: gradients accumulated for step %d were discarded", self.global_steps + 1
         )
 
-    def _apply_boundary(self, lr_kwargs: dict[str, Any] | None) -> None:
+    def _apply_boundary(self, lr_kwargs: dict[str, Any] | None) -> bool:
+        """Close an optimizer step: loss scale, LR schedule, logs. Returns whether it applied
+        (False: skipped on fp16 overflow); the caller advances the counters."""
         result = self._last
         overflow = bool(result and result.overflow)
         self.optimizer.overflow = overflow
         self.optimizer.loss_scaler.update(overflow)
-        self._step_applied = not overflow
-        if overflow:
-            self.skipped_steps += 1
-        elif self.lr_scheduler is not None:
+        if not overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.global_steps += 1
         self._note_stale_model()
-        self.global_samples += self.train_batch_size()
+        step, samples = self.global_steps + 1, self.global_samples + self.train_batch_size()
         every = self._config.steps_per_print
-        if every and self.global_steps % every == 0:
-            log.info(
-                "step %d lr %s grad_norm %s",
-                self.global_steps,
-                self.get_lr(),
-                self.get_global_grad_norm(),
-            )
-        self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], self.global_samples)])
+        if every and step % every == 0:
+            log.info("step %d lr %s grad_norm %s", step, self.get_lr(), self.get_global_grad_norm())
+        self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], samples)])
+        return not overflow
 
     def _eval_losses(self, batches: list[Any]) -> list[float]:
         step = self.global_steps + 1
         spec = RunSpec(
-            plan=self.planner.plan(len(batches), ops=_FORWARD_OPS),
+            plan=self.planner.plan(len(batches), ops=FORWARD_OPS),
             batches=batches,
             version=self.stepper.required_version(step),
             step=step,
@@ -366,203 +274,7 @@ class RoundPipeEngine:
         return self._executor.run(spec).losses
 
     def _batch_of(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        if kwargs:
-            raw: Any = kwargs
-        elif len(inputs) == 1:
-            raw = inputs[0]
-        else:
-            raw = inputs
-        batch = self.seq.batch_to_dict(raw)
-        if "labels" not in batch:
-            raise ValueError(
-                f"the batch has no 'labels' (keys: {sorted(batch)}): rp_engine computes the loss "
-                "inside the pipeline (fused LM head + loss), so every batch needs labels; for "
-                "causal-LM training pass labels=input_ids"
-            )
-        dtype = _compute_dtype(self._config)
-        # As DeepSpeed's PipelineEngine: floating inputs follow the fp16/bf16 model; labels don't.
-        return {
-            k: v.to(dtype) if v.is_floating_point() and not k.startswith("labels") else v
-            for k, v in batch.items()
-            if isinstance(v, torch.Tensor)
-        }
-
-    def _take(self, data_iter: Iterator[Any] | None, n: int) -> list[Any]:
-        if data_iter is None:
-            if self.training_dataloader is None:
-                raise ValueError("train_batch() needs a data_iter or initialize(training_data=...)")
-            if self._data_iter is None:
-                self._data_iter = iter(repeat(self.training_dataloader))
-            data_iter = self._data_iter
-        return [next(data_iter) for _ in range(n)]
-
-    def _wrap(self, loss: torch.Tensor) -> Any:
-        if self.seq.kind.startswith("hf:"):
-            from transformers.modeling_outputs import CausalLMOutputWithPast
-
-            return CausalLMOutputWithPast(loss=loss)
-        return loss
-
-    # --- DeepSpeed accessors --------------------------------------------------------------------
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        self._boundary_override = is_boundary
-
-    def was_step_applied(self) -> bool:
-        return self._step_applied
-
-    def get_global_grad_norm(self) -> float | None:
-        return None if self._last is None else self._last.grad_norm
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
-
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def get_batch_info(self) -> tuple[int, int, int]:
-        return (
-            self.train_batch_size(),
-            self.train_micro_batch_size_per_gpu(),
-            self.gradient_accumulation_steps(),
-        )
-
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
-
-    def fp16_enabled(self) -> bool:
-        return self._config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self._config.bf16.enabled
-
-    def zero_optimization_stage(self) -> int:
-        return self._config.zero.stage
-
-    def train(self, mode: bool = True) -> RoundPipeEngine:
-        self._module.train(mode)
-        self.training = mode
-        return self
-
-    def eval(self) -> RoundPipeEngine:
-        return self.train(False)
-
-    def zero_grad(self) -> None:
-        """DeepSpeed clears gradients itself after each step; accumulation buffers live on the
-        host and are cleared by the optimizer step, so this is a no-op between micro-batches."""
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        yield
-
-    def last_step_stats(self) -> dict[str, Any]:
-        """What the last optimizer step moved and computed, measured by the devices: bytes
-        each way (all, weights, gradients, activations), weight uploads, wall seconds of its
-        runs, and per device the compute busy seconds (CUDA: timing events on the compute
-        stream) and busy fraction. Empty before the first step."""
-        st = self._step_stats
-        if st is None:
-            return {}
-        return {
-            "h2d_bytes": st.h2d_bytes,
-            "d2h_bytes": st.d2h_bytes,
-            "weight_h2d_bytes": st.weight_h2d_bytes,
-            "grad_d2h_bytes": st.grad_d2h_bytes,
-            "activation_bytes": st.activation_bytes,
-            "uploads": st.uploads,
-            "downloads": st.downloads,
-            "seconds": st.seconds,
-            "busy_s": dict(st.busy_s),
-            "busy_fraction": {
-                d: (b / st.seconds if st.seconds > 0 else 0.0) for d, b in st.busy_s.items()
-            },
-        }
-
-    def last_timeline(self) -> list[TimelineRecord]:
-        """Compute actions of the last run: (device, action text, start s, end s)."""
-        return list(self._timeline)
-
-    def synchronize(self) -> None:
-        """Wait for in-flight optimizer steps and publish the newest weights to the module."""
-        self.stepper.synchronize()
-        self._published_step = self.global_steps
-
-    @property
-    def module(self) -> nn.Module:
-        """The model handed to ``initialize``, holding the newest weights.
-
-        In async mode the last optimizer step is still running when a training call returns
-        (the model shows the step before); reading ``engine.module`` (or an attribute that falls
-        through to it) then waits for that step and publishes it, as ``synchronize()`` does.
-        """
-        if self.stepper.async_mode and self._published_step != self.global_steps:
-            if self._finalizer.alive:  # after destroy() the weights are already the newest
-                self.synchronize()
-        return self._module
-
-    def _note_stale_model(self) -> None:
-        """Once, at the first async step: say how to read the model object itself."""
-        if self._stale_noted or not self.stepper.async_mode:
-            return
-        self._stale_noted = True
-        log.warning(
-            "async_optimizer: each optimizer step finishes in the background while the next "
-            "iteration runs, so the model object passed to initialize lags one step behind "
-            "during training. Read it through engine.module (which waits for the step), or call "
-            "engine.synchronize() before using the model object directly (save_pretrained, "
-            "state_dict, evaluation)."
-        )
-
-    # --- checkpoints ----------------------------------------------------------------------------
-    def save_checkpoint(
-        self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-        save_latest: bool = True, exclude_frozen_parameters: bool = False,
-    ) -> bool:  # fmt: skip
-        self.synchronize()
-        _ckpt().save(
-            self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
-            exclude_frozen=exclude_frozen_parameters,
-        )  # fmt: skip
-        return True
-
-    def load_checkpoint(
-        self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
-        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False, custom_load_fn: Any = None, *,
-        trust_checkpoint: bool = False,
-    ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
-        """DeepSpeed's load_checkpoint. Files load with ``weights_only=True`` (DeepSpeed-written
-        ones too, through an allowlist of its classes); a file holding any other Python global is
-        refused unless ``trust_checkpoint=True``, which unpickles it fully (only for files you
-        trust: unpickling can run code)."""
-        self.synchronize()
-        return _ckpt().load(
-            self, load_dir, tag=tag, strict=load_module_strict,
-            optimizer_states=load_optimizer_states and not load_module_only,
-            scheduler_states=load_lr_scheduler_states and not load_module_only,
-            module_only=load_module_only, trust=trust_checkpoint,
-        )  # fmt: skip
-
-    def save_16bit_model(
-        self,
-        save_dir: str,
-        save_filename: str = "pytorch_model.bin",
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:
-        self.synchronize()
-        return _ckpt().save_16bit(
-            self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters
-        )
+        return self._batches.to_dict(inputs, kwargs)
 
     def destroy(self) -> None:
         """Finish in-flight steps, publish the newest weights, stop workers and devices.
@@ -581,62 +293,3 @@ class RoundPipeEngine:
         if name == "module" or name.startswith("__") or "_finalizer" not in self.__dict__:
             raise AttributeError(name)  # (also while __init__ runs: hasattr must not recurse)
         return getattr(self.module, name)
-
-
-def _stats_events(st: RunStats, samples: int) -> list[tuple[str, float, int]]:
-    """Monitor events of one optimizer step's traffic and device busy fraction."""
-    busy = (
-        sum(st.busy_s.values()) / (len(st.busy_s) * st.seconds) if st.busy_s and st.seconds else 0
-    )
-    return [
-        ("Train/Samples/h2d_bytes", float(st.h2d_bytes), samples),
-        ("Train/Samples/d2h_bytes", float(st.d2h_bytes), samples),
-        ("Train/Samples/weight_h2d_bytes", float(st.weight_h2d_bytes), samples),
-        ("Train/Samples/device_busy_fraction", float(busy), samples),
-    ]
-
-
-def _compute_dtype(cfg: DSConfig) -> torch.dtype:
-    if cfg.bf16.enabled:
-        return torch.bfloat16
-    return torch.float16 if cfg.fp16.enabled else torch.float32
-
-
-def _ckpt() -> Any:
-    # Imported on first use: checkpointing pulls in DeepSpeed's modules, which cost seconds.
-    from rp_engine import checkpoint
-
-    return checkpoint
-
-
-def _shape(seq: LayerSequence, store: HostStore) -> ModelShape:
-    layers = store.layers
-    p = 1 if seq.prefix is not None else 0
-    return ModelShape(
-        num_blocks=seq.num_blocks,
-        has_prefix=seq.prefix is not None,
-        block_param_bytes=tuple(layers[p + i].param_bytes for i in range(seq.num_blocks)),
-        head_param_bytes=layers[-1].param_bytes,
-        prefix_param_bytes=layers[0].param_bytes if p else 0,
-    )
-
-
-def _derivative(scaled: Any, leaf: torch.Tensor) -> float:
-    """d(scaled)/d(leaf); 0 when the caller's loss does not depend on ours."""
-    if not isinstance(scaled, torch.Tensor) or not scaled.requires_grad:
-        return 0.0
-    (grad,) = torch.autograd.grad(scaled, leaf, allow_unused=True)
-    return 0.0 if grad is None else float(grad)
-
-
-def _uses_dropout(model: nn.Module) -> bool:
-    """Whether any layer draws random numbers in training (then RNG is seeded per layer)."""
-    for m in model.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            return True
-    config = getattr(model, "config", None)
-    if config is not None:
-        for key, value in vars(config).items():
-            if "dropout" in key and isinstance(value, int | float) and value > 0:
-                return True
-    return False

@@ -48,6 +48,22 @@ class Monitor:
             log.warning("tensorboard monitor requested but not supported; use wandb or csv_monitor")
         return cls(wandb_run=wandb_run, csv_dir=csv_dir)
 
+    def write_step_stats(self, stats: dict[str, Any], samples: int) -> None:
+        """One optimizer step's traffic and mean device busy fraction (engine.last_step_stats)."""
+        busy = stats.get("busy_fraction") or {}
+        self.write_events(
+            [
+                ("Train/Samples/h2d_bytes", float(stats["h2d_bytes"]), samples),
+                ("Train/Samples/d2h_bytes", float(stats["d2h_bytes"]), samples),
+                ("Train/Samples/weight_h2d_bytes", float(stats["weight_h2d_bytes"]), samples),
+                (
+                    "Train/Samples/device_busy_fraction",
+                    sum(busy.values()) / len(busy) if busy else 0.0,
+                    samples,
+                ),
+            ]
+        )
+
     def write_events(self, events: Iterable[tuple[str, float, int]]) -> None:
         events = list(events)
         if self._wandb is not None:

@@ -23,7 +23,7 @@ from rp_engine.model.base import HeadModule, LayerSequence, State, batch_to_dict
 from rp_engine.model.hf import build_hf_blocks, is_hf_causal_lm
 from rp_engine.model.sequential import build_from_funcs, deepspeed_pipe
 
-__all__ = ["to_layers", "LayerSequence", "HeadModule", "State", "batch_to_dict"]
+__all__ = ["to_layers", "LayerSequence", "HeadModule", "State", "batch_to_dict", "uses_dropout"]
 
 _EXPECTED = (
     "expected a Hugging Face causal LM shaped model.model.{embed_tokens, layers (ModuleList), "
@@ -96,3 +96,16 @@ def _checked(seq: LayerSequence) -> LayerSequence:
             f"{_EXPECTED}"
         )
     return seq
+
+
+def uses_dropout(model: nn.Module) -> bool:
+    """Whether any layer draws random numbers in training (then RNG is seeded per layer)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+    config = getattr(model, "config", None)
+    if config is not None:
+        for key, value in vars(config).items():
+            if "dropout" in key and isinstance(value, int | float) and value > 0:
+                return True
+    return False

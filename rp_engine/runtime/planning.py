@@ -17,11 +17,16 @@ import logging
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rp_engine.plan import schedules
 from rp_engine.plan.actions import Op, Plan, PlanError, format_grid
 from rp_engine.plan.partition import CutsError, LayerCosts, Partition, partition
 from rp_engine.runtime.stages import StageMap
+
+if TYPE_CHECKING:
+    from rp_engine.model.base import LayerSequence
+    from rp_engine.model.host_store import HostStore
 
 __all__ = ["Planner", "ModelShape"]
 
@@ -37,6 +42,19 @@ class ModelShape:
     block_param_bytes: tuple[int, ...]
     head_param_bytes: int
     prefix_param_bytes: int
+
+    @classmethod
+    def from_sequence(cls, seq: LayerSequence, store: HostStore) -> ModelShape:
+        """The shape of a layer sequence whose host state ``store`` holds (bytes per layer)."""
+        layers = store.layers
+        p = 1 if seq.prefix is not None else 0
+        return cls(
+            num_blocks=seq.num_blocks,
+            has_prefix=seq.prefix is not None,
+            block_param_bytes=tuple(layers[p + i].param_bytes for i in range(seq.num_blocks)),
+            head_param_bytes=layers[-1].param_bytes,
+            prefix_param_bytes=layers[0].param_bytes if p else 0,
+        )
 
 
 class Planner:

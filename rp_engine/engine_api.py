@@ -1,0 +1,236 @@
+"""DeepSpeed's engine surface that is pure bookkeeping: counters, accessors, checkpoint doors.
+
+``DeepSpeedAccessors`` is mixed into ``RoundPipeEngine`` so engine.py reads as the list of parts
+it composes. Everything here is a one-liner over state the engine owns: the parsed config, the
+``StepCounters``, the optimizer, the last step's result and stats, and the module. Checkpoint
+files are written and read by checkpoint.py (imported on first use: it pulls in DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from rp_engine.runtime.counters import StepCounters
+
+if TYPE_CHECKING:
+    import weakref
+
+    from torch import nn
+
+    from rp_engine.config import DSConfig
+    from rp_engine.optim.optimizer import HostOptimizer
+    from rp_engine.optim.stepper import OptimizerStepper, StepResult
+    from rp_engine.runtime.executor import RunStats, TimelineRecord
+
+__all__ = ["DeepSpeedAccessors"]
+
+log = logging.getLogger("rp_engine")
+
+
+def _counter(name: str) -> property:
+    """A DeepSpeed counter attribute (``engine.global_steps``...) backed by StepCounters."""
+
+    def get(self: DeepSpeedAccessors) -> int:
+        return int(getattr(self._counters, name))
+
+    def set_(self: DeepSpeedAccessors, value: int) -> None:  # checkpoint loading sets them
+        setattr(self._counters, name, value)
+
+    return property(get, set_, doc=f"DeepSpeed's ``{name}`` counter.")
+
+
+class DeepSpeedAccessors:
+    """Accessors of ``deepspeed.DeepSpeedEngine`` over the engine's own state."""
+
+    _config: DSConfig
+    _counters: StepCounters
+    _module: nn.Module
+    _last: StepResult | None
+    _step_stats: RunStats | None
+    _timeline: list[TimelineRecord]
+    optimizer: HostOptimizer
+    stepper: OptimizerStepper
+    training: bool
+    _published_step = 0  # global_steps when the newest weights were last published
+    _stale_noted = False
+    # one process drives every local device: DeepSpeed's data-parallel identity of rank 0
+    local_rank = global_rank = 0
+    world_size = dp_world_size = mp_world_size = 1
+    _finalizer: weakref.finalize
+
+    micro_steps = _counter("micro_steps")
+    global_steps = _counter("global_steps")
+    global_samples = _counter("global_samples")
+    skipped_steps = _counter("skipped_steps")
+
+    def synchronize(self) -> None:
+        """Wait for in-flight optimizer steps and publish the newest weights to the module."""
+        self.stepper.synchronize()
+        self._published_step = self.global_steps
+
+    @property
+    def module(self) -> nn.Module:
+        """The model handed to ``initialize``, holding the newest weights.
+
+        In async mode the last optimizer step is still running when a training call returns
+        (the model shows the step before); reading ``engine.module`` (or an attribute that falls
+        through to it) then waits for that step and publishes it, as ``synchronize()`` does.
+        """
+        if self.stepper.async_mode and self._published_step != self.global_steps:
+            if self._finalizer.alive:  # after destroy() the weights are already the newest
+                self.synchronize()
+        return self._module
+
+    def _note_stale_model(self) -> None:
+        """Once, at the first async step: say how to read the model object itself."""
+        if self._stale_noted or not self.stepper.async_mode:
+            return
+        self._stale_noted = True
+        log.warning(
+            "async_optimizer: each optimizer step finishes in the background while the next "
+            "iteration runs, so the model object passed to initialize lags one step behind "
+            "during training. Read it through engine.module (which waits for the step), or call "
+            "engine.synchronize() before using the model object directly (save_pretrained, "
+            "state_dict, evaluation)."
+        )
+
+    # --- counters and the boundary -------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self._counters.is_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._counters.boundary_override = is_boundary
+
+    def was_step_applied(self) -> bool:
+        return self._counters.step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        return None if self._last is None else self._last.grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    # --- config -----------------------------------------------------------------------------------
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        return (
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+        )
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero.stage
+
+    # --- modes --------------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> Any:
+        self._module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self) -> Any:
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        """DeepSpeed clears gradients itself after each step; accumulation buffers live on the
+        host and are cleared by the optimizer step, so this is a no-op between micro-batches."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    # --- what the last step did ------------------------------------------------------------------
+    def last_step_stats(self) -> dict[str, Any]:
+        """What the last optimizer step moved and computed, measured by the devices: bytes
+        each way (all, weights, gradients, activations), weight uploads, wall seconds of its
+        runs, and per device the compute busy seconds (CUDA: timing events on the compute
+        stream) and busy fraction. Empty before the first step."""
+        st = self._step_stats
+        if st is None:
+            return {}
+        return {
+            "h2d_bytes": st.h2d_bytes,
+            "d2h_bytes": st.d2h_bytes,
+            "weight_h2d_bytes": st.weight_h2d_bytes,
+            "grad_d2h_bytes": st.grad_d2h_bytes,
+            "activation_bytes": st.activation_bytes,
+            "uploads": st.uploads,
+            "downloads": st.downloads,
+            "seconds": st.seconds,
+            "busy_s": dict(st.busy_s),
+            "busy_fraction": {
+                d: (b / st.seconds if st.seconds > 0 else 0.0) for d, b in st.busy_s.items()
+            },
+        }
+
+    def last_timeline(self) -> list[TimelineRecord]:
+        """Every stream's spans of the last run: device, action text, start/end s, stream."""
+        return list(self._timeline)
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+    ) -> bool:  # fmt: skip
+        self.synchronize()
+        _ckpt().save(
+            self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+            exclude_frozen=exclude_frozen_parameters,
+        )  # fmt: skip
+        return True
+
+    def load_checkpoint(
+        self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False, custom_load_fn: Any = None, *,
+        trust_checkpoint: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
+        """DeepSpeed's load_checkpoint. Files load with ``weights_only=True`` (DeepSpeed-written
+        ones too, through an allowlist of its classes); a file holding any other Python global is
+        refused unless ``trust_checkpoint=True``, which unpickles it fully (only for files you
+        trust: unpickling can run code)."""
+        self.synchronize()
+        return _ckpt().load(
+            self, load_dir, tag=tag, strict=load_module_strict,
+            optimizer_states=load_optimizer_states and not load_module_only,
+            scheduler_states=load_lr_scheduler_states and not load_module_only,
+            module_only=load_module_only, trust=trust_checkpoint,
+        )  # fmt: skip
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        self.synchronize()
+        return _ckpt().save_16bit(
+            self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters
+        )
+
+
+def _ckpt() -> Any:
+    # Imported on first use: checkpointing pulls in DeepSpeed's modules, which cost seconds.
+    from rp_engine import checkpoint
+
+    return checkpoint

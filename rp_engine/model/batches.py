@@ -1,0 +1,65 @@
+"""What a training call hands the engine, made into the pipeline's micro-batch dict.
+
+DeepSpeed users pass a dict (``engine(**batch)``), a tuple (PipelineEngine's ``(inputs,
+labels)``) or a single tensor; rp_engine computes the loss inside the pipeline (fused LM head),
+so every micro-batch needs labels. Floating inputs follow the fp16/bf16 model, as DeepSpeed's
+PipelineEngine casts them; labels keep their dtype. For Hugging Face models the loss comes back
+as a ``CausalLMOutputWithPast``, as the model itself would return it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rp_engine.model.base import LayerSequence
+
+if TYPE_CHECKING:
+    from rp_engine.config import DSConfig
+
+__all__ = ["BatchAdapter", "compute_dtype"]
+
+
+class BatchAdapter:
+    """Batches in, losses out, for one layer sequence and compute dtype."""
+
+    def __init__(self, seq: LayerSequence, dtype: torch.dtype) -> None:
+        self.seq = seq
+        self.dtype = dtype
+
+    def to_dict(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The micro-batch as ``{name: tensor}``; ValueError when it has no labels."""
+        if kwargs:
+            raw: Any = kwargs
+        elif len(inputs) == 1:
+            raw = inputs[0]
+        else:
+            raw = inputs
+        batch = self.seq.batch_to_dict(raw)
+        if "labels" not in batch:
+            raise ValueError(
+                f"the batch has no 'labels' (keys: {sorted(batch)}): rp_engine computes the loss "
+                "inside the pipeline (fused LM head + loss), so every batch needs labels; for "
+                "causal-LM training pass labels=input_ids"
+            )
+        return {
+            k: v.to(self.dtype) if v.is_floating_point() and not k.startswith("labels") else v
+            for k, v in batch.items()
+            if isinstance(v, torch.Tensor)
+        }
+
+    def wrap_loss(self, loss: torch.Tensor) -> Any:
+        """The loss as the model's own forward would return it."""
+        if self.seq.kind.startswith("hf:"):
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            return CausalLMOutputWithPast(loss=loss)
+        return loss
+
+
+def compute_dtype(cfg: DSConfig) -> torch.dtype:
+    """The dtype DeepSpeed casts the model to at initialize: bf16, fp16, else fp32."""
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    return torch.float16 if cfg.fp16.enabled else torch.float32
