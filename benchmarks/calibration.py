@@ -153,7 +153,9 @@ def predict_ms(
     else:
         kwargs.update(bwd_cuts=tuple(bwd_cuts), round_size=round_size)
     plan = schedules.build(schedule, num_iterations=iterations, **kwargs)
-    result = simulate(plan, costs, machine=machine, optimizer="async" if async_optimizer else "sync")
+    result = simulate(
+        plan, costs, machine=machine, optimizer="async" if async_optimizer else "sync"
+    )
     return {
         "iteration_ms": result.iteration_ms,
         "bubble_ratio": result.bubble_ratio,
@@ -166,3 +168,92 @@ def predict_ms(
 def default_threads(num_devices: int) -> int:
     """Intra-op threads one CPU virtual device runs with (the pool's split)."""
     return max(1, (os.cpu_count() or 1) // num_devices)
+
+
+# ---- the second calibration point: Qwen3-1.7B on one H200 (gpu_measurements.md) ---------------
+H200: dict[str, Any] = {  # shared/reference/gpu_measurements.md, 2026-11-30 (CUDA events, medians)
+    "layer_fwd_ms": 1.68, "layer_bwd_ms": 3.05, "head_fwd_bwd_ms": 19.1, "pcie_gbps": 55.0,
+    "layers": 28, "layer_bytes": 96e6, "hidden": 2048, "vocab": 151936, "mbs": 4, "seq": 1024,
+    "gas": 4,
+    # measured tokens/s of whole runs, same page
+    "measured": {"torch": 22755, "deepspeed": 4984, "roundpipe_landed_sync": 2826,
+                 "roundpipe_landed_async": 2381},
+}  # fmt: skip
+
+
+def gpu_point() -> list[dict[str, Any]]:
+    """Predicted vs measured on the H200 (one device, GAS 4, 24 GB budget)."""
+    from benchmarks.projection import SHAPES, zero_infinity_tps
+
+    g = H200
+    n_layers, tokens = g["layers"], g["gas"] * g["mbs"] * g["seq"]
+    costs = LayerCosts(
+        fwd_ms=(g["layer_fwd_ms"],) * n_layers,
+        bwd_ms=(g["layer_bwd_ms"],) * n_layers,
+        param_bytes=(int(g["layer_bytes"]),) * n_layers,
+        head_fwd_ms=g["head_fwd_bwd_ms"] / 3,
+        head_bwd_ms=2 * g["head_fwd_bwd_ms"] / 3,
+        head_param_bytes=g["vocab"] * g["hidden"] * 2,
+        boundary_bytes=g["mbs"] * g["seq"] * g["hidden"] * 2,
+    )
+    machine = Machine(
+        name="1x H200, PCIe 5.0 55 GB/s", num_devices=1, h2d_gbps=g["pcie_gbps"],
+        d2h_gbps=g["pcie_gbps"], memory_bytes=24 * 2**30,
+    )  # fmt: skip
+    rows = []
+    from rp_engine.plan.partition import partition
+
+    for label, async_opt, round_size in (
+        ("roundpipe_landed_async", True, 1),  # the measured runs predate rounds: M_R = 1
+        ("roundpipe_landed_sync", False, 1),
+    ):
+        part = partition(costs, num_devices=1, num_microbatches=g["gas"],
+                         memory_budget_bytes=machine.memory_bytes, async_optimizer=async_opt)  # fmt: skip
+        for rs in (round_size, g["gas"]):
+            pred = predict_ms(
+                costs, machine, schedule="roundpipe", fwd_cuts=part.fwd_cuts,
+                bwd_cuts=part.bwd_cuts, num_microbatches=g["gas"], round_size=rs,
+                async_optimizer=async_opt,
+            )  # fmt: skip
+            rows.append(_row(f"{label} (simulated M_R={rs})", pred["iteration_ms"], tokens,
+                             g["measured"][label]))  # fmt: skip
+    # plain PyTorch, no recomputation: forward + backward of every layer and the head
+    torch_ms = g["gas"] * (
+        n_layers * (g["layer_fwd_ms"] + g["layer_bwd_ms"]) + g["head_fwd_bwd_ms"]
+    )
+    rows.append(_row("torch (compute sum, no recompute)", torch_ms, tokens, g["measured"]["torch"]))
+    # ZeRO-Infinity: the projection's closed form, on this machine and per-layer costs
+    shape = SHAPES["qwen3-1.7b"]
+    zero = _zero_h200(shape, costs, machine)
+    rows.append(_row("deepspeed (projection's ZeRO-Infinity model)", zero, tokens,
+                     g["measured"]["deepspeed"]))  # fmt: skip
+    _ = zero_infinity_tps  # the same formula, checked by test_projection
+    return rows
+
+
+def _zero_h200(shape: Any, costs: LayerCosts, machine: Machine) -> float:
+    rate = machine.h2d_gbps * 1e6
+    f, b, p = costs.fwd_ms[0], costs.bwd_ms[0], costs.param_bytes[0]
+    per_mb = shape.layers * (max(f, p / rate) + max(f + b, p / rate))
+    head = costs.head_fwd_ms + costs.head_bwd_ms
+    adam = shape.trainable_params / machine.cpu_adam_params_per_s * 1e3
+    return H200["gas"] * (per_mb + head) + adam
+
+
+def _row(label: str, pred_ms: float, tokens: int, measured_tps: float) -> dict[str, Any]:
+    meas_ms = tokens / measured_tps * 1e3
+    return {"run": label, "predicted_ms": pred_ms, "measured_ms": meas_ms,
+            "error": (pred_ms - meas_ms) / meas_ms}  # fmt: skip
+
+
+def main() -> int:
+    print("| run (Qwen3-1.7B, 1x H200, GAS 4) | predicted ms/step | measured ms/step | error |")
+    print("|---|---:|---:|---:|")
+    for r in gpu_point():
+        print(f"| {r['run']} | {r['predicted_ms']:,.0f} | {r['measured_ms']:,.0f} | "
+              f"{100 * r['error']:+.0f} % |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

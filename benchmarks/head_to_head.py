@@ -107,9 +107,7 @@ def build_model(preset: dict[str, Any]) -> Any:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        **{k: v for k, v in preset.items() if k not in _RUN_KEYS}, use_cache=False
-    )
+    config = Qwen3Config(**{k: v for k, v in preset.items() if k not in _RUN_KEYS}, use_cache=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return Qwen3ForCausalLM(config)
@@ -332,7 +330,10 @@ def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     if not args.calibrate:
         cmd += ["--no-calibrate"]
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     # OpenMP threads that spin at barriers are preempted on a shared, oversubscribed machine
     # (DeepSpeed's step went from 0.3 s to 6-10 s here); sleeping waits treat every system alike
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -430,7 +431,9 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the CPU configuration, a few minutes")
-    p.add_argument("--model", choices=sorted(PRESETS), help="default: qwen3-1.7b (cpu-small with --quick)")
+    p.add_argument(
+        "--model", choices=sorted(PRESETS), help="default: qwen3-1.7b (cpu-small with --quick)"
+    )
     p.add_argument("--devices", help="rp_engine devices, e.g. cpu:2 or cuda (default: all/cpu:2)")
     p.add_argument("--pcie-gbps", type=float, help="emulated link, CPU only (--quick: 1.0)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
@@ -467,9 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{rep + 1}/{args.repeats}] {system}: {json.dumps(brief)}", file=sys.stderr)
     systems = aggregate(runs)
     ds = systems.get("deepspeed", {}).get("tokens_per_s")
-    ratios = {
-        k: s["tokens_per_s"] / ds for k, s in systems.items() if ds and "tokens_per_s" in s
-    }
+    ratios = {k: s["tokens_per_s"] / ds for k, s in systems.items() if ds and "tokens_per_s" in s}
     config = {
         "model": args.model, **preset, "warmup": args.warmup, "steps": args.steps,
         "repeats": args.repeats, "devices": args.devices or "default", "pcie_gbps": args.pcie_gbps,
