@@ -14,9 +14,12 @@ micro-batches per iteration:
   gradients), the head scales with vocabulary x hidden. The A800 preset scales compute by its
   ``compute_scale``.
 - RoundPipe async / sync: the partitioner (24 GB / 80 GB budget) then the simulator on the machine
-  preset (links, shared host link, CPU Adam), 4 back-to-back iterations (async) or 2 (sync).
-- Mobius: ``schedules.mobius`` with one block of L/N layers per GPU (v = 1), cross mapping from
-  the preset, the same simulator.
+  preset (links, shared host link, CPU Adam), 4 back-to-back iterations (async) or 2 (sync),
+  rounds of M_R = N micro-batches (the paper's convention; the engine's default M_R = GAS
+  is in RESULTS.md, where it exposed an async-vs-sync anomaly of the simulator).
+- Mobius: ``schedules.mobius`` with K = v x N blocks, the smallest v whose memory (below, at
+  this micro-batch) fits a GPU, cross mapping from the preset, the same simulator; OOM when even
+  one-layer blocks do not fit.
 - ZeRO-Infinity: a closed-form model, since it is data parallel, not a plan: each of the N ranks
   runs every layer on its 16/N micro-batches; per layer and micro-batch it fetches the whole
   layer (bf16) over its PCIe link before the forward and again before the backward (the
@@ -207,16 +210,17 @@ def roundpipe_tps(shape: Shape, machine: Machine, m: int, *, async_opt: bool) ->
 def mobius_tps(shape: Shape, machine: Machine, m: int) -> dict[str, Any]:
     costs = layer_costs(shape, machine)
     n = machine.num_devices
-    # Mobius uses K = v * N blocks; the fewest that fit: a block double buffered plus its
-    # gradient, and the head's weights, on one GPU
+    # Mobius uses K = v * N blocks: the fewest whose memory (weights, checkpoints, the
+    # unchunked head at this micro-batch) fits one GPU
+    tokens = MBS * SEQ
     for v in range(1, shape.layers // n + 2):
         k = min(v * n, shape.layers)
         blocks = [shape.layers // k + (1 if i < shape.layers % k else 0) for i in range(k)]
-        need = max(blocks) * costs.param_bytes[0] * 3 + costs.head_param_bytes * 2
+        need = _mem_bytes("mobius", shape, tokens, n, block=max(blocks))
         if not machine.memory_bytes or need <= machine.memory_bytes:
             break
     else:
-        return {"tokens_per_s": None, "why": f"one layer block needs {need / 1e9:.0f} GB (OOM)"}
+        return {"tokens_per_s": None, "why": f"one-layer blocks need {need / 1e9:.0f} GB (OOM)"}
     plan = schedules.build(
         "mobius", num_iterations=2, fwd_cuts=blocks, num_devices=n, num_microbatches=m,
         device_order=machine.device_order,
@@ -259,7 +263,9 @@ def zero_infinity_tps(shape: Shape, machine: Machine, m: int) -> dict[str, Any]:
 
 
 # ---- memory model: longest sequence ----------------------------------------------------------
-def _mem_bytes(system: str, shape: Shape, s: int, n: int) -> float:
+def _mem_bytes(system: str, shape: Shape, s: int, n: int, block: int = 1) -> float:
+    """Bytes one GPU needs for ``s`` tokens in flight per micro-batch; Mobius with blocks of
+    ``block`` layers (default 1: the most favourable to it)."""
     h, layer_b = shape.hidden, 2 * shape.layer_params
     grad_b = 0 if shape.lora else layer_b
     ckpt = s * h * 2
@@ -268,10 +274,12 @@ def _mem_bytes(system: str, shape: Shape, s: int, n: int) -> float:
     hf_head = s * shape.vocab * 10
     if system == "roundpipe":
         return 2 * layer_b + grad_b + ckpt + work + chunked_head + CONTEXT_BYTES
-    block = math.ceil(shape.layers / n)
     if system == "mobius":
-        weights = 2 * block * layer_b + block * grad_b
-        return weights + n * block * ckpt + work + hf_head + CONTEXT_BYTES
+        # its block double buffered with its gradients, the head bound to one GPU, and the
+        # checkpoints of all its L/N layers for the N micro-batches in flight (GPipe order)
+        head_b = 2 * shape.head_params * (1 if shape.lora else 2)
+        weights = 2 * block * layer_b + block * grad_b + head_b
+        return weights + n * math.ceil(shape.layers / n) * ckpt + work + hf_head + CONTEXT_BYTES
     # zero_infinity
     return 2 * layer_b + 1e9 + shape.layers * ckpt + work + hf_head + CONTEXT_BYTES
 
@@ -333,9 +341,8 @@ def format_tables(result: dict[str, Any]) -> str:
         if preset == "zero_calibration":
             continue
         pub = preset.startswith("rtx4090")
-        lines.append(
-            f"**{data['machine']}** (tokens/s; published 8x RTX 4090 figures in brackets)\n"
-        )
+        note = "; published 8x RTX 4090 figures in brackets" if pub else ""
+        lines.append(f"**{data['machine']}** (tokens/s{note})\n")
         lines.append("| model | RoundPipe async | RoundPipe sync | Mobius | ZeRO-Infinity | "
                      f"ZeRO / {slow:.2f} (H200-calibrated) | max seq RP / Mobius / ZeRO |")  # fmt: skip
         lines.append("|---|---:|---:|---:|---:|---:|---|")
