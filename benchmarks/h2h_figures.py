@@ -51,6 +51,53 @@ def timelines(result: dict[str, Any], prefix: str) -> list[str]:
     return out
 
 
+def simulated(result: dict[str, Any], prefix: str) -> list[str]:
+    """The simulator's Gantt of each calibrated rp_engine run, beside the measured one: the
+    layer times recorded by the run, byte sizes from the preset's model, the run's plan."""
+    from benchmarks import calibration as cal
+    from benchmarks.head_to_head import PRESETS, build_model
+    from rp_engine.plan.partition import LayerCosts
+
+    preset = PRESETS[result["config"]["model"]]
+    model = build_model(preset)
+    inner = model.model
+    nbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in inner.layers]
+    head = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
+    prefix_b = sum(p.numel() * p.element_size() for p in inner.embed_tokens.parameters())
+    out = []
+    for name, row in result["systems"].items():
+        c = row.get("calibration")
+        if not c:
+            continue
+        costs = LayerCosts(
+            fwd_ms=tuple(c["layer_fwd_ms"]),
+            bwd_ms=tuple(c["layer_bwd_ms"]),
+            param_bytes=tuple(nbytes),
+            head_fwd_ms=c["head_ms"][0],
+            head_bwd_ms=c["head_ms"][1],
+            head_param_bytes=head,
+            boundary_bytes=preset["mbs"] * preset["seq"] * preset["hidden_size"] * 4,
+            prefix_param_bytes=prefix_b,
+        )
+        machine = cal.cpu_machine(
+            row["num_devices"], result["config"]["pcie_gbps"], c["cpu_adam_params_per_s"]
+        )
+        pred = cal.predict_ms(
+            costs,
+            machine,
+            schedule=row["schedule"],
+            fwd_cuts=row["fwd_cuts"],
+            bwd_cuts=row["bwd_cuts"],
+            num_microbatches=preset["gas"],
+            round_size=row["round_size"],
+            async_optimizer=name == "roundpipe",
+        )
+        path = f"{prefix}_simulated_{name}.png"
+        render.write_png(pred["result"], path, title=f"{name} (simulated, 4 iterations)")
+        out.append(path)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
@@ -61,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{cfg['model']}, {cfg.get('devices')} devices, link {cfg.get('pcie_gbps')} GB/s, "
              f"{result['machine'].get('gpu') or str(result['machine']['cpu_count']) + ' CPU cores'}")  # fmt: skip
     bar_chart(result, f"{args[1]}_tokens.png", title)
-    for path in [f"{args[1]}_tokens.png", *timelines(result, args[1])]:
+    paths = [f"{args[1]}_tokens.png", *timelines(result, args[1]), *simulated(result, args[1])]
+    for path in paths:
         print(path)
     return 0
 
