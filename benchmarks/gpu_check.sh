@@ -7,9 +7,10 @@
 #   python3 -m pip wheel --no-deps -w .whl deepspeed==0.19.8
 # then: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Logs land in $OUT (or ./gpu_check_out) for benchmarks/RESULTS.md. Not yet run on a GPU.
-# Besides the CUDA tests it runs the head-to-head on the Qwen3-1.7B shape (one JSON line per
-# system: plain PyTorch, DeepSpeed ZeRO-Infinity, rp_engine async and sync; each in its own
-# process, a window of steps timed between two synchronisations). The device machine also lacks
+# Besides the CUDA tests it runs the head-to-head (python -m benchmarks.head_to_head) on the
+# Qwen3-1.7B shape and on the Qwen3-8B shape (does not train in 24 GB without offload): DeepSpeed
+# ZeRO-Infinity, rp_engine async / sync / Mobius, plain PyTorch; each in its own process, a window
+# of steps timed between two synchronisations; one JSON file per model. The device machine also lacks
 # pydantic: add pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
 # typing-extensions to the download above (see shared/reference/gpu_measurements.md).
 set -uo pipefail
@@ -28,5 +29,8 @@ python3 -c "import torch, transformers; print(torch.__version__, transformers.__
 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_device_cuda.py \
     tests/test_engine_cuda.py 2>&1 | tee "$out/gpu_tests.log"
 python3 -m rp_engine.cli --steps 20 --json 2>"$out/rp_train.err" | tee "$out/rp_train.json"
-python3 benchmarks/gpu_head_to_head.py --shape qwen3-1.7b --warmup 2 --steps 5 \
-    2>"$out/head_to_head.err" | tee "$out/head_to_head.jsonl"
+python3 -m benchmarks.head_to_head --model qwen3-1.7b --repeats 1 --warmup 2 --steps 5 \
+    --json "$out/h2h_qwen3_1.7b.json" 2>"$out/h2h_qwen3_1.7b.err" | tee "$out/h2h_qwen3_1.7b.md"
+python3 -m benchmarks.head_to_head --model qwen3-8b --repeats 1 --warmup 1 --steps 3 \
+    --systems deepspeed,roundpipe,roundpipe_sync,mobius --no-calibrate \
+    --json "$out/h2h_qwen3_8b.json" 2>"$out/h2h_qwen3_8b.err" | tee "$out/h2h_qwen3_8b.md"

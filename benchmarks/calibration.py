@@ -1,0 +1,259 @@
+"""Calibration: the plan simulator's predicted iteration time against a measured rp_engine run.
+
+``layer_costs`` times the model's own layers directly (forward; forward + backward; the LM head
+with its loss) on one micro-batch, with the intra-op threads one CPU virtual device gets, and
+returns ``LayerCosts`` with the real parameter and boundary bytes. ``cpu_adam_rate`` measures
+DeepSpeed's CPU Adam (the kernel the engine steps with). ``predict_ms`` builds the engine's
+plan (same schedule, cuts, devices, micro-batches, round size) for a few iterations back to back
+and simulates it on a machine model of the emulated link; its steady-state iteration is the
+prediction. ``gpu_point`` is the second calibration point, from the per-layer figures measured on
+an H200 (shared/reference/gpu_measurements.md).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rp_engine.plan import schedules
+from rp_engine.plan.partition import LayerCosts
+from rp_engine.plan.simulate import Machine, simulate
+
+__all__ = ["layer_costs", "cpu_adam_rate", "predict_ms", "cpu_machine"]
+
+NO_LINK_GBPS = 1e6  # "no emulated link": copies are memcpy-fast next to compute
+
+
+def _median_ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # warm-up (allocator, kernels)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def layer_costs(model: Any, mbs: int, seq: int, *, threads: int, reps: int = 5) -> LayerCosts:
+    """Per-layer ms per micro-batch of an HF decoder-only model (``model.model.layers``)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        return _layer_costs(model, mbs, seq, reps)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _layer_costs(model: Any, mbs: int, seq: int, reps: int) -> LayerCosts:
+    import torch
+    import torch.nn.functional as F
+
+    inner = model.model
+    dtype = next(model.parameters()).dtype
+    ids = torch.randint(0, model.config.vocab_size, (mbs, seq))
+    pos = torch.arange(seq).unsqueeze(0)
+    with torch.no_grad():
+        hidden = inner.embed_tokens(ids)
+        rope = inner.rotary_emb(hidden, pos)
+    fwd, bwd, pbytes = [], [], []
+    for layer in inner.layers:
+
+        def run_fwd(layer: Any = layer) -> None:
+            with torch.no_grad():
+                layer(hidden, position_embeddings=rope, position_ids=pos)
+
+        def run_both(layer: Any = layer) -> None:
+            x = hidden.detach().requires_grad_(True)
+            layer(x, position_embeddings=rope, position_ids=pos).sum().backward()
+
+        f = _median_ms(run_fwd, reps)
+        fwd.append(f)
+        bwd.append(max(_median_ms(run_both, reps) - f, 0.0))
+        pbytes.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
+    labels = ids.clone()
+
+    def head(backward: bool) -> None:
+        x = hidden.detach().requires_grad_(backward)
+        with torch.set_grad_enabled(backward):
+            logits = model.lm_head(inner.norm(x)).float()
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+            if backward:
+                loss.backward()
+
+    head_f = _median_ms(lambda: head(False), reps)
+    head_b = max(_median_ms(lambda: head(True), reps) - head_f, 0.0)
+    model.zero_grad(set_to_none=True)
+    head_bytes = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
+    head_bytes += sum(p.numel() * p.element_size() for p in inner.norm.parameters())
+    prefix = sum(p.numel() * p.element_size() for p in inner.embed_tokens.parameters())
+    return LayerCosts(
+        fwd_ms=tuple(fwd),
+        bwd_ms=tuple(bwd),
+        param_bytes=tuple(pbytes),
+        head_fwd_ms=head_f,
+        head_bwd_ms=head_b,
+        head_param_bytes=head_bytes,
+        boundary_bytes=mbs * seq * model.config.hidden_size * torch.finfo(dtype).bits // 8,
+        prefix_param_bytes=prefix,
+    )
+
+
+def cpu_adam_rate(num_params: int, reps: int = 3) -> float:
+    """Parameters per second of DeepSpeedCPUAdam on ``num_params`` fp32 parameters."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    p = torch.nn.Parameter(torch.zeros(max(num_params, 1)))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = DeepSpeedCPUAdam([p], lr=1e-4)
+    ms = _median_ms(opt.step, reps)
+    return p.numel() / (ms / 1e3)
+
+
+def cpu_machine(num_devices: int, pcie_gbps: float | None, adam_rate: float) -> Machine:
+    """CPU virtual devices: each direction of each device one emulated link, no shared host
+    link (the emulation has none), fp32 weights (4 B/param)."""
+    gbps = pcie_gbps or NO_LINK_GBPS
+    return Machine(
+        name=f"{num_devices} CPU virtual devices, emulated link {pcie_gbps or 'none'} GB/s",
+        num_devices=num_devices,
+        h2d_gbps=gbps,
+        d2h_gbps=gbps,
+        host_link_gbps=None,
+        cpu_adam_params_per_s=adam_rate,
+        bytes_per_param=4.0,
+    )
+
+
+def predict_ms(
+    costs: LayerCosts,
+    machine: Machine,
+    *,
+    schedule: str,
+    fwd_cuts: Sequence[int],
+    bwd_cuts: Sequence[int],
+    num_microbatches: int,
+    round_size: int,
+    async_optimizer: bool,
+    iterations: int = 4,
+) -> dict[str, Any]:
+    """The simulator's steady-state iteration (ms) for the engine's plan on ``machine``."""
+    kwargs: dict[str, Any] = {
+        "fwd_cuts": tuple(fwd_cuts),
+        "num_devices": machine.num_devices,
+        "num_microbatches": num_microbatches,
+    }
+    if schedule == "mobius":
+        kwargs["bwd_cuts"] = tuple(bwd_cuts)
+    else:
+        kwargs.update(bwd_cuts=tuple(bwd_cuts), round_size=round_size)
+    plan = schedules.build(schedule, num_iterations=iterations, **kwargs)
+    result = simulate(
+        plan, costs, machine=machine, optimizer="async" if async_optimizer else "sync"
+    )
+    return {
+        "iteration_ms": result.iteration_ms,
+        "bubble_ratio": result.bubble_ratio,
+        "compute_ms_per_iteration": result.busy_ms,
+        "bytes_moved_per_iteration": {k: v / iterations for k, v in result.bytes_moved.items()},
+        "result": result,
+    }
+
+
+def default_threads(num_devices: int) -> int:
+    """Intra-op threads one CPU virtual device runs with (the pool's split)."""
+    return max(1, (os.cpu_count() or 1) // num_devices)
+
+
+# ---- the second calibration point: Qwen3-1.7B on one H200 (gpu_measurements.md) ---------------
+H200: dict[str, Any] = {  # shared/reference/gpu_measurements.md, 2026-11-30 (CUDA events, medians)
+    "layer_fwd_ms": 1.68, "layer_bwd_ms": 3.05, "head_fwd_bwd_ms": 19.1, "pcie_gbps": 55.0,
+    "layers": 28, "layer_bytes": 96e6, "hidden": 2048, "vocab": 151936, "mbs": 4, "seq": 1024,
+    "gas": 4,
+    # measured tokens/s of whole runs, same page
+    "measured": {"torch": 22755, "deepspeed": 4984, "roundpipe_landed_sync": 2826,
+                 "roundpipe_landed_async": 2381},
+}  # fmt: skip
+
+
+def gpu_point() -> list[dict[str, Any]]:
+    """Predicted vs measured on the H200 (one device, GAS 4, 24 GB budget)."""
+    from benchmarks.projection import SHAPES, zero_infinity_tps
+
+    g = H200
+    n_layers, tokens = g["layers"], g["gas"] * g["mbs"] * g["seq"]
+    costs = LayerCosts(
+        fwd_ms=(g["layer_fwd_ms"],) * n_layers,
+        bwd_ms=(g["layer_bwd_ms"],) * n_layers,
+        param_bytes=(int(g["layer_bytes"]),) * n_layers,
+        head_fwd_ms=g["head_fwd_bwd_ms"] / 3,
+        head_bwd_ms=2 * g["head_fwd_bwd_ms"] / 3,
+        head_param_bytes=g["vocab"] * g["hidden"] * 2,
+        boundary_bytes=g["mbs"] * g["seq"] * g["hidden"] * 2,
+    )
+    machine = Machine(
+        name="1x H200, PCIe 5.0 55 GB/s", num_devices=1, h2d_gbps=g["pcie_gbps"],
+        d2h_gbps=g["pcie_gbps"], memory_bytes=24 * 2**30,
+    )  # fmt: skip
+    rows = []
+    from rp_engine.plan.partition import partition
+
+    for label, async_opt, round_size in (
+        ("roundpipe_landed_async", True, 1),  # the measured runs predate rounds: M_R = 1
+        ("roundpipe_landed_sync", False, 1),
+    ):
+        part = partition(costs, num_devices=1, num_microbatches=g["gas"],
+                         memory_budget_bytes=machine.memory_bytes, async_optimizer=async_opt)  # fmt: skip
+        for rs in (round_size, g["gas"]):
+            pred = predict_ms(
+                costs, machine, schedule="roundpipe", fwd_cuts=part.fwd_cuts,
+                bwd_cuts=part.bwd_cuts, num_microbatches=g["gas"], round_size=rs,
+                async_optimizer=async_opt,
+            )  # fmt: skip
+            rows.append(_row(f"{label} (simulated M_R={rs})", pred["iteration_ms"], tokens,
+                             g["measured"][label]))  # fmt: skip
+    # plain PyTorch, no recomputation: forward + backward of every layer and the head
+    torch_ms = g["gas"] * (
+        n_layers * (g["layer_fwd_ms"] + g["layer_bwd_ms"]) + g["head_fwd_bwd_ms"]
+    )
+    rows.append(_row("torch (compute sum, no recompute)", torch_ms, tokens, g["measured"]["torch"]))
+    # ZeRO-Infinity: the projection's closed form, on this machine and per-layer costs
+    shape = SHAPES["qwen3-1.7b"]
+    zero = _zero_h200(shape, costs, machine)
+    rows.append(_row("deepspeed (projection's ZeRO-Infinity model)", zero, tokens,
+                     g["measured"]["deepspeed"]))  # fmt: skip
+    _ = zero_infinity_tps  # the same formula, checked by test_projection
+    return rows
+
+
+def _zero_h200(shape: Any, costs: LayerCosts, machine: Machine) -> float:
+    rate = machine.h2d_gbps * 1e6
+    f, b, p = costs.fwd_ms[0], costs.bwd_ms[0], costs.param_bytes[0]
+    per_mb = shape.layers * (max(f, p / rate) + max(f + b, p / rate))
+    head = costs.head_fwd_ms + costs.head_bwd_ms
+    adam = shape.trainable_params / machine.cpu_adam_params_per_s * 1e3
+    return H200["gas"] * (per_mb + head) + adam
+
+
+def _row(label: str, pred_ms: float, tokens: int, measured_tps: float) -> dict[str, Any]:
+    meas_ms = tokens / measured_tps * 1e3
+    return {"run": label, "predicted_ms": pred_ms, "measured_ms": meas_ms,
+            "error": (pred_ms - meas_ms) / meas_ms}  # fmt: skip
+
+
+def main() -> int:
+    print("| run (Qwen3-1.7B, 1x H200, GAS 4) | predicted ms/step | measured ms/step | error |")
+    print("|---|---:|---:|---:|")
+    for r in gpu_point():
+        print(f"| {r['run']} | {r['predicted_ms']:,.0f} | {r['measured_ms']:,.0f} | "
+              f"{100 * r['error']:+.0f} % |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

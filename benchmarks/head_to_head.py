@@ -1,0 +1,498 @@
+"""Head-to-head, in one command: rp_engine vs DeepSpeed ZeRO-Infinity vs Mobius vs plain PyTorch.
+
+    python -m benchmarks.head_to_head --quick                    # CPU virtual devices, a few min
+    python -m benchmarks.head_to_head --model qwen3-1.7b         # the GPU configuration
+    python -m benchmarks.head_to_head --quick --json out.json --pcie-gbps 1
+
+Five systems read the same model (random weights from one config and seed), data, optimizer
+(AdamW lr 1e-4, betas 0.9/0.95, clipping 1.0) and one ds_config (ZeRO-3, params and optimizer
+offloaded to CPU); DeepSpeed ignores its "roundpipe" section:
+
+- ``deepspeed``: real DeepSpeed ZeRO-Infinity (stage 3, offload_param + offload_optimizer to
+  CPU), ONE process (world size 1). On this 2-core machine gloo ranks (one per virtual device)
+  would split the same two cores and the batch, so the single process is the faster and fairer
+  DeepSpeed here. With ``--pcie-gbps`` on CPU its link traffic is charged by
+  ``benchmarks.emulated_link`` (bytes per layer fetch and gradient offload, the ZeRO-Infinity
+  rule); on a GPU it moves real bytes.
+- ``roundpipe`` / ``roundpipe_sync``: rp_engine, asynchronous / synchronous CPU optimizer.
+- ``mobius``: rp_engine with ``"roundpipe": {"schedule": "mobius"}`` (blocks bound to devices).
+- ``torch``: plain PyTorch, everything on the device (the ceiling; no recomputation).
+
+Each system runs in its own process; the systems alternate (A B C D E, ``--repeats`` times) so
+drift hits all alike; each process warms up, then times one window of steps synchronised only at
+its two ends. Reported: tokens/s (median over repeats), the ratio to DeepSpeed, per-step losses
+(DeepSpeed vs rp_engine sync must agree within 1e-3 relative in fp32), peak host RSS, peak device
+memory, bytes moved per step, and for every rp_engine run the simulator's predicted iteration
+time from directly timed layer costs and the link model (``benchmarks.calibration``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("deepspeed", "roundpipe", "roundpipe_sync", "mobius", "torch")
+RP_SYSTEMS = ("roundpipe", "roundpipe_sync", "mobius")
+LOSS_RTOL = 1e-3
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen3-1.7B (public config), random weights: 1.72 B parameters; the GPU configuration
+    "qwen3-1.7b": {
+        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": True, "mbs": 4, "seq": 1024, "gas": 4,
+        "dtype": "bf16", "device_memory_gb": 24,
+    },
+    # Qwen3-8B shape: 16 GB of bf16 weights, does not train in 24 GB without offload
+    "qwen3-8b": {
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": False, "mbs": 4, "seq": 1024, "gas": 4,
+        "dtype": "bf16", "device_memory_gb": 24,
+    },
+    # the --quick CPU model: big enough that weights cost link time, small enough for 2 cores
+    "cpu-small": {
+        "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "vocab_size": 1024, "tie_word_embeddings": True, "mbs": 2, "seq": 128, "gas": 4,
+        "dtype": "fp32", "device_memory_gb": None,
+    },
+    # the test's model
+    "tiny": {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 256, "tie_word_embeddings": True, "mbs": 2, "seq": 32, "gas": 4,
+        "dtype": "fp32", "device_memory_gb": None,
+    },
+}  # fmt: skip
+_RUN_KEYS = ("mbs", "seq", "gas", "dtype", "device_memory_gb")
+
+
+def ds_config(preset: dict[str, Any], *, devices: str | None, pcie_gbps: float | None) -> dict:
+    """The one config every system reads (DeepSpeed ignores the "roundpipe" section)."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": preset["mbs"],
+        "gradient_accumulation_steps": preset["gas"],
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95]}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        "roundpipe": {"devices": devices},
+    }
+    if preset["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if preset["device_memory_gb"]:
+        cfg["roundpipe"]["device_memory_gb"] = preset["device_memory_gb"]
+    if pcie_gbps:
+        cfg["roundpipe"]["pcie_gbps"] = pcie_gbps
+    return cfg
+
+
+def build_model(preset: dict[str, Any]) -> Any:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{k: v for k, v in preset.items() if k not in _RUN_KEYS}, use_cache=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config)
+
+
+def batches(preset: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, preset["vocab_size"], (preset["mbs"], preset["seq"]), generator=gen)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+# ---- one system, in its own process ----------------------------------------------------------
+def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Warm up, then time ``args.steps`` steps between two synchronisations."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    data = batches(preset, (args.warmup + args.steps) * preset["gas"])
+    step_fn, sync, extra = _SETUP[system](preset, data, cuda, args)
+    losses = []
+    for _ in range(args.warmup):
+        losses.append(step_fn())
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        losses.append(step_fn())  # device tensors: no synchronisation inside the window
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = args.steps * preset["gas"] * preset["mbs"] * preset["seq"]
+    row: dict[str, Any] = {
+        "system": system,
+        "tokens_per_s": tokens / seconds,
+        "s_per_step": seconds / args.steps,
+        "step_losses": [float(x) for x in losses],
+        "final_loss": float(losses[-1]),
+        "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "peak_device_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "bytes_per_step": 0,
+    }
+    row.update(extra())
+    return row
+
+
+def _torch(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
+    """The ceiling: everything on the device, AMP bf16 where configured, no recomputation."""
+    import torch
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    model = build_model(preset).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
+    it = iter(data)
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=preset["dtype"] == "bf16")
+
+    def step() -> Any:
+        total = 0.0
+        for _ in range(preset["gas"]):
+            batch = {k: v.to(dev, non_blocking=True) for k, v in next(it).items()}
+            with amp:
+                loss = model(**batch).loss / preset["gas"]
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    return step, sync, dict
+
+
+def _deepspeed(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
+    import torch
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    import deepspeed
+
+    from benchmarks.emulated_link import EmulatedZeroLink
+
+    model = build_model(preset)
+    link = None
+    if args.pcie_gbps and not cuda:
+        inner = model.model
+        modules = [inner.embed_tokens, *inner.layers, model.lm_head]
+        size = 2 if preset["dtype"] == "bf16" else 4
+        pbytes = [sum(p.numel() for p in m.parameters()) * size for m in modules]
+        link = EmulatedZeroLink(modules, pbytes, pbytes, args.pcie_gbps)
+    cfg = ds_config(preset, devices=None, pcie_gbps=None)
+    cfg.pop("roundpipe")
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+    it = iter(data)
+    dev = engine.device
+    steps = 0
+
+    def step() -> Any:
+        nonlocal steps
+        total = 0.0
+        for _ in range(preset["gas"]):
+            batch = {k: v.to(dev) for k, v in next(it).items()}
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            if link is not None:
+                link.wait_gradients()  # the step and the next micro-batch need the offload
+            engine.step()
+            total += loss.detach() / preset["gas"]
+        steps += 1
+        return total
+
+    def extra() -> dict[str, Any]:
+        if link is None:
+            return {}
+        per_step = (link.h2d_bytes + link.d2h_bytes) / max(steps, 1)
+        return {"bytes_per_step": per_step, "bytes_modelled": True}
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    return step, sync, extra
+
+
+def _roundpipe(async_optimizer: bool, schedule: str) -> Any:
+    def setup(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
+        import rp_engine
+
+        devices = args.devices or ("cuda" if cuda else "cpu:2")
+        cfg = ds_config(preset, devices=devices, pcie_gbps=None if cuda else args.pcie_gbps)
+        cfg["roundpipe"]["async_optimizer"] = async_optimizer
+        cfg["roundpipe"]["schedule"] = schedule
+        model = build_model(preset)
+        engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+        it = iter(data)
+
+        def extra() -> dict[str, Any]:
+            stats = engine.last_step_stats()
+            plan = engine.planner
+            peaks = [d.memory_stats().get("peak", 0) for d in engine.pool.devices]
+            out = {
+                "last_step": stats,
+                "bytes_per_step": stats["h2d_bytes"] + stats["d2h_bytes"],
+                "schedule": schedule,
+                "fwd_cuts": list(plan.fwd_cuts),
+                "bwd_cuts": list(plan.bwd_cuts),
+                "round_size": plan.round_size,
+                "num_devices": plan.num_devices,
+            }
+            if not cuda:  # CUDA: the allocator's own peak (torch) is the device figure
+                out["peak_device_gb"] = max(peaks) / 1e9
+            out["timeline"] = [[r.device, r.action, r.start, r.end] for r in engine.last_timeline()]
+            if args.calibrate and not cuda:  # the link model and layer timing are CPU-only
+                out["calibration"] = _calibrate(engine, model, preset, args, async_optimizer)
+            return out
+
+        return (lambda: engine.train_batch(it)), engine.synchronize, extra
+
+    return setup
+
+
+def _calibrate(
+    engine: Any, model: Any, preset: dict, args: argparse.Namespace, async_optimizer: bool
+) -> dict[str, Any]:
+    """Predict this run's iteration from directly timed layers and the link model."""
+    from benchmarks import calibration as cal
+
+    engine.synchronize()
+    plan = engine.planner
+    n = plan.num_devices
+    costs = cal.layer_costs(model, preset["mbs"], preset["seq"], threads=cal.default_threads(n))
+    rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
+    machine = cal.cpu_machine(n, args.pcie_gbps, rate)
+    pred = cal.predict_ms(
+        costs,
+        machine,
+        schedule=plan.schedule,
+        fwd_cuts=plan.fwd_cuts,
+        bwd_cuts=plan.bwd_cuts,
+        num_microbatches=plan.num_microbatches,
+        round_size=plan.round_size,
+        async_optimizer=async_optimizer,
+    )
+    return {
+        "predicted_ms": pred["iteration_ms"],
+        "predicted_compute_ms": pred["compute_ms_per_iteration"],
+        "predicted_bubble": pred["bubble_ratio"],
+        "predicted_bytes": pred["bytes_moved_per_iteration"],
+        "layer_fwd_ms": list(costs.fwd_ms),
+        "layer_bwd_ms": list(costs.bwd_ms),
+        "head_ms": [costs.head_fwd_ms, costs.head_bwd_ms],
+        "cpu_adam_params_per_s": rate,
+        "machine": machine.name,
+    }
+
+
+_SETUP = {
+    "torch": _torch,
+    "deepspeed": _deepspeed,
+    "roundpipe": _roundpipe(True, "roundpipe"),
+    "roundpipe_sync": _roundpipe(False, "roundpipe"),
+    "mobius": _roundpipe(False, "mobius"),
+}
+
+
+# ---- the parent: alternate systems, aggregate, report ----------------------------------------
+def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.head_to_head", "--system", system]
+    cmd += ["--model", args.model, "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    if args.devices:
+        cmd += ["--devices", args.devices]
+    if args.pcie_gbps:
+        cmd += ["--pcie-gbps", str(args.pcie_gbps)]
+    if not args.calibrate:
+        cmd += ["--no-calibrate"]
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    # OpenMP threads that spin at barriers are preempted on a shared, oversubscribed machine
+    # (DeepSpeed's step went from 0.3 s to 6-10 s here); sleeping waits treat every system alike
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
+    if proc.returncode or not lines:
+        return {"system": system, "error": proc.stderr.strip().splitlines()[-8:]}
+    return json.loads(lines[-1][5:])
+
+
+def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per system: the median tokens/s over repeats, every repeat's figure, peaks (max), the
+    last repeat's losses, bytes and calibration."""
+    systems: dict[str, Any] = {}
+    for name, rows in runs.items():
+        ok = [r for r in rows if "error" not in r]
+        if not ok:
+            systems[name] = {"error": rows[-1].get("error")}
+            continue
+        last = dict(ok[-1])
+        last.pop("timeline", None)
+        tps = [r["tokens_per_s"] for r in ok]
+        last.update(
+            tokens_per_s=statistics.median(tps),
+            tokens_per_s_runs=tps,
+            s_per_step=statistics.median(r["s_per_step"] for r in ok),
+            peak_host_gb=max(r["peak_host_gb"] for r in ok),
+        )
+        devs = [r["peak_device_gb"] for r in ok if r.get("peak_device_gb") is not None]
+        last["peak_device_gb"] = max(devs) if devs else None
+        cal = [r["calibration"] for r in ok if "calibration" in r]
+        if cal:
+            pred = statistics.median(c["predicted_ms"] for c in cal)
+            meas = last["s_per_step"] * 1e3
+            last["calibration"] = {**cal[-1], "predicted_ms": pred, "measured_ms": meas,
+                                   "error": (pred - meas) / meas}  # fmt: skip
+        systems[name] = last
+    return systems
+
+
+def loss_agreement(systems: dict[str, Any]) -> dict[str, Any]:
+    """Per-step relative difference of DeepSpeed and rp_engine sync losses."""
+    a = systems.get("deepspeed", {}).get("step_losses")
+    b = systems.get("roundpipe_sync", {}).get("step_losses")
+    if not a or not b:
+        return {"checked": False}
+    rel = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b, strict=True)]
+    return {"checked": True, "max_rel": max(rel), "rtol": LOSS_RTOL, "ok": max(rel) <= LOSS_RTOL}
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "processor": platform.processor() or platform.machine(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The report as a Markdown table."""
+    head = "| system | tokens/s | vs DeepSpeed | s/step | final loss | peak host GB | "
+    head += "peak device GB | MB moved/step | predicted ms | error |\n"
+    head += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    rows = []
+    for name in SYSTEMS:
+        s = result["systems"].get(name)
+        if s is None:
+            continue
+        if "error" in s:
+            rows.append(f"| {name} | failed: {' / '.join(s['error'] or [])[-200:]} |")
+            continue
+        ratio = result["ratios"].get(name)
+        dev = s.get("peak_device_gb")
+        cal = s.get("calibration")
+        mb = s.get("bytes_per_step", 0) / 1e6
+        mb_text = f"{mb:,.1f}" + (" (model)" if s.get("bytes_modelled") else "")
+        pred_text = f"{cal['predicted_ms']:.0f}" if cal else ""
+        err_text = f"{100 * cal['error']:+.0f} %" if cal else ""
+        rows.append(
+            f"| {name} | {s['tokens_per_s']:,.0f} | "
+            f"{'' if ratio is None else f'{ratio:.2f}x'} | {s['s_per_step']:.3f} | "
+            f"{s['final_loss']:.4f} | {s['peak_host_gb']:.2f} | "
+            f"{'(host)' if dev is None else f'{dev:.3f}'} | {mb_text} | "
+            f"{pred_text} | {err_text} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the CPU configuration, a few minutes")
+    p.add_argument(
+        "--model", choices=sorted(PRESETS), help="default: qwen3-1.7b (cpu-small with --quick)"
+    )
+    p.add_argument("--devices", help="rp_engine devices, e.g. cpu:2 or cuda (default: all/cpu:2)")
+    p.add_argument("--pcie-gbps", type=float, help="emulated link, CPU only (--quick: 0.1)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--repeats", type=int, help="rounds of A B C D E (default 2, --quick 2)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, help="timed steps per run (default 5, --quick 4)")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--system", help=argparse.SUPPRESS)  # the child process's one system
+    args = p.parse_args(argv)
+    args.model = args.model or ("cpu-small" if args.quick else "qwen3-1.7b")
+    args.steps = args.steps or (4 if args.quick else 5)
+    args.repeats = args.repeats or 2
+    if args.quick and args.pcie_gbps is None:
+        # Two CPU cores against 0.1 GB/s is still ~20x more link per FLOP than an RTX 4090 on
+        # PCIe 4.0 (165 TFLOPS / 24 GB/s): conservative towards the offloading baselines
+        args.pcie_gbps = 0.1
+    preset = PRESETS[args.model]
+    if args.system:
+        row = run_system(args.system, preset, args)
+        print("JSON:" + json.dumps(row), flush=True)
+        return 0
+    names = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(names) - set(SYSTEMS))
+    if unknown:
+        p.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in names}
+    timelines: dict[str, Any] = {}
+    for rep in range(args.repeats):  # A B C D E, A B C D E: drift hits every system alike
+        for system in names:
+            row = _child(system, args)
+            runs[system].append(row)
+            if "timeline" in row:
+                timelines[system] = row["timeline"]
+            brief = {k: row.get(k) for k in ("tokens_per_s", "s_per_step", "final_loss", "error")}
+            print(f"[{rep + 1}/{args.repeats}] {system}: {json.dumps(brief)}", file=sys.stderr)
+    systems = aggregate(runs)
+    ds = systems.get("deepspeed", {}).get("tokens_per_s")
+    ratios = {k: s["tokens_per_s"] / ds for k, s in systems.items() if ds and "tokens_per_s" in s}
+    config = {
+        "model": args.model, **preset, "warmup": args.warmup, "steps": args.steps,
+        "repeats": args.repeats, "devices": args.devices or "default", "pcie_gbps": args.pcie_gbps,
+        "deepspeed_processes": 1, "ds_config": ds_config(preset, devices=args.devices,
+                                                         pcie_gbps=args.pcie_gbps),
+    }  # fmt: skip
+    result = {
+        "systems": systems,
+        "ratios": ratios,
+        "loss_agreement": loss_agreement(systems),
+        "config": config,
+        "machine": machine_info(),
+    }
+    print(format_table(result))
+    print(json.dumps({"ratios_to_deepspeed": ratios, "loss_agreement": result["loss_agreement"]}))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**result, "timelines": timelines}, indent=1))
+    failed = any("error" in s for s in systems.values())
+    return 1 if failed or result["loss_agreement"].get("ok") is False else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

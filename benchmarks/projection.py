@@ -1,0 +1,385 @@
+"""Projection: RoundPipe, Mobius and ZeRO-Infinity on 8x RTX 4090 and 8x A800, by the plan simulator.
+
+    python -m benchmarks.projection [--json out.json] [--microbatches 16]
+
+For Qwen3-1.7B, Llama-3.1-8B, Qwen3-32B and Qwen3-235B-A22B (LoRA) shapes (public configs), with
+micro-batches of 4 sequences x 2,048 tokens (the published per-layer measurement) and 16
+micro-batches per iteration:
+
+- Per-layer costs. One rate, from the published Qwen3-1.7B layer on an RTX 4090 (forward
+  7.43 ms, backward 15.83 ms, LM head 22.07 / 43.71 ms; shared/reference/
+  schedules_and_baselines.md): forward FLOPs (2 x tokens x active params + 4 b s^2 h attention)
+  divided by 7.43 ms gives the 4090's effective rate; every other layer's forward is its FLOPs at
+  that rate, backward keeps the measured 15.83 / 7.43 ratio (LoRA: half of it, no weight
+  gradients), the head scales with vocabulary x hidden. The A800 preset scales compute by its
+  ``compute_scale``.
+- RoundPipe async / sync: the partitioner (24 GB / 80 GB budget) then the simulator on the machine
+  preset (links, shared host link, CPU Adam), 4 back-to-back iterations (async) or 2 (sync),
+  rounds of M_R = N micro-batches (the paper's convention; the engine's default M_R = GAS
+  is in RESULTS.md, where it exposed an async-vs-sync anomaly of the simulator).
+- Mobius: ``schedules.mobius`` with K = v x N blocks, the smallest v whose memory (below, at
+  this micro-batch) fits a GPU, cross mapping from the preset, the same simulator; OOM when even
+  one-layer blocks do not fit.
+- ZeRO-Infinity: a closed-form model, since it is data parallel, not a plan: each of the N ranks
+  runs every layer on its 16/N micro-batches; per layer and micro-batch it fetches the whole
+  layer (bf16) over its PCIe link before the forward and again before the backward (the
+  all-gather goes through host memory: no P2P) and offloads its gradient after the backward;
+  each transfer overlaps the neighbouring layer's compute perfectly (prefetch), so a layer costs
+  max(compute, transfer), with the N links sharing the host link; then CPU Adam over all
+  trainable parameters, synchronously. This is an optimistic bound for ZeRO-Infinity.
+- Longest sequence (micro-batch of one sequence) from a memory model per GPU (24 GB on the 4090,
+  80 GB on the A800), bf16: activation checkpoints of s x h x 2 bytes per layer boundary, the
+  working set of one layer s x (18 h + 4 I_active) bytes (flash attention, no s^2 term), the LM
+  head: RoundPipe computes it in 1,024-token chunks (fp32 logits and gradient of one chunk),
+  DeepSpeed and Mobius run the HF head unchunked (bf16 logits + fp32 upcast + fp32 gradient:
+  10 bytes x vocabulary per token); weights: RoundPipe one 1-layer backward stage double
+  buffered plus its gradient, Mobius its block double buffered plus gradients, ZeRO two gathered
+  layers plus 1 GB of reduce bucket; ZeRO keeps all L checkpoints of its micro-batch, Mobius the
+  checkpoints of its block for its N in-flight micro-batches, RoundPipe those of one stage (the
+  rest live on the host). 1.5 GB per GPU for the CUDA context and allocator slack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rp_engine.plan import schedules
+from rp_engine.plan.partition import LayerCosts, partition
+from rp_engine.plan.simulate import Machine, load_machine, simulate
+
+# published per-layer costs, Qwen3-1.7B on one RTX 4090, 4 x 2048 tokens per micro-batch
+REF_FWD_MS, REF_BWD_MS, REF_HEAD_FWD_MS, REF_HEAD_BWD_MS = 7.43, 15.83, 22.07, 43.71
+MBS, SEQ = 4, 2048
+CONTEXT_BYTES = 1.5e9
+PRESETS = ("rtx4090_pcie4_8x", "a800_nvlink_8x")
+
+# published tokens/s on 8x RTX 4090 (schedules_and_baselines.md); None = OOM
+PUBLISHED_4090: dict[str, dict[str, Any]] = {
+    "qwen3-1.7b": {"roundpipe": 65417, "mobius": 39370, "zero_infinity": 7035,
+                   "max_seq": {"roundpipe": "73K", "baselines": "9K"}},
+    "llama3.1-8b": {"roundpipe": 24275, "mobius": 11288, "zero_infinity": 1843,
+                    "max_seq": {"roundpipe": "49K", "baselines": "9K"}},
+    "qwen3-32b": {"roundpipe": 5516, "mobius": 2552, "zero_infinity": 218,
+                  "max_seq": {"roundpipe": "28K", "baselines": "6K"}},
+    "qwen3-235b-lora": {"roundpipe": 1820, "mobius": None, "zero_infinity": None,
+                        "max_seq": {"roundpipe": "31K", "baselines": "OOM"}},
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer's shape (public config)."""
+
+    name: str
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    experts: int = 0
+    experts_per_token: int = 0
+    lora: bool = False
+    lora_rank: int = 16
+
+    @property
+    def attn_params(self) -> int:
+        q = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv)
+
+    @property
+    def layer_params(self) -> int:
+        mlp = 3 * self.hidden * self.intermediate
+        return self.attn_params + (
+            mlp * self.experts + self.hidden * self.experts if self.experts else mlp
+        )
+
+    @property
+    def active_layer_params(self) -> int:
+        mlp = 3 * self.hidden * self.intermediate
+        return self.attn_params + (mlp * self.experts_per_token if self.experts else mlp)
+
+    @property
+    def active_intermediate(self) -> int:
+        return self.intermediate * (self.experts_per_token if self.experts else 1)
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def trainable_params(self) -> int:
+        total = self.layers * self.layer_params + self.head_params * (1 if self.tied else 2)
+        if not self.lora:
+            return total
+        # LoRA on q, k, v, o: rank x (in + out) per projection
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = self.lora_rank * (2 * (self.hidden + q) + 2 * (self.hidden + kv))
+        return self.layers * per_layer
+
+    def fwd_flops(self, tokens_per_seq: int, seqs: int) -> float:
+        t = tokens_per_seq * seqs
+        attn = 4 * seqs * tokens_per_seq**2 * self.heads * self.head_dim
+        return 2 * t * self.active_layer_params + attn
+
+
+SHAPES = {
+    "qwen3-1.7b": Shape("Qwen3-1.7B", 2048, 28, 6144, 16, 8, 128, 151936, True),
+    "llama3.1-8b": Shape("Llama-3.1-8B", 4096, 32, 14336, 32, 8, 128, 128256, False),
+    "qwen3-32b": Shape("Qwen3-32B", 5120, 64, 25600, 64, 8, 128, 151936, False),
+    "qwen3-235b-lora": Shape(
+        "Qwen3-235B-A22B (LoRA)", 4096, 94, 1536, 64, 4, 128, 151936, False,
+        experts=128, experts_per_token=8, lora=True,
+    ),
+}  # fmt: skip
+
+
+def effective_flops_per_ms() -> float:
+    """The RTX 4090's rate implied by the published Qwen3-1.7B layer forward."""
+    return SHAPES["qwen3-1.7b"].fwd_flops(SEQ, MBS) / REF_FWD_MS
+
+
+def layer_costs(shape: Shape, machine: Machine) -> LayerCosts:
+    """Per-layer ms per micro-batch (4 x 2048) and bf16 bytes, on ``machine``."""
+    rate = effective_flops_per_ms() / machine.compute_scale
+    fwd = shape.fwd_flops(SEQ, MBS) / rate
+    bwd_ratio = REF_BWD_MS / REF_FWD_MS
+    bwd = fwd * (bwd_ratio / 2 if shape.lora else bwd_ratio)
+    ref = SHAPES["qwen3-1.7b"]
+    head_scale = shape.head_params / ref.head_params * machine.compute_scale
+    n = shape.layers
+    return LayerCosts(
+        fwd_ms=(fwd,) * n,
+        bwd_ms=(bwd,) * n,
+        param_bytes=(2 * shape.layer_params,) * n,
+        act_bytes=(MBS * SEQ * (18 * shape.hidden + 4 * shape.active_intermediate),) * n,
+        head_fwd_ms=REF_HEAD_FWD_MS * head_scale,
+        head_bwd_ms=REF_HEAD_BWD_MS * head_scale,
+        head_param_bytes=2 * shape.head_params,
+        head_act_bytes=int(1024 * shape.vocab * 8),
+        boundary_bytes=MBS * SEQ * shape.hidden * 2,
+        prefix_param_bytes=0 if shape.tied else 2 * shape.head_params,
+    )
+
+
+def _adam_machine(shape: Shape, machine: Machine) -> Machine:
+    """The simulator steps every layer's parameters; with LoRA only the adapters step, so the
+    CPU Adam rate is scaled by (all parameters / trainable)."""
+    if not shape.lora:
+        return machine
+    total = shape.layers * shape.layer_params + 2 * shape.head_params
+    return dataclasses.replace(
+        machine,
+        cpu_adam_params_per_s=machine.cpu_adam_params_per_s * total / shape.trainable_params,
+    )
+
+
+def roundpipe_tps(shape: Shape, machine: Machine, m: int, *, async_opt: bool) -> dict[str, Any]:
+    costs = layer_costs(shape, machine)
+    n = machine.num_devices
+    part = partition(
+        costs, num_devices=n, num_microbatches=m, memory_budget_bytes=machine.memory_bytes,
+        async_optimizer=async_opt,
+    )  # fmt: skip
+    iters = 4 if async_opt else 2
+    plan = schedules.build(
+        "roundpipe", num_iterations=iters, fwd_cuts=part.fwd_cuts, bwd_cuts=part.bwd_cuts,
+        num_devices=n, num_microbatches=m, round_size=n,
+    )  # fmt: skip
+    res = simulate(
+        plan, costs, machine=_adam_machine(shape, machine),
+        optimizer="async" if async_opt else "sync",
+    )  # fmt: skip
+    return {
+        "tokens_per_s": m * MBS * SEQ / (res.iteration_ms / 1e3),
+        "iteration_ms": res.iteration_ms,
+        "bubble": res.bubble_ratio,
+        "cuts": [list(part.fwd_cuts), list(part.bwd_cuts)],
+    }
+
+
+def mobius_tps(shape: Shape, machine: Machine, m: int) -> dict[str, Any]:
+    costs = layer_costs(shape, machine)
+    n = machine.num_devices
+    # Mobius uses K = v * N blocks: the fewest whose memory (weights, checkpoints, the
+    # unchunked head at this micro-batch) fits one GPU
+    tokens = MBS * SEQ
+    for v in range(1, shape.layers // n + 2):
+        k = min(v * n, shape.layers)
+        blocks = [shape.layers // k + (1 if i < shape.layers % k else 0) for i in range(k)]
+        need = _mem_bytes("mobius", shape, tokens, n, block=max(blocks))
+        if not machine.memory_bytes or need <= machine.memory_bytes:
+            break
+    else:
+        return {"tokens_per_s": None, "why": f"one-layer blocks need {need / 1e9:.0f} GB (OOM)"}
+    plan = schedules.build(
+        "mobius", num_iterations=2, fwd_cuts=blocks, num_devices=n, num_microbatches=m,
+        device_order=machine.device_order,
+    )  # fmt: skip
+    res = simulate(plan, costs, machine=_adam_machine(shape, machine), optimizer="sync")
+    return {
+        "tokens_per_s": m * MBS * SEQ / (res.iteration_ms / 1e3),
+        "iteration_ms": res.iteration_ms,
+        "bubble": res.bubble_ratio,
+        "blocks": len(blocks),
+    }
+
+
+def zero_infinity_tps(shape: Shape, machine: Machine, m: int) -> dict[str, Any]:
+    """The closed-form ZeRO-Infinity model of the module docstring."""
+    costs = layer_costs(shape, machine)
+    n = machine.num_devices
+    share = machine.host_link_gbps / n if machine.host_link_gbps else math.inf
+    h2d, d2h = min(machine.h2d_gbps, share) * 1e6, min(machine.d2h_gbps, share) * 1e6  # B/ms
+    pbytes = costs.param_bytes[0]
+    gbytes = 0 if shape.lora else pbytes
+    f, b = costs.fwd_ms[0], costs.bwd_ms[0]
+    # forward: fetch; backward with checkpointing: fetch, recompute + backward, offload grads
+    fwd = max(f, pbytes / h2d)
+    bwd = max(f + b, pbytes / h2d, gbytes / d2h)
+    head_bytes = costs.head_param_bytes + costs.prefix_param_bytes
+    head = max(costs.head_fwd_ms, head_bytes / h2d) + max(costs.head_bwd_ms, head_bytes / h2d)
+    per_mb = shape.layers * (fwd + bwd) + head
+    micro = math.ceil(m / n)
+    adam_ms = shape.trainable_params / machine.cpu_adam_params_per_s * 1e3
+    it = micro * per_mb + adam_ms
+    # every rank must hold two gathered layers and its activations: a layer over the budget OOMs
+    if machine.memory_bytes and 2 * pbytes + CONTEXT_BYTES > machine.memory_bytes:
+        return {"tokens_per_s": None, "why": "two gathered layers exceed the GPU (OOM)"}
+    return {
+        "tokens_per_s": n * micro * MBS * SEQ / (it / 1e3),
+        "iteration_ms": it,
+        "link_bound_fraction": (pbytes / h2d > f + b),
+    }
+
+
+# ---- memory model: longest sequence ----------------------------------------------------------
+def _mem_bytes(system: str, shape: Shape, s: int, n: int, block: int = 1) -> float:
+    """Bytes one GPU needs for ``s`` tokens in flight per micro-batch; Mobius with blocks of
+    ``block`` layers (default 1: the most favourable to it)."""
+    h, layer_b = shape.hidden, 2 * shape.layer_params
+    grad_b = 0 if shape.lora else layer_b
+    ckpt = s * h * 2
+    work = s * (18 * h + 4 * shape.active_intermediate)
+    chunked_head = 1024 * shape.vocab * 8 + s * h * 4
+    hf_head = s * shape.vocab * 10
+    if system == "roundpipe":
+        return 2 * layer_b + grad_b + ckpt + work + chunked_head + CONTEXT_BYTES
+    if system == "mobius":
+        # its block double buffered with its gradients, the head bound to one GPU, and the
+        # checkpoints of all its L/N layers for the N micro-batches in flight (GPipe order)
+        head_b = 2 * shape.head_params * (1 if shape.lora else 2)
+        weights = 2 * block * layer_b + block * grad_b + head_b
+        return weights + n * math.ceil(shape.layers / n) * ckpt + work + hf_head + CONTEXT_BYTES
+    # zero_infinity
+    return 2 * layer_b + 1e9 + shape.layers * ckpt + work + hf_head + CONTEXT_BYTES
+
+
+def max_seq(system: str, shape: Shape, machine: Machine) -> int | None:
+    """Longest single sequence (multiples of 1K) whose memory fits ``machine.memory_bytes``."""
+    budget = machine.memory_bytes or 0
+    best = None
+    s = 1024
+    while s <= 1 << 22 and _mem_bytes(system, shape, s, machine.num_devices) <= budget:
+        best, s = s, s + 1024
+    return best
+
+
+def zero_calibration() -> float:
+    """Measured / predicted step time of the ZeRO-Infinity model on the H200 calibration point
+    (benchmarks.calibration.gpu_point): the factor the 'calibrated' ZeRO column divides by."""
+    from benchmarks.calibration import gpu_point
+
+    row = next(r for r in gpu_point() if r["run"].startswith("deepspeed"))
+    return float(row["measured_ms"] / row["predicted_ms"])
+
+
+def project(m: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"zero_calibration": zero_calibration()}
+    for preset in PRESETS:
+        machine = load_machine(preset)
+        rows = {}
+        for key, shape in SHAPES.items():
+            rows[key] = {
+                "roundpipe": roundpipe_tps(shape, machine, m, async_opt=True),
+                "roundpipe_sync": roundpipe_tps(shape, machine, m, async_opt=False),
+                "mobius": mobius_tps(shape, machine, m),
+                "zero_infinity": zero_infinity_tps(shape, machine, m),
+                "max_seq": {
+                    s: max_seq(s, shape, machine) for s in ("roundpipe", "mobius", "zero_infinity")
+                },
+            }
+        out[preset] = {"machine": machine.name, "models": rows}
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "OOM" if x is None else f"{x:,.0f}"
+
+
+def _div(x: float | None, by: float) -> float | None:
+    return None if x is None else x / by
+
+
+def _k(x: int | None) -> str:
+    return "OOM" if x is None else f"{x // 1024}K"
+
+
+def format_tables(result: dict[str, Any]) -> str:
+    lines = []
+    slow = result["zero_calibration"]
+    for preset, data in result.items():
+        if preset == "zero_calibration":
+            continue
+        pub = preset.startswith("rtx4090")
+        note = "; published 8x RTX 4090 figures in brackets" if pub else ""
+        lines.append(f"**{data['machine']}** (tokens/s{note})\n")
+        lines.append("| model | RoundPipe async | RoundPipe sync | Mobius | ZeRO-Infinity | "
+                     f"ZeRO / {slow:.2f} (H200-calibrated) | max seq RP / Mobius / ZeRO |")  # fmt: skip
+        lines.append("|---|---:|---:|---:|---:|---:|---|")
+        for key, row in data["models"].items():
+            p = PUBLISHED_4090[key] if pub else {}
+
+            def cell(system: str, row: dict = row, p: dict = p, pub: bool = pub) -> str:
+                ours = _fmt(row[system].get("tokens_per_s"))
+                if not pub or system not in p:
+                    return ours
+                return f"{ours} [{_fmt(p[system])}]"
+
+            seq = row["max_seq"]
+            seq_text = " / ".join(_k(seq[s]) for s in ("roundpipe", "mobius", "zero_infinity"))
+            if pub:
+                seq_text += f" [{p['max_seq']['roundpipe']} / {p['max_seq']['baselines']}]"
+            lines.append(
+                f"| {SHAPES[key].name} | {cell('roundpipe')} | "
+                f"{_fmt(row['roundpipe_sync']['tokens_per_s'])} | {cell('mobius')} | "
+                f"{cell('zero_infinity')} | {_fmt(_div(row['zero_infinity'].get('tokens_per_s'), slow))}"
+                f" | {seq_text} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--microbatches", type=int, default=16)
+    p.add_argument("--json", help="write the projection here")
+    args = p.parse_args(argv)
+    result = project(args.microbatches)
+    print(format_tables(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""The head-to-head harness cannot rot: its reduced form (two steps, tiny model) runs here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.emulated_link import EmulatedZeroLink
+from benchmarks.head_to_head import SYSTEMS, format_table, loss_agreement
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_head_to_head_reduced_run_reports_all_five_systems(tmp_path: Path) -> None:
+    out = tmp_path / "h2h.json"
+    cmd = [sys.executable, "-m", "benchmarks.head_to_head", "--model", "tiny", "--warmup", "1"]
+    cmd += ["--steps", "1", "--repeats", "1", "--pcie-gbps", "2", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result) >= {"systems", "ratios", "config", "machine", "loss_agreement"}
+    assert set(result["systems"]) == set(SYSTEMS)
+    for name, row in result["systems"].items():
+        for key in ("tokens_per_s", "final_loss", "peak_host_gb", "peak_device_gb"):
+            assert key in row, (name, key)
+        assert row["tokens_per_s"] > 0 and len(row["step_losses"]) == 2
+    assert result["ratios"]["deepspeed"] == 1.0 and set(result["ratios"]) == set(SYSTEMS)
+    # the fp32 acceptance criterion: DeepSpeed and rp_engine sync agree step by step
+    assert result["loss_agreement"]["ok"], result["loss_agreement"]
+    for name in ("roundpipe", "roundpipe_sync", "mobius"):
+        row = result["systems"][name]
+        assert row["bytes_per_step"] > 0 and row["calibration"]["predicted_ms"] > 0
+    assert result["systems"]["deepspeed"]["bytes_modelled"] is True
+    assert "| mobius |" in proc.stdout and "vs DeepSpeed" in proc.stdout
+
+
+def test_loss_agreement_flags_a_diverging_step() -> None:
+    systems = {
+        "deepspeed": {"step_losses": [2.0, 1.0]},
+        "roundpipe_sync": {"step_losses": [2.0, 1.01]},
+    }
+    got = loss_agreement(systems)
+    assert got["checked"] and not got["ok"] and abs(got["max_rel"] - 0.01) < 1e-9
+
+
+def test_format_table_marks_a_failed_system() -> None:
+    result = {"systems": {"deepspeed": {"error": ["boom"]}}, "ratios": {}}
+    assert "| deepspeed | failed: boom |" in format_table(result)
+
+
+def test_emulated_link_charges_fetches_and_offloads_and_waits_for_them() -> None:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(3)]
+    model = torch.nn.Sequential(*layers)
+    nbytes = 2_000_000  # 2 ms per transfer at 1 GB/s
+    link = EmulatedZeroLink(layers, [nbytes] * 3, [nbytes] * 3, gbps=1.0)
+    x = torch.randn(4, 8, requires_grad=True)
+    start = time.perf_counter()
+    model(x).sum().backward()
+    link.wait_gradients()
+    elapsed = time.perf_counter() - start
+    assert link.h2d_bytes == 6 * nbytes  # every layer fetched for forward and for backward
+    assert link.d2h_bytes == 3 * nbytes  # and its gradients offloaded once
+    assert elapsed >= 6 * nbytes / 1e9  # the serial fetches bound the pass from below
+    link.close()
+    with pytest.raises(ValueError, match="pcie_gbps"):
+        EmulatedZeroLink(layers, [1] * 3, [1] * 3, gbps=0)
