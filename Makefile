@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine (see README.md):
 #   make train   - create .venv, install, run rp-train on its embedded default job
-#   make test    - create .venv, install, lint + type-check + the whole test suite
+#   make test    - create .venv, install, lint + type-check + the whole test suite (what CI runs)
+#   make test-fast - the edit-run loop: plan, config, counters, device and optimizer unit tests
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # DeepSpeed JIT-builds its CPU Adam once; keep the build outside the checkout so every clone and
@@ -9,7 +10,11 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/rp_engine/torch_extensions
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: train test lint install
+.PHONY: train test test-fast lint install
+
+# Pure functions and small units, seconds each: run these while editing.
+FAST_TESTS := $(wildcard tests/test_plan_*.py) tests/test_config.py tests/test_counters.py \
+	tests/test_device_cpu.py tests/test_optim_units.py
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,4 +33,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy rp_engine
 
 test: lint
-	$(VENV)/bin/pytest -q -ra
+	$(VENV)/bin/pytest -q -ra --durations=15
+
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/pytest -q -x $(FAST_TESTS)

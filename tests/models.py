@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "tiny",
     "tiny_qwen3",
     "tiny_llama",
     "tiny_mistral",
@@ -63,144 +64,108 @@ def _build(config_cls: type, seed: int, **kwargs: Any) -> nn.Module:
     return model.train()
 
 
-def tiny_qwen3(
-    seed: int = 0,
-    *,
-    layers: int = 4,
-    hidden: int = 64,
-    vocab: int = 128,
-    dropout: float = 0.0,
-    tie: bool = False,
-) -> nn.Module:
-    """Qwen3ForCausalLM (q/k norms), ~0.2M parameters."""
-    from transformers import Qwen3Config
-
-    common = _common(layers=layers, hidden=hidden, vocab=vocab, dropout=dropout, tie=tie)
-    return _build(Qwen3Config, seed, **common)
+# family -> (transformers config class, family-specific config keys, default tie). One builder
+# below; the tiny_* names are kept for readability at the call sites.
+def _mistral_extra(layers: int, hidden: int, *, sliding_window: int | None = 8) -> dict:
+    # every layer uses the sliding-window mask (8 by default, so it bites at sequence length 16)
+    return {"sliding_window": sliding_window}
 
 
-def tiny_llama(
-    seed: int = 0,
-    *,
-    layers: int = 4,
-    hidden: int = 64,
-    vocab: int = 128,
-    dropout: float = 0.0,
-    tie: bool = False,
-) -> nn.Module:
-    """LlamaForCausalLM."""
-    from transformers import LlamaConfig
-
-    common = _common(layers=layers, hidden=hidden, vocab=vocab, dropout=dropout, tie=tie)
-    return _build(LlamaConfig, seed, **common)
-
-
-def tiny_mistral(
-    seed: int = 0,
-    *,
-    layers: int = 4,
-    hidden: int = 64,
-    vocab: int = 128,
-    dropout: float = 0.0,
-    tie: bool = False,
-    sliding_window: int | None = 8,
-) -> nn.Module:
-    """MistralForCausalLM; every layer uses the sliding-window mask (8 by default, so it bites
-    at sequence length 16)."""
-    from transformers import MistralConfig
-
-    common = _common(layers=layers, hidden=hidden, vocab=vocab, dropout=dropout, tie=tie)
-    return _build(MistralConfig, seed, sliding_window=sliding_window, **common)
-
-
-def tiny_qwen2(
-    seed: int = 0,
-    *,
-    layers: int = 4,
-    hidden: int = 64,
-    vocab: int = 128,
-    dropout: float = 0.0,
-    tie: bool = False,
-    sliding_window: int | None = None,
-) -> nn.Module:
-    """Qwen2ForCausalLM (q/k/v biases). With ``sliding_window`` set, layers from
-    ``layers // 2`` on use the sliding mask (Qwen's max_window_layers), the rest the full one."""
-    from transformers import Qwen2Config
-
-    common = _common(layers=layers, hidden=hidden, vocab=vocab, dropout=dropout, tie=tie)
-    window = {
+def _qwen2_extra(layers: int, hidden: int, *, sliding_window: int | None = None) -> dict:
+    # with a window, layers from layers // 2 on slide (Qwen's max_window_layers), the rest not
+    return {
         "use_sliding_window": sliding_window is not None,
         "sliding_window": sliding_window,
         "max_window_layers": layers // 2,
     }
-    return _build(Qwen2Config, seed, **window, **common)
 
 
-def tiny_qwen3_moe(
-    seed: int = 0,
-    *,
-    layers: int = 4,
-    hidden: int = 64,
-    vocab: int = 128,
-    dropout: float = 0.0,
-    tie: bool = False,
-    experts: int = 4,
-    experts_per_token: int = 2,
-) -> nn.Module:
-    """Qwen3MoeForCausalLM with a sparse MoE MLP in every layer (no router aux loss)."""
-    from transformers import Qwen3MoeConfig
-
-    common = _common(layers=layers, hidden=hidden, vocab=vocab, dropout=dropout, tie=tie)
-    moe = {
+def _moe_extra(layers: int, hidden: int, *, experts: int = 4, experts_per_token: int = 2) -> dict:
+    # a sparse MoE MLP in every layer, no router aux loss
+    return {
         "num_experts": experts,
         "num_experts_per_tok": experts_per_token,
         "moe_intermediate_size": hidden,
         "decoder_sparse_step": 1,
         "output_router_logits": False,
     }
-    return _build(Qwen3MoeConfig, seed, **moe, **common)
 
 
-def tiny_gemma2(
-    seed: int = 0,
-    *,
-    layers: int = 4,
-    hidden: int = 64,
-    vocab: int = 128,
-    dropout: float = 0.0,
-    tie: bool = True,
-    softcap: float | None = 5.0,
-) -> nn.Module:
-    """Gemma2ForCausalLM: scaled embeddings, alternating sliding/full layers (window 8), final
-    logit soft-capping (small cap so it bites), tied embeddings by default as in the family."""
-    from transformers import Gemma2Config
-
-    common = _common(layers=layers, hidden=hidden, vocab=vocab, dropout=dropout, tie=tie)
-    extra = {
+def _gemma2_extra(layers: int, hidden: int, *, softcap: float | None = 5.0) -> dict:
+    # scaled embeddings, alternating sliding/full layers (window 8), logit soft-capping small
+    # enough to bite
+    return {
         "sliding_window": 8,
         "final_logit_softcapping": softcap,
         "attn_logit_softcapping": 20.0,
         "query_pre_attn_scalar": hidden // 4,
     }
-    return _build(Gemma2Config, seed, **extra, **common)
 
 
-def tiny_granite(
+def _granite_extra(layers: int, hidden: int) -> dict:
+    # embedding multiplier and logits scaling applied outside the layers; head_dim derived
+    return {
+        "embedding_multiplier": 3.0,
+        "logits_scaling": 2.0,
+        "residual_multiplier": 0.5,
+        "head_dim": None,
+    }
+
+
+_FAMILIES: dict[str, tuple[str, Callable[..., dict[str, Any]] | None, bool]] = {
+    "qwen3": ("Qwen3Config", None, False),  # q/k norms
+    "llama": ("LlamaConfig", None, False),
+    "mistral": ("MistralConfig", _mistral_extra, False),
+    "qwen2": ("Qwen2Config", _qwen2_extra, False),  # q/k/v biases
+    "qwen3_moe": ("Qwen3MoeConfig", _moe_extra, False),
+    "gemma2": ("Gemma2Config", _gemma2_extra, True),  # tied embeddings, as in the family
+    "granite": ("GraniteConfig", _granite_extra, False),
+}
+
+
+def tiny(
+    family: str,
     seed: int = 0,
     *,
     layers: int = 4,
     hidden: int = 64,
     vocab: int = 128,
     dropout: float = 0.0,
-    tie: bool = False,
+    tie: bool | None = None,
+    **extra: Any,
 ) -> nn.Module:
-    """GraniteForCausalLM: embedding multiplier and logits scaling applied outside the layers."""
-    from transformers import GraniteConfig
+    """A tiny causal LM of ``family`` (see ``_FAMILIES``), ~0.2M parameters; ``extra`` goes to
+    the family's own keys (e.g. ``sliding_window``, ``experts``, ``softcap``)."""
+    import transformers
 
-    common = _common(layers=layers, hidden=hidden, vocab=vocab, dropout=dropout, tie=tie)
-    del common["head_dim"]  # Granite derives it
-    extra = {"embedding_multiplier": 3.0, "logits_scaling": 2.0, "residual_multiplier": 0.5}
-    return _build(GraniteConfig, seed, **extra, **common)
+    config_name, family_keys, default_tie = _FAMILIES[family]
+    common = _common(
+        layers=layers, hidden=hidden, vocab=vocab, dropout=dropout,
+        tie=default_tie if tie is None else tie,
+    )  # fmt: skip
+    keys = family_keys(layers, hidden, **extra) if family_keys else dict(extra)
+    for key, value in list(keys.items()):
+        if key == "head_dim" and value is None:
+            del common["head_dim"], keys["head_dim"]
+    return _build(getattr(transformers, config_name), seed, **keys, **common)
+
+
+def _family(name: str) -> Callable[..., nn.Module]:
+    def make(seed: int = 0, **kwargs: Any) -> nn.Module:
+        return tiny(name, seed, **kwargs)
+
+    make.__name__ = f"tiny_{name}"
+    make.__doc__ = f"``tiny({name!r}, ...)``"
+    return make
+
+
+tiny_qwen3 = _family("qwen3")
+tiny_llama = _family("llama")
+tiny_mistral = _family("mistral")
+tiny_qwen2 = _family("qwen2")
+tiny_qwen3_moe = _family("qwen3_moe")
+tiny_gemma2 = _family("gemma2")
+tiny_granite = _family("granite")
 
 
 def lora_qwen3(

@@ -1,9 +1,9 @@
-"""Async (staleness 1) vs sync CPU Adam on the main job's default data: same final loss.
+"""Convergence smoke test: async (staleness 1) and sync CPU Adam both learn the main job's data.
 
 A learnable task (byte-level LM on the standard library's documentation, the rp-train default
-data), a small model, a fine-tuning learning rate, 300 steps: the mean loss of the last 20 steps
-agrees within 2 %. Staleness costs progress in proportion to the learning rate: at rp-train's
-from-scratch rate (2e-3) the async run lags by far more; benchmarks/RESULTS.md has the sweep.
+data), a small model, 60 steps: both runs learn, and the async run's tail stays close to the
+sync run's. The long claim (300 steps, a learning-rate sweep, within 2 % at fine-tuning rates)
+is a benchmark: ``benchmarks/engine_bench.py convergence`` (figures in RESULTS.md).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from engine_helpers import engine_for
 
 from rp_engine.cli import batches, build_tiny_model, stdlib_corpus
 
-STEPS, TAIL, LR = 300, 20, 2e-4
+STEPS, TAIL, LR = 60, 10, 5e-4
 
 
-def _final_loss(async_optimizer: bool) -> float:
+def _losses(async_optimizer: bool) -> list[float]:
     model = build_tiny_model(seed=0, layers=2, hidden=64)
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
@@ -30,13 +30,14 @@ def _final_loss(async_optimizer: bool) -> float:
     engine = engine_for(model, cfg)
     try:
         data = batches(stdlib_corpus(), seq_len=32, micro_batch=4, seed=0)
-        losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+        return [float(engine.train_batch(data)) for _ in range(STEPS)]
     finally:
         engine.destroy()
-    assert losses[-1] < losses[0] - 1.0  # it did learn
-    return statistics.mean(losses[-TAIL:])
 
 
-def test_async_and_sync_reach_the_same_loss() -> None:
-    sync, stale = _final_loss(False), _final_loss(True)
-    assert abs(stale - sync) / sync < 0.02, (sync, stale)
+def test_async_and_sync_both_learn() -> None:
+    sync, stale = _losses(False), _losses(True)
+    for losses in (sync, stale):
+        assert statistics.mean(losses[-TAIL:]) < statistics.mean(losses[:TAIL]) - 0.5
+    tail_sync, tail_async = statistics.mean(sync[-TAIL:]), statistics.mean(stale[-TAIL:])
+    assert abs(tail_async - tail_sync) / tail_sync < 0.10, (tail_sync, tail_async)

@@ -40,12 +40,12 @@ def test_cuda_engine_trains_like_pytorch(async_optimizer: bool) -> None:
         assert all(r.device == 0 for r in engine.last_timeline()) or torch.cuda.device_count() > 1
     finally:
         engine.destroy()
-    if not async_optimizer:
-        ref = tiny_qwen3(0, layers=4)
-        expected = reference_losses(ref, batches, steps=STEPS, gas=GAS)
-        # GPU kernels differ from CPU ones: fp32 tolerance, not bit equality
-        torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)
-    assert got[-1] < got[0]
+    ref = tiny_qwen3(0, layers=4)
+    expected = reference_losses(ref, batches, steps=STEPS, gas=GAS)
+    # GPU kernels differ from CPU ones: fp32 tolerance, not bit equality. Async (staleness 1)
+    # computes its first two steps on the initial weights, so only step 1 equals the reference.
+    n = STEPS if not async_optimizer else 1
+    torch.testing.assert_close(got[:n], expected[:n], rtol=2e-4, atol=2e-4)
 
 
 def test_cuda_imperative_loop_and_bf16() -> None:
