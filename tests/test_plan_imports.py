@@ -22,6 +22,7 @@ from rp_engine.plan import cli as plan_cli
 from rp_engine.plan import schedules
 from rp_engine.plan.actions import Op, Plan
 from rp_engine.plan.schedules import SCHEDULES, ScheduleSpec
+from rp_engine.runtime.planning import ModelShape, Planner
 
 PLAN_DIR = Path(__file__).resolve().parents[1] / "rp_engine" / "plan"
 # the import order: a module may import only modules before it
@@ -226,3 +227,13 @@ def test_python_dash_m_simulate_still_runs(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert '"schedule": "gpipe"' in out
+
+
+def test_the_planner_runs_only_offloaded_schedules() -> None:
+    shape = ModelShape(4, False, (1000,) * 4, 3000, 0)
+    for name, spec in SCHEDULES.items():
+        if spec.offloaded:
+            assert Planner(shape, num_devices=2, num_microbatches=2, schedule=name).spec is spec
+        else:
+            with pytest.raises(ValueError, match=rf"roundpipe\.schedule '{name}' is not"):
+                Planner(shape, num_devices=2, num_microbatches=2, schedule=name)

@@ -200,9 +200,8 @@ class _Search:
 
     # -- memory ------------------------------------------------------------------------------
     def _stage_bytes(self, i: int, j: int, *, backward: bool, head: bool) -> int:
-        """Device bytes of a stage over layers i..j-1, as StageCosts counts them: weights (and
-        gradients when backward), activations (all layers' when backward, one layer's in a
-        no-grad forward), the head's, and the boundary hidden states in and out."""
+        """Device bytes of a stage over layers i..j-1: the one memory rule (``slot_memory``,
+        which StageCosts uses too) without the prefix, which callers fold into layer 0."""
         return slot_memory(self.costs, range(i, j), backward=backward, head=head).total
 
     def _fits_fwd(self, i: int, j: int) -> bool:
