@@ -467,7 +467,7 @@ class _Job:
             metrics["timeline/bubble_ratio"] = measured.bubble_ratio
             span = measured.makespan_ms or 1.0
             for d in range(measured.num_devices):  # busy fraction of the measured iteration
-                busy = sum(i.end_ms - i.start_ms for i in measured.timeline(d))
+                busy = sum(i.end_ms - i.start_ms for i in measured.timeline(d) if i.busy)
                 metrics[f"timeline/busy_fraction/{d}"] = busy / span
         self.wandb_run.log(metrics, step=step)
 

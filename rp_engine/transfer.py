@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from rp_engine.device.base import Device, Event, StreamRole
+from rp_engine.device.base import ComputeTimer, Device, Event, StreamRole
 
 __all__ = [
     "State",
@@ -69,8 +69,9 @@ class WeightUpload:
         self.nbytes = 0
         self._grads: dict[int, torch.Tensor] = {}  # accumulated over the group's micro-batches
 
-    def fold_grads(self) -> None:
-        """After each backward micro-batch: move ``.grad`` into the group's accumulator.
+    def fold_grads(self, device: Device) -> None:
+        """After each backward micro-batch: move ``.grad`` into the group's accumulator (counted
+        against ``device``'s memory budget until the download frees it).
 
         fp32 gradients add up in place. Half-precision ones add up in fp32 from the second
         micro-batch on (exactly what an fp32 host accumulation of each micro-batch's gradient
@@ -84,8 +85,11 @@ class WeightUpload:
             acc = self._grads.get(key)
             if acc is None:
                 self._grads[key] = g
+                device.track(g)
             elif acc.dtype != torch.float32:
+                device.free(acc)
                 self._grads[key] = acc.float().add_(g)
+                device.track(self._grads[key])
             else:
                 acc.add_(g)
 
@@ -136,19 +140,25 @@ def upload_weights(
     return handle
 
 
+Trace = Callable[[ComputeTimer], None]  # receives the timer of one transfer, once stopped
+
+
 def upload_state(
     device: Device,
     get_state: Callable[[], State],
     put: Callable[[State], None],
     *,
     label: str = "",
+    trace: Trace | None = None,
 ) -> Event:
     """Copy a host state to ``device`` on its activation stream (high priority), handing the
     device copy to ``put``. Queue any wait on the stream before calling this."""
     stream = device.stream(StreamRole.H2D_ACT)
 
     def run() -> None:
+        timer = device.timer()
         put({k: device.to_device(v) for k, v in get_state().items()})
+        _done(timer, trace)
 
     stream.submit(run, label=label)
     return stream.record()
@@ -161,6 +171,7 @@ def download_state(
     *,
     after: Event,
     label: str = "",
+    trace: Trace | None = None,
 ) -> Event:
     """Copy a device state to the host on the activation download stream once ``after`` has
     completed (its own stream and thread: gradient downloads never delay it)."""
@@ -168,10 +179,18 @@ def download_state(
     stream.wait(after)
 
     def run() -> None:
+        timer = device.timer()
         state = get_state()
         put({k: device.to_host(v) for k, v in state.items()})
         for v in state.values():
             device.free(v)  # the device copy is dropped once it is on the host
+        _done(timer, trace)
 
     stream.submit(run, label=label)
     return stream.record()
+
+
+def _done(timer: ComputeTimer, trace: Trace | None) -> None:
+    timer.stop()
+    if trace is not None:
+        trace(timer)

@@ -89,11 +89,14 @@ class Stream(Protocol):
 
 
 class ComputeTimer(Protocol):
-    """A span of work on one stream: ``stop()`` ends it, ``seconds()`` reads it once done."""
+    """A span of work on one stream: ``stop()`` ends it, ``seconds()`` reads it once done,
+    ``offsets(base)`` gives (start, end) in seconds after another timer of the same device."""
 
     def stop(self) -> None: ...
 
     def seconds(self) -> float: ...
+
+    def offsets(self, base: ComputeTimer) -> tuple[float, float]: ...
 
 
 @runtime_checkable

@@ -366,6 +366,10 @@ class HostTimer:
     def seconds(self) -> float:
         return self._end - self._start
 
+    def offsets(self, base: ComputeTimer) -> tuple[float, float]:
+        assert isinstance(base, HostTimer)
+        return self._start - base._start, self._end - base._start
+
 
 class ThreadedDevice:
     """Streams (one ``ThreadStream`` per role), memory ledger, synchronize/reset/close.

@@ -23,26 +23,76 @@ What the runtime must do itself (CUDA's caching allocator tracks tensors per str
 
 from __future__ import annotations
 
+import mmap
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from .base import ComputeTimer, DeviceError, StreamRole
 from .cpu import CPUEvent, ThreadedDevice, ThreadStream
 
-__all__ = ["CUDADevice", "CUDAEvent", "CUDAStream", "CUDATimer", "pin", "stream_priorities"]
+__all__ = [
+    "CUDADevice",
+    "CUDAEvent",
+    "CUDAStream",
+    "CUDATimer",
+    "pin",
+    "pinned_empty",
+    "stream_priorities",
+]
+
+_PAGE = mmap.PAGESIZE
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context
 
 
 def pin(t: torch.Tensor) -> torch.Tensor:
-    """Return ``t`` in pinned (page-locked) memory when CUDA is available, else ``t`` itself.
+    """Return a copy of ``t`` in pinned (page-locked) memory when CUDA is available, else ``t``.
 
     Pinned memory is what makes ``to_device``/``to_host`` truly asynchronous; pinning raises
-    without an accelerator, hence the guard.
+    without an accelerator, hence the guard. The copy is ``pinned_empty``: exactly the tensor's
+    bytes (``Tensor.pin_memory`` would round each block up to a power of two).
     """
     if not torch.cuda.is_available() or t.device.type != "cpu" or t.is_pinned():
         return t
-    return t.pin_memory()
+    out = pinned_empty(t.numel(), t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def pinned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A flat, uninitialised host tensor of exactly ``numel`` elements in page-locked memory.
+
+    torch's caching host allocator (``pin_memory=True``, ``Tensor.pin_memory``) rounds every
+    block up to a power of two: a 622 MB embedding would take 1 GiB of locked memory. Here plain
+    memory is registered with ``cudaHostRegister`` instead, rounded to whole pages only. The
+    registered pages lie strictly inside their own allocation (so two tensors never register the
+    same page) and are unregistered when the last tensor viewing them is freed, before the memory
+    is. Without CUDA the tensor is ordinary memory.
+    """
+    if not torch.cuda.is_available():
+        return torch.empty(numel, dtype=dtype)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    span = -(-max(nbytes, 1) // _PAGE) * _PAGE
+    raw = np.empty(span + _PAGE, dtype=np.uint8)  # the storage owns it (torch.from_numpy)
+    start = -raw.ctypes.data % _PAGE
+    addr = raw.ctypes.data + start
+    torch.cuda.check_error(
+        torch.cuda.cudart().cudaHostRegister(addr, span, _HOST_REGISTER_PORTABLE)
+    )
+    # numpy runs weakref callbacks before it frees the buffer: unregister first, then free.
+    weakref.finalize(raw, _unregister, addr)
+    return torch.from_numpy(raw)[start : start + nbytes].view(dtype)
+
+
+def _unregister(addr: int) -> None:
+    # At interpreter exit CUDA may already be torn down; the process frees everything anyway.
+    try:
+        torch.cuda.cudart().cudaHostUnregister(addr)
+    except Exception:  # noqa: BLE001 - never raise from a finaliser
+        pass
 
 
 def stream_priorities(device_index: int) -> dict[StreamRole, int]:
@@ -101,14 +151,22 @@ class CUDATimer:
         self.device_index = device_index
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
-        self._start.record()
+        with torch.cuda.device(device_index):  # this device's current stream
+            self._start.record()
 
     def stop(self) -> None:
-        self._end.record()
+        with torch.cuda.device(self.device_index):
+            self._end.record()
 
     def seconds(self) -> float:
         self._end.synchronize()
         return self._start.elapsed_time(self._end) / 1e3
+
+    def offsets(self, base: ComputeTimer) -> tuple[float, float]:
+        assert isinstance(base, CUDATimer)
+        self._end.synchronize()
+        ms = base._start.elapsed_time
+        return ms(self._start) / 1e3, ms(self._end) / 1e3
 
 
 class CUDAStream(ThreadStream):

@@ -5,26 +5,33 @@ stage. Per layer (index in the LayerSequence order: prefix, blocks..., head) the
 
 - the layer's own host module parameters: the *compute weights* that uploads read (bf16/fp16/fp32,
   pinned when the pool is CUDA);
-- for every trainable parameter the layer *owns*, an fp32 *master* tensor whose ``.grad`` is the
-  fp32 gradient accumulation buffer. A parameter shared by several layers (tied embeddings) is
-  owned by the lowest layer index that uses it: in a backward pass that layer finishes last, so its
-  gradient is complete exactly when the owner's is;
+- for every trainable parameter the layer *owns*, an fp32 *master* tensor and an fp32 gradient
+  buffer, a fixed view into the store's one gradient arena (``grad_buffers.py``: preallocated,
+  pinned on CUDA, first contribution of a step copied, later ones added, no zeroing pass). While
+  a step's gradient is being consumed ``master.grad`` is that buffer; otherwise it is None. A
+  parameter shared by several layers (tied embeddings) is owned by the lowest layer index that
+  uses it: in a backward pass that layer finishes last, so its gradient is complete exactly when
+  the owner's is;
 - a published *version* with a condition variable: version v means "compute weights hold the
   result of optimizer step v" (0 = initial weights).
 
 Bytes per trainable parameter on the host: compute weight (2 or 4) + master (4) + Adam m, v (8,
-held by the optimizer) + gradient (4) = 18 B for bf16/fp16 models, 20 B for fp32 models.
+held by the optimizer) + gradient (4) = 18 B for bf16/fp16 models, 20 B for fp32 models; 4 B more
+with double-buffered gradients (the default when host memory allows, ``double_buffer``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from rp_engine.model.grad_buffers import GradBuffers
 
 __all__ = ["HostParam", "HostLayer", "HostStore"]
 
@@ -35,8 +42,9 @@ class HostParam:
 
     name: str
     param: nn.Parameter  # compute weight, the user's own parameter object
-    master: torch.Tensor  # fp32, requires no grad; master.grad is the accumulation buffer
-    layer: int  # the owning layer: its optimizer step consumes master.grad
+    master: torch.Tensor  # fp32, requires no grad; master.grad is set while a step consumes it
+    layer: int  # the owning layer: its optimizer step consumes the gradient
+    slot: int = -1  # index of the gradient buffer in the store's GradBuffers
 
 
 @dataclass(eq=False)
@@ -61,6 +69,11 @@ class HostStore:
 
     ``pin`` (e.g. the CUDA backend's pinning helper) is applied to compute weights once, so
     uploads can be asynchronous; CPU virtual devices pass ``None`` (pinning needs a GPU).
+    ``alloc(n)`` allocates the flat fp32 gradient arena of ``n`` elements (the CUDA backend's
+    ``pinned_empty``); without it the arena is ``pin(torch.empty(n))`` or plain memory.
+    ``double_buffer``: a second gradient arena, so step t+1's gradients land while the optimizer
+    still reads step t's (+4 B per trainable parameter); None decides by free host memory
+    (the second arena must leave at least three times its size available).
     """
 
     def __init__(
@@ -68,6 +81,8 @@ class HostStore:
         modules: Sequence[nn.Module],
         *,
         pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        alloc: Callable[[int], torch.Tensor] | None = None,
+        double_buffer: bool | None = None,
     ) -> None:
         self.layers: list[HostLayer] = []
         self._owner: dict[int, HostParam] = {}
@@ -81,6 +96,15 @@ class HostStore:
                     self._owner[id(p)] = hp
                     layer.owned.append(hp)
             self.layers.append(layer)
+        owned = self.owned_params()
+        for slot, hp in enumerate(owned):
+            hp.slot = slot
+        if alloc is None and pin is not None:
+            alloc = _pinned_by(pin)
+        masters = [hp.master for hp in owned]
+        if double_buffer is None:
+            double_buffer = _second_arena_fits(sum(m.numel() for m in masters) * 4)
+        self.grads = GradBuffers(masters, alloc=alloc, copies=2 if double_buffer else 1)
         if pin is not None:
             for layer in self.layers:
                 for _, p in layer.params:
@@ -107,34 +131,106 @@ class HostStore:
         lowest layer using it)."""
         return self._owner[id(param)].layer
 
-    # --- gradients ----------------------------------------------------------------------------
+    # --- gradients (master.grad is the buffer from a step's first contribution until the step
+    # is consumed or discarded, None otherwise) ------------------------------------------------
     def accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Add a downloaded gradient into the owner's fp32 buffer (called on a host thread).
 
-        Several devices' download threads may add into one buffer at once (a tied weight, or
-        the same stage of two rounds): the owner layer's lock makes each add whole.
+        The step's first contribution is copied (converted) into the buffer, later ones are added
+        through a per-thread conversion scratch: no gradient-sized allocation. Several devices'
+        download threads may add into one buffer at once (a tied weight, or the same stage of
+        two rounds): the owner layer's lock makes each add whole.
         """
         owner = self._owner[id(param)]
         with self._grad_locks[owner.layer]:
-            master = owner.master
-            if master.grad is None:
-                master.grad = grad.to(torch.float32, copy=True)
-            else:
-                master.grad.add_(grad)
+            first = not self.grads.has(owner.slot)
+            self.grads.write(owner.slot, grad)
+            if first:
+                self._expose(owner)
 
-    def zero_grads(self, layers: Iterable[int] | None = None) -> None:
+    def grad_buffer(self, param: nn.Parameter) -> torch.Tensor:
+        """The fp32 buffer receiving the parameter's current-step gradient: a fixed view into an
+        arena (double-buffered: one of two fixed views, alternating with each sealed step). Write
+        it via ``grad_slot``, which also says whether to copy or add."""
+        return self.grads.buffer(self._owner[id(param)].slot)
+
+    @contextmanager
+    def grad_slot(self, param: nn.Parameter) -> Iterator[tuple[torch.Tensor, bool]]:
+        """Write a contribution into the fp32 buffer yourself: yields ``(buffer, first)``.
+
+        Holds the owner layer's lock for the block. ``first`` means no contribution landed yet
+        this step: the caller must *overwrite* the buffer (copy), otherwise *add* to it. The write
+        must be complete when the block exits (synchronise a device copy first); the parameter
+        then counts as contributed. If the block raises, nothing is recorded (a half-written
+        first copy is ignored, since the next contribution overwrites it again).
+        """
+        owner = self._owner[id(param)]
+        with self._grad_locks[owner.layer]:
+            first = not self.grads.has(owner.slot)
+            yield self.grads.buffer(owner.slot), first
+            self.grads.mark(owner.slot)
+            if first:
+                self._expose(owner)
+
+    def _expose(self, owner: HostParam) -> None:
+        # Single-buffered, master.grad shows the buffer as soon as it holds a gradient. Double-
+        # buffered, only the optimizer sets it (attach_grads): step t+1's contributions must not
+        # swap the tensor under step t's optimizer.
+        if self.grads.copies == 1:
+            owner.master.grad = self.grads.buffer(owner.slot)
+
+    @property
+    def double_buffered(self) -> bool:
+        return self.grads.copies == 2
+
+    def has_grad(self, param: nn.Parameter) -> bool:
+        """Whether the parameter received a gradient contribution in the current step."""
+        return self.grads.has(self._owner[id(param)].slot)
+
+    def seal_grads(self, layer: int) -> None:
+        """The layer's gradients for the current step are complete (after ``grad_sq_norm``):
+        the optimizer will read them; double-buffered, new contributions go to the other arena
+        (the caller must not contribute again before the optimizer released that one)."""
+        with self._grad_locks[layer]:
+            for hp in self.layers[layer].owned:
+                self.grads.seal(hp.slot)
+
+    def attach_grads(self, layers: Iterable[int] | None = None) -> None:
+        """Set ``master.grad`` for the optimizer from the sealed step: its buffer, a zero-filled
+        buffer for a parameter that had gradients in earlier steps but none in that one, None if
+        it never had any (it is not stepped). Called by the optimizer worker before stepping."""
         for index in range(len(self.layers)) if layers is None else layers:
             for hp in self.layers[index].owned:
-                if hp.master.grad is not None:
-                    hp.master.grad.zero_()
+                hp.master.grad = self.grads.attach(hp.slot)
+
+    def release_grads(self, layers: Iterable[int]) -> None:
+        """The optimizer has consumed the sealed step of ``layers``: forget those gradients (no
+        memory is touched; the next contribution to that buffer is copied in)."""
+        for index in layers:
+            owned = self.layers[index].owned
+            with self._grad_locks[index]:
+                self.grads.release([hp.slot for hp in owned])
+            for hp in owned:
+                hp.master.grad = None
+
+    def zero_grads(self, layers: Iterable[int] | None = None) -> None:
+        """Discard every gradient of ``layers`` (all by default), sealed or accumulating: the
+        next contribution is copied in, so no memory is touched; ``master.grad`` becomes None."""
+        for index in range(len(self.layers)) if layers is None else layers:
+            owned = self.layers[index].owned
+            with self._grad_locks[index]:
+                self.grads.clear([hp.slot for hp in owned])
+            for hp in owned:
+                hp.master.grad = None
 
     def grad_sq_norm(self, layer: int) -> float:
-        """Sum of squared fp32 gradients the layer owns (inf/nan propagate)."""
+        """Sum of squared fp32 gradients the layer owns (inf/nan propagate); a parameter without a
+        contribution this step counts as a zero gradient."""
         total = 0.0
         for hp in self.layers[layer].owned:
-            if hp.master.grad is not None:
+            if self.grads.has(hp.slot):
                 # one read of the gradient, no temporary copy (torch sums fp32 pairwise)
-                total += float(torch.linalg.vector_norm(hp.master.grad)) ** 2
+                total += float(torch.linalg.vector_norm(self.grads.buffer(hp.slot))) ** 2
         return total
 
     # --- versions -----------------------------------------------------------------------------
@@ -189,6 +285,19 @@ class HostStore:
         with torch.no_grad():
             for hp in self.owned_params():
                 hp.master.copy_(hp.param.data)
+
+
+def _second_arena_fits(nbytes: int) -> bool:
+    import psutil
+
+    return psutil.virtual_memory().available >= 4 * nbytes
+
+
+def _pinned_by(pin: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+    def alloc(n: int) -> torch.Tensor:
+        return pin(torch.empty(n, dtype=torch.float32))
+
+    return alloc
 
 
 def _make_master(p: nn.Parameter) -> torch.Tensor:

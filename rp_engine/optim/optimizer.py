@@ -9,6 +9,15 @@ Adam/AdamW step *per layer* through DeepSpeedCPUAdam's own C++ kernel (``adam_up
 hyper-parameters snapshotted when the step was issued: that is what lets the asynchronous worker
 step layer l of iteration T while the LR scheduler has already moved on. Other torch optimizers
 cannot step a subset of their parameters, so they step all layers at once (``per_layer`` False).
+
+DeepSpeed 0.19.8 binds ``adam_update`` without releasing the GIL: one call on a large tensor
+would freeze every Python thread of the pipeline (compute, uploads, downloads) for its whole
+duration. Each parameter is therefore stepped in bounded slices (``ADAM_SLICE`` elements per
+call), bit-identical to one call: the kernel is elementwise, a slice boundary that is a multiple
+of its SIMD span (at most 16 lanes x 8) splits its vector and scalar parts exactly as the whole
+tensor does, and calls with the same step number leave its beta^t state untouched. The
+unscale x clip coefficient multiplies each slice of the gradient right before its Adam call,
+while the slice is in cache (one pass over the gradient, not two).
 """
 
 from __future__ import annotations
@@ -25,9 +34,20 @@ import torch
 
 from rp_engine.optim.loss_scaler import LossScaler
 
-__all__ = ["HostOptimizer", "build_inner_optimizer", "snapshot_groups", "cpu_adam_cache_dir"]
+__all__ = [
+    "ADAM_SLICE",
+    "HostOptimizer",
+    "build_inner_optimizer",
+    "snapshot_groups",
+    "cpu_adam_cache_dir",
+]
 
 log = logging.getLogger("rp_engine.optim")
+
+# Elements per adam_update call: about 5-10 ms of GIL-holding kernel time on a busy host (28 B
+# of memory traffic per element). A multiple of the kernel's widest SIMD span (16 x 8).
+ADAM_SLICE = 1 << 21
+_SIMD_SPAN = 128
 
 _ADAM_TYPES = {"adam", "adamw"}
 # DeepSpeed optimizer names that need GPU kernels or communication we do not have on the host.
@@ -137,8 +157,19 @@ class HostOptimizer:
     """DeepSpeed-style optimizer wrapper over fp32 masters; see the module docstring."""
 
     def __init__(
-        self, inner: torch.optim.Optimizer, *, per_layer: bool, scaler: LossScaler
+        self,
+        inner: torch.optim.Optimizer,
+        *,
+        per_layer: bool,
+        scaler: LossScaler,
+        slice_elems: int = ADAM_SLICE,
     ) -> None:
+        if slice_elems <= 0 or slice_elems % _SIMD_SPAN:
+            raise ValueError(
+                f"slice_elems={slice_elems}: must be a positive multiple of {_SIMD_SPAN} (the CPU "
+                "Adam kernel's SIMD span), or slices would not be bit-identical to one call"
+            )
+        self.slice_elems = slice_elems
         self.optimizer = inner
         self.per_layer = per_layer
         self.loss_scaler = scaler
@@ -183,24 +214,27 @@ class HostOptimizer:
     def step_params(
         self, params: Sequence[torch.Tensor], *, groups: list[dict[str, Any]], grad_coef: float
     ) -> None:
-        """Step ``params`` (masters with ``.grad``) with the hyper-parameters in ``groups``.
+        """Step ``params`` (masters with ``.grad``; None = not stepped) with ``groups``.
 
-        ``grad_coef`` (unscale x clip) is applied to each gradient right before its update, while
-        it is hot in cache: the gradients are never traversed a second time for clipping.
+        ``grad_coef`` (unscale x clip) scales the gradients in place. With CPU Adam it is applied
+        slice by slice right before each slice's update, while it is hot in cache: the gradients
+        are never traversed a second time for clipping.
         """
         live = [p for p in params if p.grad is not None]
-        if grad_coef != 1.0:
-            for p in live:
-                p.grad.mul_(grad_coef)  # type: ignore[union-attr]
         if self.per_layer:
-            self._cpu_adam_step(live, groups)
+            self._cpu_adam_step(live, groups, grad_coef)
         else:
+            if grad_coef != 1.0:
+                for p in live:
+                    p.grad.mul_(grad_coef)  # type: ignore[union-attr]
             self._torch_step(groups)
         # torch's LR schedulers check this flag (set by their wrapper of optimizer.step, which
         # the per-layer path does not call) to warn about stepping the scheduler first.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
-    def _cpu_adam_step(self, params: Iterable[torch.Tensor], groups: list[dict[str, Any]]) -> None:
+    def _cpu_adam_step(
+        self, params: Iterable[torch.Tensor], groups: list[dict[str, Any]], grad_coef: float
+    ) -> None:
         inner: Any = self.optimizer
         for p in params:
             g = groups[self._group_of[id(p)]]
@@ -211,12 +245,16 @@ class HostOptimizer:
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
             beta1, beta2 = g["betas"]
-            # DeepSpeed's own C++ kernel, exactly as DeepSpeedCPUAdam.step calls it.
-            inner.ds_opt_adam.adam_update(
-                inner.opt_id, state["step"], g["lr"], beta1, beta2, g["eps"],
-                g["weight_decay"], g["bias_correction"], p.data, p.grad.data,  # type: ignore[union-attr]
-                state["exp_avg"], state["exp_avg_sq"],
-            )  # fmt: skip
+            tensors = (p.data, p.grad.data, state["exp_avg"], state["exp_avg_sq"])  # type: ignore[union-attr]
+            for param, grad, exp_avg, exp_avg_sq in _slices(tensors, self.slice_elems):
+                if grad_coef != 1.0:
+                    grad.mul_(grad_coef)
+                # DeepSpeed's own C++ kernel, exactly as DeepSpeedCPUAdam.step calls it. The GIL
+                # is held for one slice only: other threads run between two calls.
+                inner.ds_opt_adam.adam_update(
+                    inner.opt_id, state["step"], g["lr"], beta1, beta2, g["eps"],
+                    g["weight_decay"], g["bias_correction"], param, grad, exp_avg, exp_avg_sq,
+                )  # fmt: skip
 
     def _torch_step(self, groups: list[dict[str, Any]]) -> None:
         # Step with the snapshot, then put back whatever the LR scheduler has set since: torch's
@@ -230,6 +268,21 @@ class HostOptimizer:
         finally:
             for live, now in zip(live_groups, current, strict=True):
                 live.update(now)
+
+
+def _slices(tensors: tuple[torch.Tensor, ...], size: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Matching flat slices of at most ``size`` elements of same-shaped tensors.
+
+    Non-contiguous tensors cannot be sliced into views the kernel writes through (it would update
+    a contiguous copy): they come back whole, as DeepSpeedCPUAdam would pass them.
+    """
+    n = tensors[0].numel()
+    if n <= size or not all(t.is_contiguous() for t in tensors):
+        yield tensors
+        return
+    flat = [t.view(-1) for t in tensors]
+    for start in range(0, n, size):
+        yield tuple(t[start : start + size] for t in flat)
 
 
 def _resync_cpu_adam(inner: Any) -> None:

@@ -70,6 +70,7 @@ class OptimizerStepper:
         self.fp16 = fp16
         self._num_layers = len(store.layers)
         self._done = [0] * self._num_layers  # last step applied (or skipped) per layer
+        self._sealed = [0] * self._num_layers  # last step whose gradient is complete per layer
         self._cond = threading.Condition()
         self._open: _OpenStep | None = None
         self._error: BaseException | None = None
@@ -96,8 +97,23 @@ class OptimizerStepper:
         )
 
     def wait_grads_free(self, layer: int, step: int) -> None:
-        """Block until step ``step - 1`` of ``layer`` has consumed its gradient buffer."""
-        self._wait_done(layer, step - 1)
+        """Block until ``layer``'s gradient buffer may receive step ``step``'s contributions.
+
+        Single-buffered: once step ``step - 1`` has consumed it. Double-buffered: once step
+        ``step - 1``'s gradient is complete (its buffer sealed) and step ``step - 2``, which used
+        the same buffer, has consumed it; step ``step - 1``'s optimizer may still be running.
+        """
+        if not self.store.double_buffered:
+            self._wait_done(layer, step - 1)
+            return
+        with self._cond:
+            while self._sealed[layer] < step - 1:
+                if self._error is not None:
+                    raise RuntimeError(
+                        f"optimizer worker failed; layer {layer} cannot take step {step}"
+                    ) from self._error
+                self._cond.wait(timeout=0.1)
+        self._wait_done(layer, step - 2)
 
     def layer_ready(self, layer: int) -> None:
         """Layer's gradient for the open step is complete (called from a runtime host thread)."""
@@ -108,9 +124,12 @@ class OptimizerStepper:
             self._wait_done(layer, st.step - 1)
             self.store.publish(layer, st.step - 1)
         sq = self.store.grad_sq_norm(layer)
+        self.store.seal_grads(layer)
         with self._cond:
             st.sq_norm += sq
             st.ready.add(layer)
+            self._sealed[layer] = max(self._sealed[layer], st.step)
+            self._cond.notify_all()
         if self.immediate:
             self._enqueue(layer, st, coef=1.0, skip=False)
 
@@ -170,6 +189,7 @@ class OptimizerStepper:
         """After loading a checkpoint: every layer has applied ``step`` and shows w_step."""
         with self._cond:
             self._done = [step] * self._num_layers
+            self._sealed = [step] * self._num_layers
         self.store.set_versions(step)
 
     def close(self) -> None:
@@ -192,6 +212,7 @@ class OptimizerStepper:
 
         def task() -> None:
             if not skip and masters:
+                self.store.attach_grads([layer])
                 self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
             self._finish([layer], st.step)
 
@@ -202,13 +223,14 @@ class OptimizerStepper:
 
         def task() -> None:
             if not skip:
+                self.store.attach_grads()
                 self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
             self._finish(list(range(self._num_layers)), st.step)
 
         self._submit(task, "all layers")
 
     def _finish(self, layers: list[int], step: int) -> None:
-        self.store.zero_grads(layers)
+        self.store.release_grads(layers)
         with self._cond:
             for layer in layers:
                 self._done[layer] = step

@@ -44,6 +44,7 @@ PHASE_CHARS = {
     "send_d2h": "s",
     "send_h2d": "S",
     "opt": "O",
+    "accumulate": "A",
 }
 _COLORS = {
     "fwd": "#4C72B0",
@@ -57,8 +58,10 @@ _COLORS = {
     "send_d2h": "#DA8BC3",
     "send_h2d": "#C44E52",
     "opt": "#8C8C8C",
+    "accumulate": "#64B5CD",
 }
-_LANES = ("compute", "h2d_param", "h2d_act", "d2h", "cpu")
+_LANES = ("compute", "h2d_param", "h2d_act", "d2h", "d2h_act", "host", "cpu")
+STREAM_LANES = _LANES  # every lane a measured timeline may have, in display order
 
 
 def text_grid(result: SimResult, *, width: int = 100, lanes: Sequence[str] = ("compute",)) -> str:
@@ -222,16 +225,24 @@ def _phases(result: SimResult) -> set[str]:
     return {iv.phase for iv in result.intervals}
 
 
-_MEASURED_PHASE = {Op.FWD: "fwd", Op.HEAD: "head_bwd", Op.BWD: "bwd"}
+_MEASURED_PHASE = {
+    Op.FWD: "fwd",
+    Op.HEAD: "head_bwd",
+    Op.BWD: "bwd",
+    Op.UPLOAD: "upload",
+    Op.DOWNLOAD: "download",
+    Op.SEND: "send",
+}
 
 
 class TimelineRecordLike(Protocol):
-    """What the runtime records per compute action (``RoundPipeEngine.last_timeline()``)."""
+    """What the runtime records per action and stream (``RoundPipeEngine.last_timeline()``)."""
 
     device: int
     action: str
     start: float  # seconds
     end: float
+    stream: str  # "compute", "h2d_param", "h2d_act", "d2h", "d2h_act" or "host"
 
 
 def measured_result(
@@ -239,16 +250,17 @@ def measured_result(
 ) -> SimResult:
     """A ``SimResult`` from what the runtime really ran, so the same three views render it.
 
-    ``records`` are objects with ``device``, ``action`` (text such as "F2.3@1"), ``start`` and
-    ``end`` in seconds (``RoundPipeEngine.last_timeline()``). Only compute is recorded, so the
-    bubble is 1 - busy / (devices x span).
+    ``records`` are objects with ``device``, ``action`` (text such as "F2.3@1"), ``start``,
+    ``end`` in seconds and ``stream`` (``RoundPipeEngine.last_timeline()``): one lane per
+    stream; only compute counts as busy, so the bubble is 1 - busy / (devices x span).
     """
     intervals = []
     for r in records:
         action = parse_action(r.action)
-        phase = _MEASURED_PHASE.get(action.op, action.op.name.lower())
-        interval = Interval(r.device, "compute", phase, r.start * 1e3, r.end * 1e3, action, True)
-        intervals.append(interval)
+        lane = getattr(r, "stream", "compute")
+        phase = "accumulate" if lane == "host" else _MEASURED_PHASE[action.op]
+        busy = lane == "compute"
+        intervals.append(Interval(r.device, lane, phase, r.start * 1e3, r.end * 1e3, action, busy))
     t0 = min((i.start_ms for i in intervals), default=0.0)
     intervals = [
         Interval(i.device, i.lane, i.phase, i.start_ms - t0, i.end_ms - t0, i.action, i.busy)
@@ -256,7 +268,7 @@ def measured_result(
     ]
     devices = max((i.device for i in intervals), default=0) + 1
     span = max((i.end_ms for i in intervals), default=0.0)
-    busy = sum(i.end_ms - i.start_ms for i in intervals)
+    busy = sum(i.end_ms - i.start_ms for i in intervals if i.busy)
     return SimResult(
         schedule=schedule,
         num_devices=devices,

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from rp_engine.device.base import Device, DeviceError, Event, StreamRole
+from rp_engine.device.base import ComputeTimer, Device, DeviceError, Event, StreamRole
 from rp_engine.model.host_store import HostStore
 from rp_engine.plan.actions import Action, Op, Plan
 from rp_engine.runtime.replica import Replica
@@ -68,12 +68,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TimelineRecord:
-    """One compute action as it ran: device, action text, start/end seconds from run start."""
+    """One action as it ran on one stream: device, action text ("F2.3@1", "U4.0@1" for an
+    upload, "D5.0@1" a gradient download, "S2.3@0" an activation transfer), start/end seconds
+    from the run's start, and the stream ("compute", "h2d_param", "h2d_act", "d2h", "d2h_act",
+    or "host": gradient accumulation). On CUDA, device-stream times come from timing events
+    (GPU execution, not host issue); host spans use the host clock."""
 
     device: int
     action: str
     start: float
     end: float
+    stream: str = "compute"
 
 
 class GradSink:
@@ -223,10 +228,10 @@ class _Ctx:
         self.saved_ev: dict[tuple[int, int], Event | None] = {}
         self.host_inputs: dict[Any, Callable[[], State]] = {}  # key -> host state, on demand
         self.losses: dict[int, torch.Tensor] = {}
-        self.timeline: list[TimelineRecord] = []
-        self.timers: list[tuple[int, Any]] = []  # (device, ComputeTimer)
-        self.layer_ms: dict[int, list[float]] = {}
-        self.bwd_ms: dict[int, list[float]] = {}
+        self.timeline: list[TimelineRecord] = []  # host-clock spans (HOST stream)
+        self.spans: list[tuple[int, str, Action, ComputeTimer]] = []  # (device, stream, ...)
+        self.base: dict[int, ComputeTimer] = {}  # per device: the run's time origin
+        self.layer_timers: list[tuple[int, ComputeTimer]] = []  # (layer, forward timer)
         self.remaining = Countdown()  # gradient downloads still due, per layer
         self.groups: dict[_GroupKey, _Group] = {}
         self.freed: dict[_GroupKey, Event] = {}
@@ -291,6 +296,7 @@ class Executor:
         before = [d.memory_stats() for d in self.devices]
         for device in self.devices:
             device.reset_peak()
+            ctx.base[device.index] = device.timer()
         if spec.carry is not None:
             self._resume_from(ctx, spec.carry)
         for action in plan.actions:
@@ -300,14 +306,33 @@ class Executor:
         if spec.defer_head and spec.train:
             carry = Carry(ctx.saved, *ctx.head_out)  # type: ignore[misc]
         self._measure(ctx, before)
+        timeline, layer_ms, bwd_ms = self._timeline(ctx)
         return RunResult(
             carry=carry,
             losses=[float(ctx.losses[m]) for m in sorted(ctx.losses)],
-            timeline=sorted(ctx.timeline, key=lambda r: (r.start, r.device)),
-            layer_ms=ctx.layer_ms,
-            bwd_ms=ctx.bwd_ms,
+            timeline=timeline,
+            layer_ms=layer_ms,
+            bwd_ms=bwd_ms,
             stats=ctx.stats,
         )
+
+    @staticmethod
+    def _timeline(
+        ctx: _Ctx,
+    ) -> tuple[list[TimelineRecord], dict[int, list[float]], dict[int, list[float]]]:
+        """After the drain: every span on the run's time axis, and the profile (per-layer
+        forward ms, per-backward-stage ms) from the same timers."""
+        records = list(ctx.timeline)
+        bwd_ms: dict[int, list[float]] = {}
+        for device, stream, a, timer in ctx.spans:
+            start, end = timer.offsets(ctx.base[device])
+            records.append(TimelineRecord(device, str(a), start, end, stream))
+            if ctx.spec.profile and stream == "compute" and a.op in (Op.BWD, Op.HEAD):
+                bwd_ms.setdefault(a.stage, []).append((end - start) * 1e3)
+        layer_ms: dict[int, list[float]] = {}
+        for layer, timer in ctx.layer_timers:
+            layer_ms.setdefault(layer, []).append(timer.seconds() * 1e3)
+        return sorted(records, key=lambda r: (r.start, r.device)), layer_ms, bwd_ms
 
     def _measure(self, ctx: _Ctx, before: list[dict[str, int]]) -> None:
         stats = ctx.stats
@@ -317,8 +342,9 @@ class Executor:
             stats.h2d_bytes += now.get("h2d_bytes", 0) - b.get("h2d_bytes", 0)
             stats.d2h_bytes += now.get("d2h_bytes", 0) - b.get("d2h_bytes", 0)
             stats.busy_s.setdefault(device.index, 0.0)
-        for index, timer in ctx.timers:
-            stats.busy_s[index] += timer.seconds()
+        for index, stream, _, timer in ctx.spans:
+            if stream == "compute":
+                stats.busy_s[index] += timer.seconds()
 
     def _slot_layers(self, plan: Plan, slot: int) -> tuple[int, ...]:
         """Host layer indices a plan slot runs (forward stage s, or backward stage slot - S_f)."""
@@ -351,9 +377,9 @@ class Executor:
         head_layers = self.stages.bwd[0]
         ctx.remaining.set(head_layers, 1)
         grads = carry.head_grads
-        self._download_grads(
-            ctx, device, lambda: grads, head_layers, done, release=None, label="H.grads"
-        )
+        num_fwd = len(self.stages.fwd)
+        action = Action(Op.DOWNLOAD, num_fwd, carry.microbatch, carry.head_device)
+        self._download_grads(ctx, device, lambda: grads, head_layers, done, action=action)
 
     def close(self) -> None:
         self._replicas.clear()
@@ -371,15 +397,23 @@ class Executor:
                 seen.setdefault(id(t), t)
         gates = [ctx.freed[_GroupKey.of(d)] for d in ctx.spec.plan.deps[a] if d.op is Op.FREE]
         version = ctx.spec.version
+        device = self.devices[a.device]
+        timer: list[ComputeTimer] = []
 
         def wait_versions() -> None:
             for layer in layers:
                 self.store.wait_version(layer, version)
+            timer.append(device.timer())  # the copy starts once its versions are there
 
-        device = self.devices[a.device]
         weights = upload_weights(
             device, list(seen.values()), after=gates, before=wait_versions, label=str(a)
         )
+
+        def copied() -> None:
+            timer[0].stop()
+            ctx.spans.append((device.index, "h2d_param", a, timer[0]))
+
+        device.stream(StreamRole.H2D_PARAM).submit(copied, label=str(a))
         ctx.groups[key] = _Group(weights, layers)
         ctx.stats.uploads += 1
         ctx.stats.weight_h2d_bytes += weights.nbytes
@@ -398,9 +432,8 @@ class Executor:
             group.last_compute = compute.record()  # the FREE must not run before this
             return
         self._download_grads(
-            ctx, device, group.weights.grads, group.layers, group.last_compute,
-            release=None, label=str(a),
-        )  # fmt: skip
+            ctx, device, group.weights.grads, group.layers, group.last_compute, action=a
+        )
 
     def _free(self, ctx: _Ctx, a: Action) -> None:
         """FREE: release the group's weights and gradients, after its last use (the download
@@ -453,6 +486,7 @@ class Executor:
                 functools.partial(ctx.saved.__setitem__, key),
                 after=done,
                 label=f"{a}.save{j}",
+                trace=self._trace(ctx, self.devices[a.device], "d2h_act", a),
             )
 
     def _head(self, ctx: _Ctx, a: Action) -> None:
@@ -549,19 +583,18 @@ class Executor:
         device = self.devices[a.device]
         group = ctx.groups[ctx.upload_of[a]]
         weights = group.weights
-        arrived = [self._arrive(ctx, key, device, str(a)) for key in inputs]
+        arrived = [self._arrive(ctx, key, device, a) for key in inputs]
         compute = device.stream(StreamRole.COMPUTE)
         _wait(compute, weights.event, *arrived)
 
         def run() -> None:
             timer = device.timer()
-            start = time.perf_counter()
             body(device, weights)
             if backward:
-                weights.fold_grads()
+                weights.fold_grads(device)
             timer.stop()
-            ctx.timers.append((device.index, timer))
-            self._finish_compute(ctx, device, layers, a, start, backward=backward)
+            ctx.spans.append((device.index, "compute", a, timer))
+            self._finish_compute(device, layers)
 
         compute.submit(run, label=str(a))
         done = compute.record()
@@ -585,11 +618,13 @@ class Executor:
         ctx.act_where[key] = (-1, ready)
         ctx.host_inputs[key] = get
 
-    def _arrive(self, ctx: _Ctx, key: Any, device: Device, label: str) -> Event | None:
-        """Make ``ctx.acts[key]`` available on ``device``; returns the event to wait for."""
+    def _arrive(self, ctx: _Ctx, key: Any, device: Device, a: Action) -> Event | None:
+        """Make ``ctx.acts[key]`` available on ``device`` for ``a``; returns the event to wait
+        for. Traced as a SEND of ``a``'s slot and micro-batch."""
         src_index, event = ctx.act_where[key]
         if src_index == device.index:
             return event
+        label = str(a)
         if src_index >= 0:  # on another device: through the host (consumer GPUs have no P2P)
             src = self.devices[src_index]
             host: dict[str, State] = {}
@@ -600,20 +635,24 @@ class Executor:
                 lambda st: host.__setitem__("s", st),
                 after=event,
                 label=f"{label}.send",
+                trace=self._trace(ctx, src, "d2h_act", a),
             )
             stream = device.stream(StreamRole.H2D_ACT)
             stream.wait(down)
-            return self._upload_to(ctx, device, key, lambda: host.pop("s"), label)
-        # host-resident input (micro-batch or a saved stage input)
-        _wait(device.stream(StreamRole.H2D_ACT), event)
-        return self._upload_to(ctx, device, key, ctx.host_inputs.pop(key), label)
+            get: Callable[[], State] = lambda: host.pop("s")  # noqa: E731
+        else:  # host-resident input (micro-batch or a saved stage input)
+            _wait(device.stream(StreamRole.H2D_ACT), event)
+            get = ctx.host_inputs.pop(key)
+        put = functools.partial(ctx.acts.__setitem__, key)
+        trace = self._trace(ctx, device, "h2d_act", a)
+        return upload_state(device, get, put, label=f"{label}.in", trace=trace)
 
     @staticmethod
-    def _upload_to(
-        ctx: _Ctx, device: Device, key: Any, get: Callable[[], State], label: str
-    ) -> Event:
-        put = functools.partial(ctx.acts.__setitem__, key)
-        return upload_state(device, get, put, label=f"{label}.in")
+    def _trace(ctx: _Ctx, device: Device, stream: str, a: Action) -> Callable[[Any], None]:
+        """A transfer's timer lands in the timeline as SEND(slot of ``a``, its micro-batch)."""
+        slot = a.stage + (len(ctx.spec.plan.fwd_cuts) if a.op is not Op.FWD else 0)
+        send = Action(Op.SEND, slot, a.microbatch, device.index)
+        return lambda timer: ctx.spans.append((device.index, stream, send, timer))
 
     def _call(
         self,
@@ -625,15 +664,16 @@ class Executor:
         weights: WeightUpload,
     ) -> State:
         replica = self._load(device, layer, weights)
-        start = time.perf_counter()
+        timer = device.timer() if ctx.spec.profile else None
         if self.use_rng:
             mb = ctx.spec.microbatch_offset + microbatch
             with device.rng_scope(layer_seed(self.seed, ctx.spec.step, mb, layer)):
                 out = replica.module(state)
         else:
             out = replica.module(state)
-        if ctx.spec.profile:
-            ctx.layer_ms.setdefault(layer, []).append((time.perf_counter() - start) * 1e3)
+        if timer is not None:
+            timer.stop()
+            ctx.layer_timers.append((layer, timer))
         if layer == self.stages.head_index and not isinstance(out, dict):
             return {"loss": out}
         return out
@@ -646,24 +686,11 @@ class Executor:
         replica.load(weights.tensors, training=self.modules[layer].training, params=weights.params)
         return replica
 
-    def _finish_compute(
-        self,
-        ctx: _Ctx,
-        device: Device,
-        layers: Sequence[int],
-        a: Action,
-        start: float,
-        *,
-        backward: bool = False,
-    ) -> None:
+    def _finish_compute(self, device: Device, layers: Sequence[int]) -> None:
         for layer in layers:  # the group's Parameters keep the weights and grads, not the module
             replica = self._replicas.get((device.index, layer))
             if replica is not None:
                 replica.release()
-        end = time.perf_counter()
-        if ctx.spec.profile and backward:
-            ctx.bwd_ms.setdefault(a.stage, []).append((end - start) * 1e3)
-        ctx.timeline.append(TimelineRecord(device.index, str(a), start - ctx.t0, end - ctx.t0))
 
     def _download_grads(
         self,
@@ -673,8 +700,7 @@ class Executor:
         layers: Sequence[int],
         after: Event,
         *,
-        release: Callable[[], None] | None,
-        label: str,
+        action: Action,
     ) -> None:
         """Queue the download of ``take()`` (device grads by id(host param)) once ``after`` is
         done, and its accumulation into the host buffers on the device's HOST worker once the
@@ -690,29 +716,35 @@ class Executor:
         host: dict[int, torch.Tensor] = {}
 
         def download() -> None:
+            timer = device.timer()
             grads = take()
             host.update({k: device.to_host(g) for k, g in grads.items() if k in params})
             stats.grad_d2h_bytes += sum(g.numel() * g.element_size() for g in host.values())
             stats.downloads += 1
             for grad in grads.values():
                 device.free(grad)
-            if release is not None:
-                release()
+            timer.stop()
+            ctx.spans.append((device.index, "d2h", action, timer))
 
-        d2h.submit(download, label=label)
+        d2h.submit(download, label=str(action))
         landed = d2h.record()
 
         def accumulate() -> None:
             landed.synchronize()  # blocks this HOST worker only, until the copies are done
+            start = time.perf_counter()
             for key, grad in host.items():
                 self.sink.wait_free(owners[key])
                 self.store.accumulate(params[key], grad)
             host.clear()
+            end = time.perf_counter()
+            ctx.timeline.append(
+                TimelineRecord(device.index, str(action), start - ctx.t0, end - ctx.t0, "host")
+            )
             for layer in ctx.remaining.arrive(layers):
                 if ctx.spec.closes_step:
                     self.sink.ready(layer)
 
-        device.stream(StreamRole.HOST).submit(accumulate, label=f"{label}.acc")
+        device.stream(StreamRole.HOST).submit(accumulate, label=f"{action}.acc")
 
     def _drain(self) -> None:
         """Wait for every stream of every device; re-raise the first device error."""

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rp_engine.plan import schedules
-from rp_engine.plan.actions import Op, Plan, format_grid
+from rp_engine.plan.actions import Op, Plan, PlanError, format_grid
 from rp_engine.plan.partition import CutsError, LayerCosts, Partition, partition
 from rp_engine.runtime.stages import StageMap
 
@@ -114,6 +114,29 @@ class Planner:
                 "automatic planner)"
             ) from e
         self.fwd_cuts, self.bwd_cuts, self.stages = fwd_cuts, bwd_cuts, stages
+        self.prefetch_depth = self._validated_prefetch()
+
+    def _validated_prefetch(self) -> int:
+        """Validate the lowered plan of these cuts once (issue order, every upload freed, no
+        compute without its upload) and choose its weight prefetch depth: without a budget 1
+        (two groups' weights at most); with one, the deepest of 2, 1 whose memory walk fits,
+        else 0 (a stage that cannot fit at all is reported by the partitioner's check, which
+        names the layer or the user's cut key)."""
+        compute = self.compute_plan()
+        budget = self.memory_budget_bytes
+        if budget is None:
+            schedules.validate(schedules.lower(compute, offload=True, optimizer=""))
+            return 1
+        costs = self._estimate()
+        for depth in (2, 1):
+            plan = schedules.lower(compute, offload=True, optimizer="", prefetch_depth=depth)
+            try:
+                schedules.validate(plan, costs=costs, memory_budget_bytes=budget)
+            except PlanError:
+                continue
+            return depth
+        schedules.validate(schedules.lower(compute, offload=True, optimizer="", prefetch_depth=0))
+        return 0
 
     def _blocks(self) -> tuple[int, ...]:
         """A block schedule (Mobius) binds one block of layers per GPU, forward and backward
@@ -203,7 +226,9 @@ class Planner:
             self.start_device = plan.next_start_device
         if ops is not None:
             plan = dataclasses.replace(plan, actions=tuple(a for a in plan.actions if a.op in ops))
-        lowered = schedules.lower(plan, offload=True, optimizer="")
+        lowered = schedules.lower(
+            plan, offload=True, optimizer="", prefetch_depth=self.prefetch_depth
+        )
         if ops is None:
             self.last_plan = lowered
         return lowered

@@ -76,6 +76,7 @@ def write_timeline(run_dir: Path, records: Sequence[Any], *, title: str) -> dict
     render.write_png(
         result,
         run_dir / "timeline.png",
+        lanes=render.STREAM_LANES,  # one row per device and stream
         title=f"{title}: measured iteration, bubble {100 * result.bubble_ratio:.1f} %, "
         f"{result.makespan_ms:.0f} ms",
     )
