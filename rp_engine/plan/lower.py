@@ -25,12 +25,14 @@ def lower(
     """Add transfer and optimizer actions to a compute-only plan.
 
     Every cross-device data edge gets a SEND to the consumer's device. With ``offload`` (default:
-    ``plan.offloaded``, set by RoundPipe and Mobius) every group of consecutive same-slot compute actions on a device (a
-    slot's round) gets ONE UPLOAD of its weights, issued as soon as the FREE of the group
+    ``plan.offloaded``, set by RoundPipe and Mobius) every group of consecutive same-slot compute
+    actions on a device (a slot's round) gets ONE UPLOAD of its weights, issued as soon as the
+    FREE of the group
     ``prefetch_depth + 1`` back on that device allows (at most ``prefetch_depth + 1`` groups'
     weights resident), a DOWNLOAD of the gradients the group accumulated on the device (backward
     groups), a FREE after it, and each layer an OPT per iteration on the host (``optimizer``
-    "sync" or "async", "" for none). This is the plan the executor runs.
+    "sync" or "async", "" for none). This is the plan the executor runs; it is ``offloaded``
+    exactly when it was lowered with ``offload``.
     """
     plan = dataclasses.replace(plan, prefetch_depth=prefetch_depth)
     if any(not a.is_compute for a in plan.actions):
