@@ -70,3 +70,18 @@ def test_validate_and_the_simulator_walk_the_same_bytes(name: str) -> None:
     peaks = schedules.validate(plan, costs=costs)
     assert min(peaks) > 0
     assert simulate.simulate(plan, costs).peak_memory_bytes == peaks
+
+
+def test_received_activations_count_in_validate_as_in_the_simulator() -> None:
+    """Activations a SEND brings stay on the device until their last consumer ends; validate
+    counts them (it used to count only working sets: 2 boundaries per device here)."""
+    b = MB
+    costs = LayerCosts.uniform(4, fwd_ms=1.0, bwd_ms=2.0, boundary_bytes=b)
+    plan = schedules.roundpipe(
+        fwd_cuts=(2, 2), bwd_cuts=(1, 3), num_devices=2, num_microbatches=4, round_size=2
+    )
+    lowered = schedules.lower(plan, optimizer="sync")
+    peaks = schedules.validate(lowered, costs=costs)
+    assert min(peaks) > 2 * b  # a working set (input and output boundary) plus received ones
+    machine = simulate.load_machine("rtx4090_pcie4_8x")
+    assert simulate.simulate(lowered, costs, machine=machine).peak_memory_bytes == peaks
