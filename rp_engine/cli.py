@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from rp_engine.plan.schedules import ENGINE_SCHEDULES
 from rp_engine.train.data import DataError
 from rp_engine.train.preflight import PreflightError
 from rp_engine.train.presets import BYTE_VOCAB, ModelError
@@ -202,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     a("--plan-devices", type=int, help="devices for --plan (default: the machine's)")
     a("--layers", type=int, default=4, help="tiny presets only")
     a("--hidden", type=int, default=128, help="tiny presets only")
-    a("--schedule", choices=("roundpipe", "mobius"))
+    a("--schedule", choices=ENGINE_SCHEDULES)
     a("--sync-optimizer", action="store_true", help="disable the async optimizer")
     a("--save-dir", help="checkpoint folder (default: <run folder>/checkpoints)")
     a("--seed", type=int, default=0)

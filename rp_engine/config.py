@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+# the plan package is pure Python below every other layer; the config reads only its registry
+from rp_engine.plan.schedules import ENGINE_SCHEDULES
+
 __all__ = [
     "ConfigError",
     "DSConfig",
@@ -475,7 +478,8 @@ class RoundPipeConfig:
     devices: str | None = field(
         default=None, metadata=_m(custom=True)
     )  # None: all GPUs, else cpu:2
-    schedule: str = field(default="roundpipe", metadata=_m(choices=("roundpipe", "mobius")))
+    # the schedules the engine runs, from the one registry (plan.schedules.SCHEDULES)
+    schedule: str = field(default="roundpipe", metadata=_m(choices=ENGINE_SCHEDULES))
     async_optimizer: bool = True
     fwd_cuts: tuple[int, ...] | None = field(default=None, metadata=_m(custom=True))
     bwd_cuts: tuple[int, ...] | None = field(default=None, metadata=_m(custom=True))

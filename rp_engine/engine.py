@@ -37,6 +37,7 @@ from rp_engine.monitor import Monitor
 from rp_engine.optim.build import build_optimizer, build_scheduler
 from rp_engine.optim.stepper import OptimizerStepper, StepResult
 from rp_engine.plan.actions import Plan
+from rp_engine.plan.schedules import SCHEDULES
 from rp_engine.runtime.counters import StepCounters
 from rp_engine.runtime.executor import Executor, GradSink, RunSpec, RunStats, TimelineRecord
 from rp_engine.runtime.planning import ModelShape, Planner
@@ -120,8 +121,8 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             self.store,
             self.optimizer,
             clip=cfg.gradient_clipping,
-            # The Mobius baseline steps synchronously, as Mobius does.
-            async_mode=rp.async_optimizer and rp.schedule != "mobius",
+            # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
+            async_mode=rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only,
             fp16=cfg.fp16.enabled,
         )
         self.planner = Planner(

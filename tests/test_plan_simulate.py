@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rp_engine.plan import schedules, simulate
+from rp_engine.plan import cli, schedules, simulate
 from rp_engine.plan.actions import Action, Op, Plan, PlanError
 from rp_engine.plan.partition import LayerCosts, balanced_stage_layers, load_costs
 
@@ -288,7 +288,7 @@ def test_recompute_is_aligned_to_the_gradient(qwen: LayerCosts) -> None:
 # ---- the command line ---------------------------------------------------------------------------
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     assert (
-        simulate.main(
+        cli.main(
             ["--costs", str(QWEN_PATH), "--devices", "8", "--microbatches", "16", *args, "--json"]
         )
         == 0

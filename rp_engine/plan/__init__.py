@@ -1,10 +1,13 @@
 """Pure-Python planning layer: plans as data (no torch anywhere in this package).
 
-Submodules: ``actions`` (Action, Plan, text form), ``partition`` (layer costs -> asymmetric
-cuts), ``schedules`` (RoundPipe, Mobius and the classic baselines; lowering; validate),
-``simulate`` (discrete-event simulator and ``python -m rp_engine.plan.simulate``) and ``render``
-(text grid, Chrome trace, PNG). The names below are resolved lazily (PEP 562) so importing the
-package does no work and ``rp_engine.plan.partition`` / ``.simulate`` stay the submodules.
+Submodules, in import order (each imports only earlier ones; tests/test_plan_imports.py checks
+it): ``actions`` (Action, Plan, text form), ``costs`` (LayerCosts, StageCosts, what a slot holds),
+``memory`` (what a device holds over a plan), ``lower`` (transfers and optimizer steps),
+``validate``, ``schedules`` (RoundPipe, Mobius and the classic baselines; the registry
+``SCHEDULES``), ``simulate`` (discrete-event simulator), ``partition`` (costs -> asymmetric cuts),
+``render`` (text grid, Chrome trace, PNG) and ``cli`` (``python -m rp_engine.plan.simulate``).
+The names below are resolved lazily (PEP 562) so importing the package does no work and
+``rp_engine.plan.partition`` / ``.simulate`` stay the submodules.
 """
 
 from __future__ import annotations
@@ -33,18 +36,33 @@ _HOMES = {
     "Plan": "actions",
     "PlanError": "actions",
     "parse_action": "actions",
-    "LayerCosts": "partition",
+    "LayerCosts": "costs",
     "Partition": "partition",
-    "load_costs": "partition",
+    "load_costs": "costs",
     "Machine": "simulate",
     "SimResult": "simulate",
     "load_machine": "simulate",
 }
 
 
+# the import order of the package (first imports nothing of the package, cli may import all)
+_SUBMODULES = (
+    "actions",
+    "costs",
+    "memory",
+    "lower",
+    "validate",
+    "schedules",
+    "simulate",
+    "partition",
+    "render",
+    "cli",
+)
+
+
 def __getattr__(name: str) -> object:
     if name in _HOMES:
         return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-    if name in ("actions", "partition", "schedules", "simulate", "render"):
+    if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,6 +44,7 @@ __all__ = [
     "parse_action",
     "format_grid",
     "format_bytes",
+    "compute_groups",
 ]
 
 HOST = -1  # device index of host-side actions (the CPU optimizer)
@@ -144,6 +145,12 @@ class Plan:
     # the FREE of group g - 1 - prefetch_depth on its device (lowered plans; chosen by the
     # planner from the memory budget)
     prefetch_depth: int = 1
+    # where the weights live, set by the schedule's builder (and kept by lowering), so behaviour
+    # is keyed on these properties and not on the schedule's name: ``offloaded`` weights live on
+    # the host and are uploaded per slot (RoundPipe, Mobius); ``bound`` stages stay on one device
+    # (stage k on a fixed device: GPipe, 1F1B, interleaved, looped BFS, Mobius)
+    offloaded: bool = False
+    bound: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(self.actions))
@@ -256,6 +263,8 @@ class Plan:
             f"bwd_cuts={_csv(self.bwd_cuts)} next_start_device={self.next_start_device} "
             f"optimizer={self.optimizer or '-'}"
             + (f" prefetch={self.prefetch_depth}" if self.prefetch_depth != 1 else "")
+            + (" offloaded=1" if self.offloaded else "")
+            + (" bound=1" if self.bound else "")
         )
         lines = [header, format_grid(self)]
         lines.append("issue: " + " ".join(_run_length(_row_name(a.device) for a in self.actions)))
@@ -290,6 +299,8 @@ class Plan:
             next_start_device=int(meta.get("next_start_device", 0)),
             optimizer="" if meta.get("optimizer", "-") == "-" else meta["optimizer"],
             prefetch_depth=int(meta.get("prefetch", 1)),
+            offloaded=meta.get("offloaded", "0") == "1",
+            bound=meta.get("bound", "0") == "1",
         )
 
 
@@ -356,7 +367,7 @@ class _DepContext:
             (a.op, a.stage, a.microbatch, a.device, a.iteration): a for a in plan.actions
         }
         self.by_slot = {(plan.slot(a), a.microbatch, a.iteration): a for a in self.compute.values()}
-        self.groups = _compute_groups(plan)
+        self.groups = compute_groups(plan)
         self.group_of: dict[Action, tuple[int, int]] = {}
         self.group_index: dict[tuple[int, int, int, int], int] = {}  # (dev, slot, m0, it) -> gi
         self.slot_groups: dict[tuple[int, int], list[tuple[int, list[Action]]]] = defaultdict(list)
@@ -490,8 +501,9 @@ class _DepContext:
         return deps
 
 
-def _compute_groups(plan: Plan) -> dict[int, list[list[Action]]]:
-    """Per device: runs of consecutive compute actions of the same slot and iteration."""
+def compute_groups(plan: Plan) -> dict[int, list[list[Action]]]:
+    """Per device: runs of consecutive compute actions of the same slot and iteration (a slot's
+    round on that device: one UPLOAD, one DOWNLOAD and one FREE each in a lowered plan)."""
     groups: dict[int, list[list[Action]]] = {}
     for d, row in plan._by_device.items():
         runs: list[list[Action]] = []
@@ -507,6 +519,9 @@ def _compute_groups(plan: Plan) -> dict[int, list[list[Action]]]:
                 runs.append([a])
         groups[d] = runs
     return groups
+
+
+_compute_groups = compute_groups  # the former private name, kept for existing callers
 
 
 def format_bytes(n: float) -> str:

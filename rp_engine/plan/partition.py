@@ -1,7 +1,6 @@
-"""Layer costs and the asymmetric RoundPipe partitioner.
+"""The asymmetric RoundPipe partitioner.
 
-Owns ``LayerCosts`` (per-layer time and memory, from profiling or a COSTS.json), ``StageCosts``
-(the same folded onto the slots of one cut), ``Partition`` and ``partition()``: forward and
+Owns ``Partition`` and ``partition()``: forward and
 backward cuts chosen separately, the LM-head stage filled first, by the O(L^3) search of the
 RoundPipe paper (section 4.4) followed by a small local refinement, every candidate scored by
 the timing model of simulate.py. ``balanced_stage_layers`` cuts bound (symmetric) stages.
@@ -23,15 +22,13 @@ Search, for L layers:
 from __future__ import annotations
 
 import bisect
-import json
 import math
-import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from . import schedules, simulate
 from .actions import format_bytes
+from .costs import LayerCosts, StageCosts, load_costs, slot_memory
 
 __all__ = [
     "LayerCosts",
@@ -45,230 +42,6 @@ __all__ = [
 ]
 
 _EPS = 1e-9
-_DESCRIPTIVE_KEYS = frozenset(
-    {
-        "model",
-        "source",
-        "notes",
-        "measured_on",
-        "tokens",
-        "pcie_gbps",
-        "microbatch",
-        "sequence_length",
-        "dtype",
-    }
-)
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Costs of the slots of one cut (slot numbering of actions.py).
-
-    ``pre_ms`` is the part of a slot that needs only its input (forward, recompute, head forward
-    with the head stage's layers); ``post_ms`` the part that needs the upstream gradient
-    (backward; head backward). Forward slots have ``post_ms == 0``.
-    """
-
-    pre_ms: tuple[float, ...]
-    post_ms: tuple[float, ...]
-    param_bytes: tuple[int, ...]
-    grad_bytes: tuple[int, ...]
-    work_bytes: tuple[int, ...]  # working set while the slot computes (activations)
-    boundary_bytes: int  # one hidden state crossing a stage boundary (per micro-batch)
-    layer_param_bytes: tuple[int, ...]  # per layer, then the head (index L): optimizer work
-
-    def busy_ms(self, slot: int) -> float:
-        return self.pre_ms[slot] + self.post_ms[slot]
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """Per-layer costs of the L decoder layers (ms per micro-batch, bytes), plus the head.
-
-    ``recompute_ms`` defaults to ``fwd_ms``; byte lists default to zeros. ``comm_ms`` is the
-    fixed delay of a cross-device edge in the simulation conventions (no machine model);
-    ``boundary_bytes`` the size of one hidden state crossing a stage boundary.
-    """
-
-    fwd_ms: tuple[float, ...]
-    bwd_ms: tuple[float, ...]
-    recompute_ms: tuple[float, ...] = ()
-    param_bytes: tuple[int, ...] = ()
-    act_bytes: tuple[int, ...] = ()
-    head_fwd_ms: float = 0.0
-    head_bwd_ms: float = 0.0
-    head_param_bytes: int = 0
-    head_act_bytes: int = 0
-    boundary_bytes: int = 0
-    comm_ms: float = 0.0
-    # the prefix (embeddings, rotary): uploaded with forward slot 0 and the last backward slot
-    prefix_param_bytes: int = 0
-    _cache: dict[tuple, StageCosts] = field(
-        default_factory=dict, init=False, repr=False, compare=False, hash=False
-    )
-
-    def __post_init__(self) -> None:
-        n = len(self.fwd_ms)
-        norm = {
-            "fwd_ms": tuple(float(v) for v in self.fwd_ms),
-            "bwd_ms": tuple(float(v) for v in self.bwd_ms),
-            "recompute_ms": tuple(float(v) for v in (self.recompute_ms or self.fwd_ms)),
-            "param_bytes": tuple(int(v) for v in (self.param_bytes or (0,) * n)),
-            "act_bytes": tuple(int(v) for v in (self.act_bytes or (0,) * n)),
-        }
-        for name, values in norm.items():
-            if len(values) != n:
-                raise ValueError(f"LayerCosts.{name} has {len(values)} entries, fwd_ms has {n}")
-            if any(v < 0 for v in values):
-                raise ValueError(f"LayerCosts.{name} must be >= 0: {list(values)}")
-            object.__setattr__(self, name, values)
-        if n < 1:
-            raise ValueError("LayerCosts needs at least one decoder layer")
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.fwd_ms)
-
-    @classmethod
-    def uniform(cls, num_layers: int, *, fwd_ms: float, bwd_ms: float, **kw: Any) -> LayerCosts:
-        """Same cost for every layer; scalar byte sizes are repeated too."""
-        lists: dict[str, Any] = {
-            k: (kw.pop(k),) * num_layers
-            for k in ("recompute_ms", "param_bytes", "act_bytes")
-            if k in kw
-        }
-        return cls(fwd_ms=(fwd_ms,) * num_layers, bwd_ms=(bwd_ms,) * num_layers, **lists, **kw)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LayerCosts:
-        """COSTS.json form: ``{"num_layers": 28, "fwd_ms": 7.43, "bwd_ms": 15.83, ...}``;
-        per-layer fields may be scalars or lists of length ``num_layers``."""
-        known = {
-            "num_layers",
-            "fwd_ms",
-            "bwd_ms",
-            "recompute_ms",
-            "param_bytes",
-            "act_bytes",
-            "head_fwd_ms",
-            "head_bwd_ms",
-            "head_param_bytes",
-            "head_act_bytes",
-            "boundary_bytes",
-            "comm_ms",
-            "prefix_param_bytes",
-        }
-        unknown = sorted(set(data) - known - _DESCRIPTIVE_KEYS)
-        if unknown:
-            raise ValueError(f"costs: unknown keys {unknown}; expected some of {sorted(known)}")
-        if "fwd_ms" not in data or "bwd_ms" not in data:
-            raise ValueError("costs: 'fwd_ms' and 'bwd_ms' are required")
-        n = int(data.get("num_layers") or _list_len(data["fwd_ms"]))
-
-        def per_layer(key: str) -> tuple[Any, ...]:
-            value = data.get(key)
-            if value is None:
-                return ()
-            values = tuple(value) if isinstance(value, list | tuple) else (value,) * n
-            if len(values) != n:
-                raise ValueError(f"costs.{key}: {len(values)} entries for num_layers={n}")
-            return values
-
-        return cls(
-            fwd_ms=per_layer("fwd_ms"),
-            bwd_ms=per_layer("bwd_ms"),
-            recompute_ms=per_layer("recompute_ms"),
-            param_bytes=per_layer("param_bytes"),
-            act_bytes=per_layer("act_bytes"),
-            head_fwd_ms=float(data.get("head_fwd_ms", 0.0)),
-            head_bwd_ms=float(data.get("head_bwd_ms", 0.0)),
-            comm_ms=float(data.get("comm_ms", 0.0)),
-            head_param_bytes=int(data.get("head_param_bytes", 0)),
-            head_act_bytes=int(data.get("head_act_bytes", 0)),
-            boundary_bytes=int(data.get("boundary_bytes", 0)),
-            prefix_param_bytes=int(data.get("prefix_param_bytes", 0)),
-        )
-
-    def stages(
-        self, fwd_cuts: Sequence[int], bwd_cuts: Sequence[int], *, fused_head: bool = True
-    ) -> StageCosts:
-        """Fold the layer costs onto the slots of a cut (cached per cut)."""
-        key = (tuple(fwd_cuts), tuple(bwd_cuts), fused_head)
-        if key not in self._cache:
-            self._cache[key] = self._stages(*key)
-        return self._cache[key]
-
-    def _stages(
-        self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...], fused_head: bool
-    ) -> StageCosts:
-        """As the runtime runs a cut: with a fused head, the head stage's blocks run once, in
-        the HEAD slot (forward + backward, no recompute), never in a forward slot; the prefix
-        rides with forward slot 0 and the last backward slot (its recompute)."""
-        L = self.num_layers
-        if sum(fwd_cuts) != L or sum(bwd_cuts) != L:
-            raise ValueError(f"cuts {list(fwd_cuts)} / {list(bwd_cuts)} must each sum to L={L}")
-        head_first = L - bwd_cuts[0] if fused_head else L
-        pre, post, params, grads, work = [], [], [], [], []
-        start = 0
-        for s, n in enumerate(fwd_cuts):
-            layers = range(start, min(start + n, head_first))
-            head = not fused_head and s == len(fwd_cuts) - 1
-            pre.append(sum(self.fwd_ms[i] for i in layers) + (self.head_fwd_ms if head else 0.0))
-            post.append(0.0)
-            params.append(self._params(layers, head) + (self.prefix_param_bytes if s == 0 else 0))
-            grads.append(0)
-            acts = max((self.act_bytes[i] for i in layers), default=0)
-            work.append(acts + (self.head_act_bytes if head else 0) + 2 * self.boundary_bytes)
-            start += n
-        end = L
-        for j, n in enumerate(bwd_cuts):
-            layers = range(end - n, end)
-            head = j == 0
-            fused = head and fused_head
-            head_fwd = self.head_fwd_ms if fused else 0.0
-            redo = self.fwd_ms if fused else self.recompute_ms  # the HEAD slot does not recompute
-            pre.append(sum(redo[i] for i in layers) + head_fwd)
-            post.append(sum(self.bwd_ms[i] for i in layers) + (self.head_bwd_ms if head else 0.0))
-            last = j == len(bwd_cuts) - 1
-            params.append(self._params(layers, head) + (self.prefix_param_bytes if last else 0))
-            grads.append(params[-1])
-            acts = sum(self.act_bytes[i] for i in layers)
-            work.append(acts + (self.head_act_bytes if head else 0) + 2 * self.boundary_bytes)
-            end -= n
-        return StageCosts(
-            pre_ms=tuple(pre),
-            post_ms=tuple(post),
-            param_bytes=tuple(params),
-            grad_bytes=tuple(grads),
-            work_bytes=tuple(work),
-            boundary_bytes=self.boundary_bytes,
-            layer_param_bytes=self.param_bytes + (self.head_param_bytes,),
-        )
-
-    def _params(self, layers: range, head: bool) -> int:
-        return sum(self.param_bytes[i] for i in layers) + (self.head_param_bytes if head else 0)
-
-    def busy_ms_per_microbatch(self) -> float:
-        """Compute of one micro-batch: forward + recompute + backward of every layer + head."""
-        return (
-            sum(self.fwd_ms)
-            + sum(self.recompute_ms)
-            + sum(self.bwd_ms)
-            + self.head_fwd_ms
-            + self.head_bwd_ms
-        )
-
-
-def _list_len(value: object) -> int:
-    if isinstance(value, list | tuple):
-        return len(value)
-    raise ValueError("costs: 'num_layers' is required when fwd_ms is a scalar")
-
-
-def load_costs(path: str | os.PathLike[str]) -> LayerCosts:
-    """Read a COSTS.json file (see ``LayerCosts.from_dict``)."""
-    with open(path) as f:
-        return LayerCosts.from_dict(json.load(f))
 
 
 # ---- the search ------------------------------------------------------------------------------
@@ -427,14 +200,9 @@ class _Search:
 
     # -- memory ------------------------------------------------------------------------------
     def _stage_bytes(self, i: int, j: int, *, backward: bool, head: bool) -> int:
-        """Device bytes of a stage over layers i..j-1, as StageCosts counts them: weights (and
-        gradients when backward), activations (all layers' when backward, one layer's in a
-        no-grad forward), the head's, and the boundary hidden states in and out."""
-        c = self.costs
-        params = sum(c.param_bytes[i:j]) + (c.head_param_bytes if head else 0)
-        acts = sum(c.act_bytes[i:j]) if backward else max(c.act_bytes[i:j], default=0)
-        extra = c.head_act_bytes if head else 0
-        return params * (2 if backward else 1) + acts + extra + 2 * c.boundary_bytes
+        """Device bytes of a stage over layers i..j-1: the one memory rule (``slot_memory``,
+        which StageCosts uses too) without the prefix, which callers fold into layer 0."""
+        return slot_memory(self.costs, range(i, j), backward=backward, head=head).total
 
     def _fits_fwd(self, i: int, j: int) -> bool:
         return (

@@ -1,10 +1,13 @@
-"""Pipeline schedules as pure functions returning Plans, the lowering pass, and validate().
+"""Pipeline schedules as pure functions returning Plans, and the one registry of them.
 
 Owns: ``roundpipe`` (stages dispatched round-robin to a stateless device pool), ``mobius``
 (stages bound to GPUs with cross mapping, GPipe clock order), ``gpipe``, ``one_f_one_b``,
-``interleaved_1f1b``, ``looped_bfs``; ``build`` (several iterations back to back), ``lower`` (adds
-UPLOAD / FREE / DOWNLOAD / SEND / OPT actions for the simulator and validator) and ``validate``.
-Each schedule is written once, here; the runtime and the simulator only consume its Plan.
+``interleaved_1f1b``, ``looped_bfs``; ``SCHEDULES`` (name -> ``ScheduleSpec``: builder, where the
+weights live, optimizer, cut layout), read by the config, the planner, the engine, the command
+lines and ``build`` (several iterations back to back). Each schedule is written once, here; the
+runtime and the simulator only consume its Plan and key behaviour on the plan's properties
+(``Plan.offloaded``, ``Plan.bound``). ``lower`` and ``validate`` live in lower.py and
+validate.py and are re-exported here.
 
 RoundPipe, 4 devices, S_f = 2 forward and S_b = 3 backward stages, rounds of 4 micro-batches
 (slot i of a round on device (g0 + i) mod N; g0 rolls on by S every round, never reset):
@@ -18,20 +21,21 @@ RoundPipe, 4 devices, S_f = 2 forward and S_b = 3 backward stages, rounds of 4 m
 from __future__ import annotations
 
 import dataclasses
-import heapq
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Literal
 
-from .actions import HOST, Action, Op, Plan, PlanError, format_bytes, format_grid
-
-if TYPE_CHECKING:
-    from .partition import LayerCosts, StageCosts
+from .actions import Action, Op, Plan, PlanError, format_grid
+from .lower import lower
+from .validate import validate
 
 __all__ = [
+    "ScheduleSpec",
     "SCHEDULES",
+    "ENGINE_SCHEDULES",
     "BOUND_SCHEDULES",
     "OFFLOADED_SCHEDULES",
+    "get_schedule",
     "roundpipe",
     "mobius",
     "gpipe",
@@ -44,9 +48,6 @@ __all__ = [
     "lower",
     "validate",
 ]
-
-BOUND_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "mobius")
-OFFLOADED_SCHEDULES = ("roundpipe", "mobius")  # weights live on the host, uploaded per stage
 
 _BoundOrder = Callable[[int, int, int, int], list[tuple[str, int, int]]]
 
@@ -91,6 +92,7 @@ def roundpipe(
         bwd_cuts=tuple(bwd_cuts),
         schedule="roundpipe",
         next_start_device=g0,
+        offloaded=True,
     )
 
 
@@ -281,7 +283,8 @@ def mobius(
         device_order=order,
         fused_head=True,
     )
-    return dataclasses.replace(plan, next_start_device=start_device % num_devices)
+    # bound to GPUs, but the weights live on the host and are uploaded per block
+    return dataclasses.replace(plan, next_start_device=start_device % num_devices, offloaded=True)
 
 
 def cross_mapping(num_devices: int, *, groups: int = 2) -> list[int]:
@@ -328,6 +331,7 @@ def _bound_plan(
         fwd_cuts=tuple(stage_layers),
         bwd_cuts=tuple(reversed(stage_layers)),
         schedule=name,
+        bound=True,
     )
     return dataclasses.replace(draft, actions=_merge_rows(rows, draft))
 
@@ -358,33 +362,70 @@ def _merge_rows(rows: Sequence[Sequence[Action]], draft: Plan) -> tuple[Action, 
     return tuple(out)
 
 
-# ---- several iterations ----------------------------------------------------------------------
-SCHEDULES: Mapping[str, Callable[..., Plan]] = {
-    "roundpipe": roundpipe,
-    "mobius": mobius,
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_1f1b,
-    "looped-bfs": looped_bfs,
+# ---- the registry ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule: its builder and the properties everything else reads instead of its name.
+
+    ``offloaded``: the weights live on the host and are uploaded per slot; the engine's executor
+    runs exactly these (``ENGINE_SCHEDULES``), and iterations roll on from the previous one's
+    ``next_start_device``. ``bound``: stage k stays on one device (the builder's plans set
+    ``Plan.bound``; the simulator then runs a recompute after its gradient arrives, as the
+    published conventions do). ``sync_only``: the optimizer steps before the next iteration
+    starts (Mobius), whatever ``roundpipe.async_optimizer`` says. ``cuts``: the builder's
+    keywords: ``"fwd_bwd"`` separate forward and backward cuts (``fwd_cuts``, ``bwd_cuts``;
+    the partitioner searches them; ``round_size``), ``"blocks"`` one cut for both directions
+    (``fwd_cuts``; the backward is its reverse), ``"stage_layers"`` bound stages.
+    ``stages_per_device``: how many (virtual) stages per device a command line cuts by default.
+    """
+
+    name: str
+    builder: Callable[..., Plan]
+    offloaded: bool
+    bound: bool
+    sync_only: bool = False
+    cuts: Literal["fwd_bwd", "blocks", "stage_layers"] = "stage_layers"
+    stages_per_device: int = 1
+
+
+SCHEDULES: Mapping[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("gpipe", gpipe, offloaded=False, bound=True),
+        ScheduleSpec("1f1b", one_f_one_b, offloaded=False, bound=True),
+        ScheduleSpec(
+            "interleaved-1f1b", interleaved_1f1b, offloaded=False, bound=True, stages_per_device=3
+        ),
+        ScheduleSpec("looped-bfs", looped_bfs, offloaded=False, bound=True, stages_per_device=3),
+        ScheduleSpec("mobius", mobius, offloaded=True, bound=True, sync_only=True, cuts="blocks"),
+        ScheduleSpec("roundpipe", roundpipe, offloaded=True, bound=False, cuts="fwd_bwd"),
+    )
 }
+# views of the registry, for callers that want names (the config's choices, error messages)
+ENGINE_SCHEDULES: tuple[str, ...] = tuple(n for n, s in SCHEDULES.items() if s.offloaded)
+BOUND_SCHEDULES: tuple[str, ...] = tuple(n for n, s in SCHEDULES.items() if s.bound)
+OFFLOADED_SCHEDULES: tuple[str, ...] = ENGINE_SCHEDULES
 
 
+def get_schedule(name: str) -> ScheduleSpec:
+    """The registry entry of ``name``; ValueError listing the names when there is none."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose from {sorted(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+# ---- several iterations ----------------------------------------------------------------------
 def build(schedule: str, *, num_iterations: int = 1, **kwargs: object) -> Plan:
     """``num_iterations`` iterations of ``schedule`` back to back (one Plan).
 
-    RoundPipe and Mobius iterations start where the previous one left off (``start_device``).
+    Offloaded schedules (RoundPipe, Mobius) start each iteration where the previous one left
+    off (``start_device``).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose from {sorted(SCHEDULES)}")
-    fn = SCHEDULES[schedule]
+    spec = get_schedule(schedule)
     plans: list[Plan] = []
     for it in range(num_iterations):
-        extra = (
-            {"start_device": plans[-1].next_start_device}
-            if plans and (schedule in OFFLOADED_SCHEDULES)
-            else {}
-        )
-        plans.append(fn(**{**kwargs, **extra, "iteration": it}))
+        extra = {"start_device": plans[-1].next_start_device} if plans and spec.offloaded else {}
+        plans.append(spec.builder(**{**kwargs, **extra, "iteration": it}))
     return chain(plans)
 
 
@@ -426,264 +467,3 @@ def _check_shape(
             f"fwd_cuts {list(fwd_cuts)} sum to {sum(fwd_cuts)} but bwd_cuts {list(bwd_cuts)} "
             f"sum to {sum(bwd_cuts)}; both must cover all L layers"
         )
-
-
-# ---- lowering: transfers and optimizer steps ---------------------------------------------------
-def lower(
-    plan: Plan, *, offload: bool | None = None, optimizer: str = "async", prefetch_depth: int = 1
-) -> Plan:
-    """Add transfer and optimizer actions to a compute-only plan.
-
-    Every cross-device data edge gets a SEND to the consumer's device. With ``offload`` (default:
-    RoundPipe and Mobius) every group of consecutive same-slot compute actions on a device (a
-    slot's round) gets ONE UPLOAD of its weights, issued as soon as the FREE of the group
-    ``prefetch_depth + 1`` back on that device allows (at most ``prefetch_depth + 1`` groups'
-    weights resident), a DOWNLOAD of the gradients the group accumulated on the device (backward
-    groups), a FREE after it, and each layer an OPT per iteration on the host (``optimizer``
-    "sync" or "async", "" for none). This is the plan the executor runs.
-    """
-    plan = dataclasses.replace(plan, prefetch_depth=prefetch_depth)
-    if any(not a.is_compute for a in plan.actions):
-        raise ValueError("lower() takes a compute-only plan (FWD/HEAD/BWD actions)")
-    offload = plan.schedule in OFFLOADED_SCHEDULES if offload is None else offload
-    key = {a: float(i) for i, a in enumerate(plan.actions)}
-    key.update(_send_keys(plan, key))
-    if offload:
-        key.update(_weight_keys(plan, key))
-        key.update({o: float("inf") for o in _opt_actions(plan) if optimizer})
-    draft = dataclasses.replace(
-        plan,
-        actions=tuple(sorted(key, key=key.__getitem__)),
-        optimizer=optimizer if offload else "",
-    )
-    for o in (a for a in draft.actions if a.op is Op.OPT):
-        key[o] = max(key[d] for d in draft.deps[o]) + 0.45
-    return dataclasses.replace(draft, actions=_stable_topological(draft, key))
-
-
-def _send_keys(plan: Plan, key: Mapping[Action, float]) -> dict[Action, float]:
-    rows = {d: plan.per_device(d) for d in range(plan.num_devices)}
-    pos = {a: i for row in rows.values() for i, a in enumerate(row)}
-    sends: dict[Action, float] = {}
-    for consumer in plan.actions:
-        for src in plan.deps[consumer]:
-            if src.device == consumer.device:
-                continue
-            send = Action(Op.SEND, plan.slot(src), src.microbatch, consumer.device, src.iteration)
-            before = rows[consumer.device][pos[consumer] - 2] if pos[consumer] >= 2 else src
-            k = max(key[src], key[before]) + 0.5
-            sends[send] = min(k, sends.get(send, k))
-    return sends
-
-
-def _weight_keys(plan: Plan, key: Mapping[Action, float]) -> dict[Action, float]:
-    from .actions import _compute_groups  # same package: the grouping rule lives with the deps
-
-    out: dict[Action, float] = {}
-    for d, groups in _compute_groups(plan).items():
-        for gi, group in enumerate(groups):
-            first, last = group[0], group[-1]
-            slot, m0, it = plan.slot(first), first.microbatch, first.iteration
-            # issued when the device starts the group prefetch_depth back (its memory gate)
-            back = plan.prefetch_depth
-            out[Action(Op.UPLOAD, slot, m0, d, it)] = (
-                key[groups[gi - back][0]] + 0.25 if back and gi >= back else key[first] - 0.5
-            )
-            if slot >= plan.num_fwd_stages:
-                out[Action(Op.DOWNLOAD, slot, m0, d, it)] = key[last] + 0.3
-            out[Action(Op.FREE, slot, m0, d, it)] = key[last] + 0.4
-    return out
-
-
-def _opt_actions(plan: Plan) -> list[Action]:
-    layers = range(plan.num_layers + 1)  # layer L is the head
-    return [Action(Op.OPT, layer, 0, HOST, it) for it in plan.iterations for layer in layers]
-
-
-def _stable_topological(draft: Plan, key: Mapping[Action, float]) -> tuple[Action, ...]:
-    """Topological order of deps + each device's compute order, smallest key first."""
-    preds: dict[Action, set[Action]] = {a: set(draft.deps[a]) for a in draft.actions}
-    for d in range(draft.num_devices):
-        row = [a for a in draft.per_device(d) if a.is_compute]
-        for prev, nxt in zip(row, row[1:], strict=False):
-            preds[nxt].add(prev)
-    succs: dict[Action, list[Action]] = defaultdict(list)
-    for a, ps in preds.items():
-        for p in ps:
-            succs[p].append(a)
-    seq = {a: i for i, a in enumerate(draft.actions)}
-    waiting = {a: len(ps) for a, ps in preds.items()}
-    heap = [(key[a], seq[a], a) for a, n in waiting.items() if n == 0]
-    heapq.heapify(heap)
-    out: list[Action] = []
-    while heap:
-        _, _, a = heapq.heappop(heap)
-        out.append(a)
-        for s in succs[a]:
-            waiting[s] -= 1
-            if waiting[s] == 0:
-                heapq.heappush(heap, (key[s], seq[s], s))
-    if len(out) != len(draft.actions):
-        stuck = next(a for a in draft.actions if waiting[a] > 0)
-        raise PlanError(
-            f"lowering made a cycle at {stuck}\n" + format_grid(draft, mark=stuck, limit=24)
-        )
-    return tuple(out)
-
-
-# ---- validation --------------------------------------------------------------------------------
-def validate(
-    plan: Plan,
-    *,
-    costs: LayerCosts | None = None,
-    memory_budget_bytes: int | None = None,
-) -> tuple[int, ...]:
-    """Check a plan; raise PlanError (with the device x step grid, failing step marked) if
-    actions are missing or duplicated, on bad devices, issued before what they depend on,
-    an upload is never released, or (given costs and a budget) a device exceeds its memory.
-
-    Returns the estimated peak memory per device in bytes (zeros without costs).
-    """
-    _check_complete(plan)
-    _check_order(plan)
-    _check_uploads(plan)
-    if costs is None:
-        return (0,) * plan.num_devices
-    stages = costs.stages(plan.fwd_cuts, plan.bwd_cuts, fused_head=plan.fused_head)
-    peaks = []
-    for d in range(plan.num_devices):
-        peak, where = _memory_walk(plan, stages, d)
-        if memory_budget_bytes is not None and peak > memory_budget_bytes:
-            _fail(
-                plan,
-                where,
-                f"device {d} needs {format_bytes(peak)} at {where}, over the "
-                f"budget of {format_bytes(memory_budget_bytes)}",
-            )
-        peaks.append(peak)
-    return tuple(peaks)
-
-
-def _fail(plan: Plan, action: Action | None, message: str) -> None:
-    raise PlanError(f"{plan.schedule}: {message}\n" + format_grid(plan, mark=action, limit=24))
-
-
-def _expected_compute(plan: Plan) -> set[Action]:
-    """Compute actions a complete iteration must contain (devices ignored: set to 0)."""
-    head_op = Op.HEAD if plan.fused_head else Op.BWD
-    out: set[Action] = set()
-    for it in plan.iterations:
-        for m in range(plan.num_microbatches):
-            out.update(Action(Op.FWD, s, m, 0, it) for s in range(plan.num_fwd_stages))
-            out.add(Action(head_op, 0, m, 0, it))
-            out.update(Action(Op.BWD, j, m, 0, it) for j in range(1, plan.num_bwd_stages))
-    return out
-
-
-def _check_complete(plan: Plan) -> None:
-    seen: dict[Action, Action] = {}
-    for a in plan.actions:
-        on_host = a.op is Op.OPT
-        if (a.device == HOST) != on_host or not (on_host or 0 <= a.device < plan.num_devices):
-            _fail(
-                plan, a, f"{a} is on a device outside 0..{plan.num_devices - 1} (or OPT off host)"
-            )
-        if a in seen:
-            _fail(plan, a, f"{a} appears twice")
-        seen[a] = a
-        if a.is_compute and a.microbatch >= plan.num_microbatches:
-            _fail(plan, a, f"{a} names micro-batch {a.microbatch} of {plan.num_microbatches}")
-    placed = {Action(a.op, a.stage, a.microbatch, 0, a.iteration) for a in seen if a.is_compute}
-    expected = _expected_compute(plan)
-    if placed != expected:
-        missing = sorted(map(str, expected - placed))[:8]
-        extra = sorted(map(str, placed - expected))[:8]
-        _fail(
-            plan,
-            None,
-            f"compute actions missing {missing} / unexpected {extra} (devices shown as @0)",
-        )
-
-
-def _check_order(plan: Plan) -> None:
-    index = {a: i for i, a in enumerate(plan.actions)}
-    for i, a in enumerate(plan.actions):
-        for dep in plan.deps[a]:
-            if index[dep] > i:
-                _fail(
-                    plan,
-                    a,
-                    f"{a} (issue step {i}) waits for {dep}, issued later (step "
-                    f"{index[dep]}): the order is not topological and could deadlock",
-                )
-
-
-def _check_uploads(plan: Plan) -> None:
-    open_uploads: dict[tuple[int, int, int, int], Action] = {}
-    for a in plan.actions:
-        k = (a.stage, a.microbatch, a.device, a.iteration)
-        if a.op is Op.UPLOAD:
-            open_uploads[k] = a
-        elif a.op is Op.FREE and open_uploads.pop(k, None) is None:
-            _fail(plan, a, f"{a} frees weights that were never uploaded")
-    if open_uploads:
-        u = next(iter(open_uploads.values()))
-        _fail(plan, u, f"{u} is never released (no matching FREE X{u.stage}.{u.microbatch})")
-    uploaded = {a.device for a in plan.actions if a.op is Op.UPLOAD}
-    for a in plan.actions:
-        if (
-            a.is_compute
-            and a.device in uploaded
-            and not any(d.op is Op.UPLOAD for d in plan.deps[a])
-        ):
-            _fail(plan, a, f"{a} runs on a device with uploaded weights but has no UPLOAD")
-
-
-def _memory_walk(plan: Plan, st: StageCosts, device: int) -> tuple[int, Action | None]:
-    """Peak bytes on one device walking its actions in order; returns (peak, action at peak).
-
-    Weights: as uploaded/freed (lowered plans), just in time per group (compute-only offloaded
-    plans), or all of the device's stages resident (bound schedules). Backward groups also hold
-    weight gradients. Bound schedules stash one boundary activation per forward until its
-    backward. Each compute action adds its working set while it runs.
-    """
-    from .actions import _compute_groups
-
-    row = plan.per_device(device)
-    lowered = any(a.op is Op.UPLOAD for a in plan.actions)
-    offloaded = lowered or plan.schedule in OFFLOADED_SCHEDULES
-    groups = _compute_groups(plan).get(device, [])
-    firsts = {g[0] for g in groups}
-    lasts = {g[-1] for g in groups}
-    resident = 0 if offloaded else _static_bytes(plan, st, row)
-    grads: dict[tuple[int, int, int], int] = {}
-    peak, where, stash = 0, None, 0
-    for a in row:
-        if a.op is Op.UPLOAD:
-            resident += st.param_bytes[a.stage]
-        elif a.op is Op.FREE:
-            resident -= st.param_bytes[a.stage] + grads.pop((a.stage, a.microbatch, a.iteration), 0)
-        elif a.is_compute:
-            slot = plan.slot(a)
-            if offloaded and a in firsts:
-                held = st.grad_bytes[slot] + (0 if lowered else st.param_bytes[slot])
-                resident += held
-                grads[(slot, a.microbatch, a.iteration)] = held
-            if not offloaded:
-                stash += st.boundary_bytes if a.op is Op.FWD else -st.boundary_bytes
-            usage = resident + max(stash, 0) + st.work_bytes[slot]
-            if usage > peak:
-                peak, where = usage, a
-            if offloaded and not lowered and a in lasts:
-                resident -= grads.pop((slot, _group_first(groups, a).microbatch, a.iteration), 0)
-    return peak, where
-
-
-def _group_first(groups: Sequence[Sequence[Action]], a: Action) -> Action:
-    return next(g[0] for g in groups if a in g)
-
-
-def _static_bytes(plan: Plan, st: StageCosts, row: Sequence[Action]) -> int:
-    """Bound stages keep their weights (forward slot) and gradients (backward slot) resident."""
-    slots = {plan.slot(a) for a in row if a.is_compute}
-    return sum(st.param_bytes[s] if s < plan.num_fwd_stages else st.grad_bytes[s] for s in slots)

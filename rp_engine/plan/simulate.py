@@ -1,10 +1,10 @@
-"""Discrete-event simulation of a Plan on a machine model, and the command line.
+"""Discrete-event simulation of a Plan on a machine model.
 
 Owns ``Machine`` (device links, P2P, a shared host link, CPU optimizer throughput; presets in
 ``presets/*.json``), ``simulate`` -> ``SimResult`` (makespan, steady-state iteration, bubble
 ratio, per-device timelines, peak device memory, bytes moved), ``quick_times`` (the fast
-compute-only timing pass the partitioner uses) and ``main`` (``python -m
-rp_engine.plan.simulate``).
+compute-only timing pass the partitioner uses). ``python -m rp_engine.plan.simulate`` runs the
+command line of cli.py.
 
 Model. Each device has a compute stream that runs its plan actions strictly in order, and three
 copy streams: weight uploads (H2D), activation uploads (H2D) and downloads (D2H). Copy streams
@@ -24,23 +24,20 @@ the fill/drain figure the early recompute is aligned to end when the gradient ar
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import heapq
 import json
 import math
-import sys
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import schedules
 from .actions import HOST, OPTIMIZER_LAG, Action, Op, Plan, PlanError, format_grid
-
-if TYPE_CHECKING:
-    from .partition import LayerCosts, StageCosts
+from .costs import LayerCosts, StageCosts
+from .lower import lower
+from .memory import memory_events, static_bytes
 
 __all__ = [
     "Machine",
@@ -51,7 +48,6 @@ __all__ = [
     "quick_times",
     "load_machine",
     "preset_names",
-    "main",
 ]
 
 _PRESETS = Path(__file__).with_name("presets")
@@ -302,7 +298,8 @@ def _overlap(a: range, b: range) -> bool:
 
 
 def _early_default(plan: Plan) -> bool:
-    return plan.schedule not in schedules.BOUND_SCHEDULES
+    """Offloaded (RoundPipe) recomputes start early; bound stages follow the conventions."""
+    return not plan.bound
 
 
 # ---- the event simulator ---------------------------------------------------------------------
@@ -641,7 +638,7 @@ def simulate(
             f"{machine.num_devices}"
         )
     if machine is not None and all(a.is_compute for a in plan.actions):
-        plan = schedules.lower(plan, optimizer=optimizer)
+        plan = lower(plan, optimizer=optimizer)
     early = _early_default(plan) if early_recompute is None else early_recompute
     comm = costs.comm_ms if comm_ms is None else comm_ms
     builder = _Builder(plan, costs, machine, comm, early)
@@ -751,226 +748,31 @@ def _bytes_moved(tasks: Sequence[_Task]) -> dict[str, int]:
 
 
 def _peak_memory(plan: Plan, tasks: Sequence[_Task], builder: _Builder) -> tuple[int, ...]:
-    """Peak bytes per device over time (the accounting of schedules.validate, with simulated
-    start and end times): weights, gradients, working sets, stashed and received activations."""
-    events: dict[int, list[tuple[float, int]]] = defaultdict(list)
-    _compute_memory_events(plan, tasks, builder, events)
-    _transfer_memory_events(plan, tasks, builder, events)
+    """Peak bytes per device over time: the events of memory.py (the rule validate walks) at
+    simulated start and end times."""
     peaks = []
+    events = memory_events(plan, builder.st)
     for d in range(plan.num_devices):
+        timed = [(0.0, static_bytes(plan, builder.st, d))]
+        for e in events.get(d, []):
+            timed.append((_edge_time(tasks, builder, e.action, e.at_end), e.delta))
         level = peak = 0
-        for _, delta in sorted(events.get(d, []), key=lambda e: (e[0], e[1])):  # frees first
+        for _, delta in sorted(timed, key=lambda e: (e[0], e[1])):  # frees first
             level += delta
             peak = max(peak, level)
         peaks.append(peak)
     return tuple(peaks)
 
 
-def _span(tasks: Sequence[_Task], builder: _Builder, a: Action) -> tuple[float, float]:
-    return tasks[builder.first[a]].start, tasks[builder.last[a]].end
+def _edge_time(tasks: Sequence[_Task], builder: _Builder, a: Action, at_end: bool) -> float:
+    """When ``a`` starts or ends; a SEND starts holding memory when it arrives (its last
+    phase: the H2D half of a copy through the host)."""
+    if at_end:
+        return tasks[builder.last[a]].end
+    return tasks[builder.last[a] if a.op is Op.SEND else builder.first[a]].start
 
 
-def _compute_memory_events(
-    plan: Plan, tasks: Sequence[_Task], builder: _Builder, events: dict[int, list]
-) -> None:
-    """Per group of compute actions: weights and gradients held (offloaded: while the group
-    runs, or until its FREE; bound: all the device's stages, from the start), working sets,
-    and bound schedules' stashed checkpoints (from a forward until its backward)."""
-    from .actions import _compute_groups
+if __name__ == "__main__":  # python -m rp_engine.plan.simulate: the command line is in cli.py
+    from rp_engine.plan.cli import main
 
-    st = builder.st
-    lowered = any(a.op is Op.UPLOAD for a in plan.actions)
-    offloaded = lowered or plan.schedule in schedules.OFFLOADED_SCHEDULES
-    for d, groups in _compute_groups(plan).items():
-        if not offloaded and groups:
-            slots = {plan.slot(a) for g in groups for a in g}
-            events[d].append((0.0, sum(_resident_bytes(plan, st, s) for s in slots)))
-        for g in groups:
-            slot = plan.slot(g[0])
-            if offloaded:
-                held = st.grad_bytes[slot] + (0 if lowered else st.param_bytes[slot])
-                end = _span(tasks, builder, g[-1])[1]
-                release = _free_time(plan, tasks, builder, g[0]) if lowered else end
-                events[d] += [(_span(tasks, builder, g[0])[0], held), (release, -held)]
-            for a in g:
-                s0, s1 = _span(tasks, builder, a)
-                events[d] += [(s0, st.work_bytes[slot]), (s1, -st.work_bytes[slot])]
-                if not offloaded:
-                    sign = 1 if a.op is Op.FWD else -1
-                    events[d].append((s1, sign * st.boundary_bytes))
-
-
-def _resident_bytes(plan: Plan, st: StageCosts, slot: int) -> int:
-    """A bound stage keeps its weights (forward slot) and gradients (backward slot)."""
-    return st.param_bytes[slot] if slot < plan.num_fwd_stages else st.grad_bytes[slot]
-
-
-def _transfer_memory_events(
-    plan: Plan, tasks: Sequence[_Task], builder: _Builder, events: dict[int, list]
-) -> None:
-    """Uploaded weights from UPLOAD start to FREE; received activations from their transfer
-    until the last consumer on the device finishes."""
-    st = builder.st
-    consumers: dict[Action, list[Action]] = defaultdict(list)
-    for c in plan.actions:
-        for dep in plan.deps[c]:
-            if dep.op is Op.SEND and c.is_compute:
-                consumers[dep].append(c)
-    for a in plan.actions:
-        if a.op is Op.UPLOAD:
-            events[a.device].append((tasks[builder.first[a]].start, st.param_bytes[a.stage]))
-        elif a.op is Op.FREE:
-            events[a.device].append((tasks[builder.first[a]].end, -st.param_bytes[a.stage]))
-        elif a.op is Op.SEND and builder.machine is not None:
-            arrival = tasks[builder.last[a]]
-            until = max((_span(tasks, builder, c)[1] for c in consumers[a]), default=arrival.end)
-            events[a.device] += [(arrival.start, st.boundary_bytes), (until, -st.boundary_bytes)]
-
-
-def _free_time(plan: Plan, tasks: Sequence[_Task], builder: _Builder, first: Action) -> float:
-    free = Action(Op.FREE, plan.slot(first), first.microbatch, first.device, first.iteration)
-    return tasks[builder.first[free]].end if free in builder.first else math.inf
-
-
-# ---- command line ------------------------------------------------------------------------------
-def _parse_ints(text: str | None) -> tuple[int, ...] | None:
-    return None if text is None else tuple(int(v) for v in text.split(",") if v.strip())
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m rp_engine.plan.simulate",
-        description="Simulate a pipeline schedule on per-layer costs; print one JSON object.",
-    )
-    p.add_argument("--costs", required=True, help="COSTS.json (see partition.LayerCosts)")
-    p.add_argument(
-        "--schedule",
-        required=True,
-        choices=[
-            "gpipe",
-            "1f1b",
-            "interleaved-1f1b",
-            "looped-bfs",
-            "mobius",
-            "roundpipe-sync",
-            "roundpipe-async",
-        ],
-    )
-    p.add_argument("--devices", type=int, required=True)
-    p.add_argument("--microbatches", type=int, required=True)
-    p.add_argument("--stage-layers", help="layers per (virtual) stage of a bound schedule")
-    p.add_argument("--fwd-cuts", help="RoundPipe forward stages (layers each)")
-    p.add_argument("--bwd-cuts", help="RoundPipe backward stages, head stage first")
-    p.add_argument(
-        "--machine",
-        help=f"machine preset ({', '.join(preset_names())}) or JSON; "
-        "default: the simulation conventions (compute + comm_ms)",
-    )
-    p.add_argument(
-        "--iterations",
-        type=int,
-        default=None,
-        help="iterations back to back (default 4 for roundpipe-async, else 1)",
-    )
-    p.add_argument("--memory-gb", type=float, default=None, help="partitioner memory budget")
-    p.add_argument("--trace", help="write a Chrome trace JSON here")
-    p.add_argument("--png", help="write a Gantt chart PNG here")
-    p.add_argument("--text", action="store_true", help="print the text grid to stderr")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    return p
-
-
-def _cli_plan(
-    args: argparse.Namespace, costs: LayerCosts, machine: Machine | None, iterations: int
-) -> tuple[Plan, dict[str, object]]:
-    from .partition import balanced_stage_layers, partition
-
-    name, n, m = args.schedule, args.devices, args.microbatches
-    extra: dict[str, object] = {}
-    if name.startswith("roundpipe"):
-        fwd, bwd = _parse_ints(args.fwd_cuts), _parse_ints(args.bwd_cuts)
-        if fwd is None or bwd is None:
-            budget = (
-                int(args.memory_gb * 2**30)
-                if args.memory_gb
-                else (machine.memory_bytes if machine else None)
-            )
-            part = partition(
-                costs,
-                num_devices=n,
-                num_microbatches=m,
-                memory_budget_bytes=budget,
-                async_optimizer=name == "roundpipe-async",
-            )
-            fwd, bwd = part.fwd_cuts, part.bwd_cuts
-            extra["partitioner"] = True
-        plan = schedules.build(
-            "roundpipe",
-            num_iterations=iterations,
-            fwd_cuts=fwd,
-            bwd_cuts=bwd,
-            num_devices=n,
-            num_microbatches=m,
-        )
-        return plan, extra
-    stage_layers = _parse_ints(args.stage_layers)
-    if stage_layers is None:
-        per_device = 3 if name in ("interleaved-1f1b", "looped-bfs") else 1
-        stage_layers = balanced_stage_layers(costs, min(per_device * n, costs.num_layers + 1))
-    kwargs: dict[str, object] = {"num_devices": n, "num_microbatches": m}
-    if name == "mobius":
-        kwargs["fwd_cuts"] = stage_layers
-        if machine is not None and machine.device_order is not None:
-            kwargs["device_order"] = machine.device_order
-    else:
-        kwargs["stage_layers"] = stage_layers
-    return schedules.build(name, num_iterations=iterations, **kwargs), extra
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from . import render
-    from .partition import load_costs
-
-    args = _parser().parse_args(argv)
-    costs = load_costs(args.costs)
-    raw = json.loads(Path(args.costs).read_text())
-    machine = load_machine(args.machine) if args.machine else None
-    if raw.get("pcie_gbps"):
-        base = machine or load_machine("rtx4090_pcie4_8x")
-        machine = dataclasses.replace(
-            base, h2d_gbps=float(raw["pcie_gbps"]), d2h_gbps=float(raw["pcie_gbps"])
-        )
-    is_async = args.schedule == "roundpipe-async"
-    iterations = args.iterations or (4 if is_async else 1)
-    plan, extra = _cli_plan(args, costs, machine, iterations)
-    result = simulate(plan, costs, machine=machine, optimizer="async" if is_async else "sync")
-    out = result.to_json()
-    out.update(
-        schedule=args.schedule,
-        fwd_cuts=list(plan.fwd_cuts),
-        bwd_cuts=list(plan.bwd_cuts),
-        machine=machine.name if machine else "conventions",
-        **extra,
-    )
-    if is_async and iterations > 1:  # the published estimate, from one iteration
-        single = schedules.build(
-            "roundpipe",
-            fwd_cuts=plan.fwd_cuts,
-            bwd_cuts=plan.bwd_cuts,
-            num_devices=args.devices,
-            num_microbatches=args.microbatches,
-        )
-        one = simulate(single, costs, machine=machine, optimizer="async")
-        out["bubble_ratio_fill_drain"] = round(one.bubble_ratio_fill_drain or 0.0, 6)
-    if args.trace:
-        render.write_chrome_trace(result, args.trace)
-    if args.png:
-        render.write_png(result, args.png)
-    if args.text:
-        print(render.text_grid(result), file=sys.stderr)
-    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

@@ -79,6 +79,7 @@ class Planner:
         self.num_devices = num_devices
         self.num_microbatches = num_microbatches
         self.schedule = schedule
+        self.spec = _engine_schedule(schedule)
         self.memory_budget_bytes = memory_budget_bytes
         self.async_optimizer = async_optimizer  # the two modes want different cuts
         self.fixed = fwd_cuts is not None and bwd_cuts is not None
@@ -102,9 +103,9 @@ class Planner:
                         "or remove roundpipe.fwd_cuts and roundpipe.bwd_cuts to let the planner "
                         "choose"
                     ) from None
-        elif schedule == "mobius":
+        elif self.spec.cuts == "blocks":  # one cut, bound per device: nothing to search
             self.fixed, self.profile_left = True, 0
-            blocks = self._mobius_blocks()
+            blocks = self._blocks()
             self.set_cuts(blocks, blocks[::-1])
         else:
             self.set_cuts(*self._search(self._estimate()))
@@ -155,14 +156,15 @@ class Planner:
         schedules.validate(schedules.lower(compute, offload=True, optimizer="", prefetch_depth=0))
         return 0
 
-    def _mobius_blocks(self) -> tuple[int, ...]:
-        """Mobius binds one block of layers per GPU, forward and backward alike; a model with
-        an embedding prefix needs two blocks at least (the prefix's backward follows the head's)."""
+    def _blocks(self) -> tuple[int, ...]:
+        """A block schedule (Mobius) binds one block of layers per GPU, forward and backward
+        alike; a model with an embedding prefix needs two blocks at least (the prefix's backward
+        follows the head's)."""
         n, least = self.shape.num_blocks, StageMap.min_bwd_stages(self.shape.has_prefix)
         if n < least:
             raise ValueError(
-                f"roundpipe.schedule 'mobius' needs at least {least} decoder layers for a model "
-                f"with an embedding prefix (this one has {n}); use schedule 'roundpipe'"
+                f"roundpipe.schedule {self.schedule!r} needs at least {least} decoder layers for "
+                f"a model with an embedding prefix (this one has {n}); use schedule 'roundpipe'"
             )
         return _even_split(n, max(min(self.num_devices, n), least))
 
@@ -203,21 +205,18 @@ class Planner:
         return self._schedule(self.num_microbatches, start_device)
 
     def _schedule(self, num_microbatches: int, start_device: int) -> Plan:
-        if self.schedule == "mobius":
-            return schedules.mobius(
-                fwd_cuts=self.fwd_cuts,
-                bwd_cuts=self.bwd_cuts,
-                num_devices=self.num_devices,
-                num_microbatches=num_microbatches,
-                start_device=start_device,
-            )
-        return schedules.roundpipe(
+        rounds = (
+            {"round_size": min(self.round_size, num_microbatches)}
+            if self.spec.cuts == "fwd_bwd"  # separate cuts: RoundPipe's rounds of M_R
+            else {}
+        )
+        return self.spec.builder(
             fwd_cuts=self.fwd_cuts,
             bwd_cuts=self.bwd_cuts,
             num_devices=self.num_devices,
             num_microbatches=num_microbatches,
             start_device=start_device,
-            round_size=min(self.round_size, num_microbatches),
+            **rounds,
         )
 
     def _log_plan(self, what: str) -> None:
@@ -311,6 +310,17 @@ class Planner:
         head_stage = self._bwd_samples.get(0)
         head_total = statistics.median(head_stage) if head_stage else 3 * head
         return _costs(self.shape, fwd, bwd, head_total / 3)
+
+
+def _engine_schedule(name: str) -> schedules.ScheduleSpec:
+    """The registry entry of ``roundpipe.schedule``: one the executor runs (weights offloaded)."""
+    spec = schedules.SCHEDULES.get(name)
+    if spec is None or not spec.offloaded:
+        raise ValueError(
+            f"roundpipe.schedule {name!r} is not a schedule the engine runs; choose one of "
+            f"{list(schedules.ENGINE_SCHEDULES)}"
+        )
+    return spec
 
 
 def _round_size(requested: int | None, gas: int) -> int:

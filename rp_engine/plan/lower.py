@@ -1,0 +1,122 @@
+"""The lowering pass: a compute-only plan -> the plan the executor runs.
+
+Owns ``lower``: every cross-device data edge gets a SEND; an offloaded plan (``plan.offloaded``,
+or ``offload=True``) gets, per group of consecutive same-slot compute actions on a device (a
+slot's round), ONE UPLOAD of its weights, a DOWNLOAD of the gradients the group accumulated on
+the device (backward groups), a FREE, and an OPT per layer per iteration on the host. The
+prefetch depth (how many groups' weights a device may hold ahead) is a property of the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections import defaultdict
+from collections.abc import Mapping
+
+from .actions import HOST, Action, Op, Plan, PlanError, compute_groups, format_grid
+
+__all__ = ["lower"]
+
+
+def lower(
+    plan: Plan, *, offload: bool | None = None, optimizer: str = "async", prefetch_depth: int = 1
+) -> Plan:
+    """Add transfer and optimizer actions to a compute-only plan.
+
+    Every cross-device data edge gets a SEND to the consumer's device. With ``offload`` (default:
+    ``plan.offloaded``, set by RoundPipe and Mobius) every group of consecutive same-slot compute
+    actions on a device (a slot's round) gets ONE UPLOAD of its weights, issued as soon as the
+    FREE of the group
+    ``prefetch_depth + 1`` back on that device allows (at most ``prefetch_depth + 1`` groups'
+    weights resident), a DOWNLOAD of the gradients the group accumulated on the device (backward
+    groups), a FREE after it, and each layer an OPT per iteration on the host (``optimizer``
+    "sync" or "async", "" for none). This is the plan the executor runs; it is ``offloaded``
+    exactly when it was lowered with ``offload``.
+    """
+    plan = dataclasses.replace(plan, prefetch_depth=prefetch_depth)
+    if any(not a.is_compute for a in plan.actions):
+        raise ValueError("lower() takes a compute-only plan (FWD/HEAD/BWD actions)")
+    offload = plan.offloaded if offload is None else offload
+    key = {a: float(i) for i, a in enumerate(plan.actions)}
+    key.update(_send_keys(plan, key))
+    if offload:
+        key.update(_weight_keys(plan, key))
+        key.update({o: float("inf") for o in _opt_actions(plan) if optimizer})
+    draft = dataclasses.replace(
+        plan,
+        actions=tuple(sorted(key, key=key.__getitem__)),
+        optimizer=optimizer if offload else "",
+        offloaded=offload,
+    )
+    for o in (a for a in draft.actions if a.op is Op.OPT):
+        key[o] = max(key[d] for d in draft.deps[o]) + 0.45
+    return dataclasses.replace(draft, actions=_stable_topological(draft, key))
+
+
+def _send_keys(plan: Plan, key: Mapping[Action, float]) -> dict[Action, float]:
+    rows = {d: plan.per_device(d) for d in range(plan.num_devices)}
+    pos = {a: i for row in rows.values() for i, a in enumerate(row)}
+    sends: dict[Action, float] = {}
+    for consumer in plan.actions:
+        for src in plan.deps[consumer]:
+            if src.device == consumer.device:
+                continue
+            send = Action(Op.SEND, plan.slot(src), src.microbatch, consumer.device, src.iteration)
+            before = rows[consumer.device][pos[consumer] - 2] if pos[consumer] >= 2 else src
+            k = max(key[src], key[before]) + 0.5
+            sends[send] = min(k, sends.get(send, k))
+    return sends
+
+
+def _weight_keys(plan: Plan, key: Mapping[Action, float]) -> dict[Action, float]:
+    out: dict[Action, float] = {}
+    for d, groups in compute_groups(plan).items():
+        for gi, group in enumerate(groups):
+            first, last = group[0], group[-1]
+            slot, m0, it = plan.slot(first), first.microbatch, first.iteration
+            # issued when the device starts the group prefetch_depth back (its memory gate)
+            back = plan.prefetch_depth
+            out[Action(Op.UPLOAD, slot, m0, d, it)] = (
+                key[groups[gi - back][0]] + 0.25 if back and gi >= back else key[first] - 0.5
+            )
+            if slot >= plan.num_fwd_stages:
+                out[Action(Op.DOWNLOAD, slot, m0, d, it)] = key[last] + 0.3
+            out[Action(Op.FREE, slot, m0, d, it)] = key[last] + 0.4
+    return out
+
+
+def _opt_actions(plan: Plan) -> list[Action]:
+    layers = range(plan.num_layers + 1)  # layer L is the head
+    return [Action(Op.OPT, layer, 0, HOST, it) for it in plan.iterations for layer in layers]
+
+
+def _stable_topological(draft: Plan, key: Mapping[Action, float]) -> tuple[Action, ...]:
+    """Topological order of deps + each device's compute order, smallest key first."""
+    preds: dict[Action, set[Action]] = {a: set(draft.deps[a]) for a in draft.actions}
+    for d in range(draft.num_devices):
+        row = [a for a in draft.per_device(d) if a.is_compute]
+        for prev, nxt in zip(row, row[1:], strict=False):
+            preds[nxt].add(prev)
+    succs: dict[Action, list[Action]] = defaultdict(list)
+    for a, ps in preds.items():
+        for p in ps:
+            succs[p].append(a)
+    seq = {a: i for i, a in enumerate(draft.actions)}
+    waiting = {a: len(ps) for a, ps in preds.items()}
+    heap = [(key[a], seq[a], a) for a, n in waiting.items() if n == 0]
+    heapq.heapify(heap)
+    out: list[Action] = []
+    while heap:
+        _, _, a = heapq.heappop(heap)
+        out.append(a)
+        for s in succs[a]:
+            waiting[s] -= 1
+            if waiting[s] == 0:
+                heapq.heappush(heap, (key[s], seq[s], s))
+    if len(out) != len(draft.actions):
+        stuck = next(a for a in draft.actions if waiting[a] > 0)
+        raise PlanError(
+            f"lowering made a cycle at {stuck}\n" + format_grid(draft, mark=stuck, limit=24)
+        )
+    return tuple(out)
