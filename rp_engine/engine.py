@@ -28,10 +28,12 @@ from rp_engine.config import DSConfig
 from rp_engine.data import build_dataloader, repeat
 from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
+from rp_engine.model.batch_checks import check_batch
 from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers
 from rp_engine.monitor import Monitor
 from rp_engine.optim.build import build_optimizer, build_scheduler
+from rp_engine.optim.nonfinite import NonFiniteGuard
 from rp_engine.optim.stepper import OptimizerStepper, StepResult
 from rp_engine.plan.actions import Op, Plan
 from rp_engine.runtime.executor import (
@@ -140,7 +142,9 @@ class RoundPipeEngine:
             # The Mobius baseline steps synchronously, as Mobius does.
             async_mode=rp.async_optimizer and rp.schedule != "mobius",
             fp16=cfg.fp16.enabled,
+            guard_nonfinite=rp.on_nonfinite != "ignore",
         )
+        self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
         self.planner = Planner(
             _shape(self.seq, self.store),
             num_devices=len(self.pool),
@@ -231,6 +235,7 @@ class RoundPipeEngine:
         else:
             self._step_applied = False
         self.micro_steps += 1
+        self._guard.raise_failed()
 
     # --- PipelineEngine API ---------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
@@ -251,6 +256,7 @@ class RoundPipeEngine:
         self.micro_steps += gas - 1
         self._apply_boundary(None)
         self.micro_steps += 1
+        self._guard.raise_failed()
         if profile and self.planner.observe(result.layer_ms, result.bwd_ms):
             self._executor = self._make_executor()
         loss = torch.tensor(sum(result.losses) / len(result.losses))
@@ -306,8 +312,9 @@ class RoundPipeEngine:
             # weights are untouched), so the next call starts clean.
             self._abort_step()
             raise
+        self._guard.observe(result.losses, self.micro_steps, self.gradient_accumulation_steps())
         if closes_step:
-            self._last = self.stepper.close_step()
+            self._last = self.stepper.close_step(skip=self._guard.force_skip())
         self._timeline = result.timeline
         self._stats_open.add(result.stats)
         if closes_step:
@@ -320,6 +327,7 @@ class RoundPipeEngine:
             self.stepper.wait_all()
         self.stepper.abandon_step()
         self.store.zero_grads()
+        self._guard.reset()
         self._carry = self._carry_batch = None
         log.warning(
             "run failed: gradients accumulated for step %d were discarded", self.global_steps + 1
@@ -346,6 +354,7 @@ class RoundPipeEngine:
                 self.get_global_grad_norm(),
             )
         self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], self.global_samples)])
+        self._guard.conclude(self.global_steps, result)
 
     def _eval_losses(self, batches: list[Any]) -> list[float]:
         step = self.global_steps + 1
@@ -373,6 +382,7 @@ class RoundPipeEngine:
                 "inside the pipeline (fused LM head + loss), so every batch needs labels; for "
                 "causal-LM training pass labels=input_ids"
             )
+        check_batch(batch, self.seq)  # before any device work: name the bad tensor
         dtype = _compute_dtype(self._config)
         # As DeepSpeed's PipelineEngine: floating inputs follow the fp16/bf16 model; labels don't.
         return {
