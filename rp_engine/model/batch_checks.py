@@ -12,7 +12,7 @@ model accepts is refused. In particular the micro-batch size is *not* compared w
 
 Hugging Face causal LMs (``seq.kind`` "hf:*"): ``input_ids`` (or ``input``) an integer tensor
 (micro_batch, seq) with ids in 0..vocab-1, or ``inputs_embeds`` floating (micro_batch, seq,
-hidden); ``labels`` int64 (or uint8) of the same (micro_batch, seq), each -100 or a token id (the
+hidden); ``labels`` int64 of the same (micro_batch, seq), each -100 or a token id (the
 first position is never a target after the causal shift, so it is not checked);
 ``attention_mask`` (micro_batch, seq) or the 4-D (micro_batch, 1, seq, seq) form;
 ``position_ids`` (micro_batch, seq) or (1, seq). Other models (nn.Sequential, PipelineModule,
@@ -31,7 +31,7 @@ __all__ = ["check_batch", "vocab_size"]
 
 IGNORE_INDEX = -100
 _ID_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding indexes with
-_LABEL_DTYPES = (torch.int64, torch.uint8)  # what cross_entropy takes as targets
+_LABEL_DTYPES = (torch.int64,)  # cross_entropy takes Long; the -100 shift padding rules out uint8
 
 
 def vocab_size(seq: LayerSequence) -> int | None:
