@@ -187,8 +187,8 @@ class OptimizerStepper:
         with self._cond:
             while self._done[layer] < step:
                 if self._error is not None:
-                    raise RuntimeError(
-                        f"optimizer worker failed; layer {layer} cannot reach step {step}"
+                    raise RuntimeError(  # name the root cause: the layer that failed
+                        f"layer {layer} cannot reach step {step}: {self._error}"
                     ) from self._error
                 self._cond.wait(timeout=0.1)
 
