@@ -99,6 +99,7 @@ def check_module_state(
         problems.append(f"{len(shapes)} tensor(s) of another shape ({_list(shapes)})")
     if kinds:
         problems.append(f"{len(kinds)} tensor(s) of another kind of dtype ({_list(kinds)})")
+    keys = False
     if strict:
         missing = sorted(set(current) - set(saved))
         unexpected = sorted(set(saved) - set(current))
@@ -106,13 +107,14 @@ def check_module_state(
             problems.append(f"Missing key(s) in the checkpoint: {_list(missing)}")
         if unexpected:
             problems.append(f"unexpected key(s) in the checkpoint: {_list(unexpected)}")
+        keys = bool(missing or unexpected)
     if problems:
         raise CheckpointError(
             f"checkpoint file {os.fspath(path)!r} does not fit this {type(module).__name__}: "
             + "; ".join(problems)
             + ". It was saved from another model (configuration, layer count or adapter); build "
             "the same model before loading"
-            + (" (load_module_strict=False tolerates missing/unexpected keys)" if strict else "")
+            + (" (load_module_strict=False tolerates missing/unexpected keys)" if keys else "")
         )
     if casts:
         pairs = sorted({f"{a} -> {b}" for a, b in casts})

@@ -73,9 +73,9 @@ class NonFiniteGuard:
             shown = ", ".join(f"{mb} (loss {loss})" for mb, loss in bad[:8])
             what = f"non-finite loss in micro-batch(es) {shown}"
             if not finite_norm:
-                what += f" and gradient norm {result.grad_norm}"
+                what += " and a non-finite gradient norm"
         else:
-            what = f"gradient norm {result.grad_norm} (every micro-batch's loss was finite)"
+            what = "non-finite gradient norm (every micro-batch's loss was finite)"
         text = (
             f"step {step}: {what}; the step was skipped (weights and optimizer state unchanged). "
             "Look for NaN/inf weights (a bad checkpoint), a learning rate that diverged, or a "
