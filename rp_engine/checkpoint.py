@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rp_engine import safe_load
+from rp_engine import checkpoint_checks, safe_load
 
 __all__ = [
     "save",
@@ -520,15 +520,18 @@ def load(
     _recover_interrupted(load_dir, remove_stale=False)
     folder = _tag_folder(load_dir, str(tag))
     model_path = _find_file(folder, model_file_name(engine._config.zero.stage), "*_model_states.pt")
+    checkpoint_checks.check_file(model_path)  # truncated / not torch.save: name the file
     ckpt = safe_load.load(model_path, trust=trust)
     osd = None
     if optimizer_states and not module_only and engine.optimizer is not None:
         bf16 = bool(engine._config.bf16.enabled)
         optim_path = _find_file(folder, optim_file_name(bf16=bf16), "*_optim_states.pt")
         # Read (and vet) both files before the engine changes: a refused file leaves it as it was.
+        checkpoint_checks.check_file(optim_path)
         osd = safe_load.load(optim_path, trust=trust)[_OPTIMIZER_STATE_DICT]
 
     module_state = _fill_zero3_placeholders(engine.module, ckpt, loading_masters=osd is not None)
+    checkpoint_checks.check_module_state(model_path, module_state, engine.module, strict=strict)
     missing, unexpected = engine.module.load_state_dict(module_state, strict=strict)
     if missing or unexpected:
         log.warning("checkpoint module: missing keys %s, unexpected keys %s", missing, unexpected)

@@ -489,6 +489,8 @@ class RoundPipeConfig:
     head_chunk_tokens: int = field(default=1024, metadata=_m(gt=0))
     profile_iterations: int = field(default=2, metadata=_m(ge=0))
     seed: int = field(default=42, metadata=_m(ge=0))
+    # bf16/fp32 step with a non-finite loss or gradient norm: raise (step skipped), skip, ignore
+    on_nonfinite: str = field(default="raise", metadata=_m(choices=("raise", "skip", "ignore")))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
 from rp_engine.monitor import Monitor
 from rp_engine.optim.build import build_optimizer, build_scheduler
+from rp_engine.optim.nonfinite import NonFiniteGuard
 from rp_engine.optim.stepper import OptimizerStepper, StepResult
 from rp_engine.plan.actions import Plan
 from rp_engine.plan.schedules import SCHEDULES
@@ -124,7 +125,9 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
             async_mode=rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only,
             fp16=cfg.fp16.enabled,
+            guard_nonfinite=rp.on_nonfinite != "ignore",
         )
+        self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
         self.planner = Planner(
             ModelShape.from_sequence(self.seq, self.store),
             num_devices=len(self.pool),
@@ -171,6 +174,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             profile=profile,
         )
         self._counters.whole_step(applied=self._apply_boundary(None))
+        self._guard.raise_failed()
         if profile and self.planner.observe(result.layer_ms, result.bwd_ms):
             self._executor = self._make_executor()
         loss = torch.tensor(sum(result.losses) / len(result.losses))
@@ -226,8 +230,9 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             # weights are untouched), so the next call starts clean.
             self._abort_step()
             raise
+        self._guard.observe(result.losses, self.micro_steps, self.gradient_accumulation_steps())
         if closes_step:
-            self._last = self.stepper.close_step()
+            self._last = self.stepper.close_step(skip=self._guard.force_skip())
         self._timeline = result.timeline
         self._stats_open.add(result.stats)
         if closes_step:
@@ -240,6 +245,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             self.stepper.wait_all()
         self.stepper.abandon_step()
         self.store.zero_grads()
+        self._guard.reset()
         self._carry = self._carry_batch = None
         log.warning(
             "run failed: gradients accumulated for step %d were discarded", self.global_steps + 1
@@ -260,6 +266,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         if every and step % every == 0:
             log.info("step %d lr %s grad_norm %s", step, self.get_lr(), self.get_global_grad_norm())
         self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], samples)])
+        self._guard.conclude(step, result)
         return not overflow
 
     def _eval_losses(self, batches: list[Any]) -> list[float]:

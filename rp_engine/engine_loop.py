@@ -18,6 +18,7 @@ from rp_engine.plan.actions import Op
 
 if TYPE_CHECKING:
     from rp_engine.model.batches import BatchAdapter
+    from rp_engine.optim.nonfinite import NonFiniteGuard
     from rp_engine.optim.optimizer import HostOptimizer
     from rp_engine.optim.stepper import OptimizerStepper
     from rp_engine.runtime.counters import StepCounters
@@ -44,6 +45,7 @@ class ImperativeLoop:
         optimizer: HostOptimizer
         global_steps: int
         _counters: StepCounters
+        _guard: NonFiniteGuard
         _batches: BatchAdapter
         _module: torch.nn.Module
 
@@ -115,6 +117,7 @@ class ImperativeLoop:
             self._counters.step(applied=self._apply_boundary(lr_kwargs))
         else:
             self._counters.step(applied=None)
+        self._guard.raise_failed()  # after the counters: the engine is consistent when it raises
 
 
 def _derivative(scaled: Any, leaf: torch.Tensor) -> float:

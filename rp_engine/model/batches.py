@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rp_engine.model.base import LayerSequence
+from rp_engine.model.batch_checks import check_batch
 
 if TYPE_CHECKING:
     from rp_engine.config import DSConfig
@@ -43,6 +44,7 @@ class BatchAdapter:
                 "inside the pipeline (fused LM head + loss), so every batch needs labels; for "
                 "causal-LM training pass labels=input_ids"
             )
+        check_batch(batch, self.seq)  # before any device work: name the bad tensor
         return {
             k: v.to(self.dtype) if v.is_floating_point() and not k.startswith("labels") else v
             for k, v in batch.items()

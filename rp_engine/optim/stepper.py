@@ -62,12 +62,14 @@ class OptimizerStepper:
         clip: float,
         async_mode: bool,
         fp16: bool,
+        guard_nonfinite: bool = False,
     ) -> None:
         self.store = store
         self.optimizer = optimizer
         self.clip = clip
         self.async_mode = async_mode
         self.fp16 = fp16
+        self.guard_nonfinite = guard_nonfinite  # skip a step whose global norm is not finite
         self._num_layers = len(store.layers)
         self._done = [0] * self._num_layers  # last step applied (or skipped) per layer
         self._sealed = [0] * self._num_layers  # last step whose gradient is complete per layer
@@ -83,7 +85,8 @@ class OptimizerStepper:
     @property
     def immediate(self) -> bool:
         """Whether a layer can step before the global norm is known."""
-        return self.optimizer.per_layer and self.clip <= 0 and not self.fp16
+        guarded = self.fp16 or self.guard_nonfinite
+        return self.optimizer.per_layer and self.clip <= 0 and not guarded
 
     def required_version(self, step: int) -> int:
         """Weights version that iteration ``step`` (1-based boundary step) must read."""
@@ -133,8 +136,10 @@ class OptimizerStepper:
         if self.immediate:
             self._enqueue(layer, st, coef=1.0, skip=False)
 
-    def close_step(self) -> StepResult:
-        """All gradients of the open step have landed: decide clip/overflow, issue the steps."""
+    def close_step(self, *, skip: bool = False) -> StepResult:
+        """All gradients of the open step have landed: decide clip/overflow, issue the steps.
+        ``skip`` (or a non-finite norm in fp16 or with ``guard_nonfinite``) skips the step: it
+        reports ``overflow`` and no layer's weights change."""
         st = self._open
         assert st is not None, "close_step without open_step"
         missing = set(range(self._num_layers)) - st.ready
@@ -142,7 +147,7 @@ class OptimizerStepper:
             self.layer_ready(layer)
         self._open = None
         norm = math.sqrt(st.sq_norm) / st.loss_scale if math.isfinite(st.sq_norm) else math.inf
-        overflow = self.fp16 and not math.isfinite(norm)
+        overflow = skip or ((self.fp16 or self.guard_nonfinite) and not math.isfinite(norm))
         if not self.immediate:
             coef = 1.0 / st.loss_scale
             if self.clip > 0 and math.isfinite(norm) and norm > self.clip:
@@ -213,8 +218,8 @@ class OptimizerStepper:
         with self._cond:
             while self._done[layer] < step:
                 if self._error is not None:
-                    raise RuntimeError(
-                        f"optimizer worker failed; layer {layer} cannot reach step {step}"
+                    raise RuntimeError(  # name the root cause: the layer that failed
+                        f"layer {layer} cannot reach step {step}: {self._error}"
                     ) from self._error
                 self._cond.wait(timeout=0.1)
 
