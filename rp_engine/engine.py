@@ -177,9 +177,14 @@ class RoundPipeEngine:
         """Run the forward stages and the fused head of one micro-batch; returns the loss
         (a Hugging Face ``CausalLMOutput`` for HF models, else the loss tensor)."""
         self.stepper.check()
+        # Transformers' Trainer passes the token count of the whole optimizer step; the model
+        # then returns sum / count instead of the micro-batch mean (as HF's ForCausalLMLoss).
+        num_items = kwargs.pop("num_items_in_batch", None)
         batch = self._batch_of(inputs, kwargs)
+        share = self._token_share(batch, num_items)
         if not (self.module.training and torch.is_grad_enabled()):
-            return self._wrap(torch.tensor(self._eval_losses([batch])[0]))
+            loss = torch.tensor(self._eval_losses([batch])[0], device=self.device)
+            return self._wrap(loss * share)
         if self._carry is not None:
             raise RuntimeError(
                 "engine.forward() called twice without engine.backward(): rp_engine computes the "
@@ -194,8 +199,10 @@ class RoundPipeEngine:
             closes_step=False,
         )
         self._carry, self._carry_batch = result.carry, batch
-        self._loss_leaf = torch.tensor(result.losses[0], requires_grad=True)
-        return self._wrap(self._loss_leaf)
+        self._loss_leaf = torch.tensor(result.losses[0], device=self.device, requires_grad=True)
+        # Not the leaf itself: callers scale the loss in place (Trainer's `loss *= ...`), which
+        # autograd refuses on a leaf; backward differentiates through this product.
+        return self._wrap(self._loss_leaf * share)
 
     def backward(
         self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True, **kwargs: Any
@@ -381,6 +388,17 @@ class RoundPipeEngine:
             if isinstance(v, torch.Tensor)
         }
 
+    def _token_share(self, batch: dict[str, Any], num_items: Any) -> float:
+        """This micro-batch's share of ``num_items`` loss tokens (1 when not given): the
+        pipeline's loss is the mean over the micro-batch's tokens (labels != -100, shifted for
+        causal LMs as Hugging Face counts them)."""
+        if num_items is None:
+            return 1.0
+        labels = batch["labels"]
+        if self.seq.kind.startswith("hf:"):
+            labels = labels[..., 1:]
+        return float((labels != -100).sum()) / float(num_items)
+
     def _take(self, data_iter: Iterator[Any] | None, n: int) -> list[Any]:
         if data_iter is None:
             if self.training_dataloader is None:
@@ -530,6 +548,25 @@ class RoundPipeEngine:
         return _ckpt().save_16bit(
             self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters
         )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's flag (``stage3_gather_16bit_weights_on_model_save``), which Hugging Face
+        reads to choose between saving model files and a full checkpoint. The weights here are
+        never partitioned, so either way costs no gather."""
+        return self._config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The module's whole state_dict in the compute dtype, newest weights (DeepSpeed's
+        ZeRO-3 gather; Hugging Face's save path calls it)."""
+        self.synchronize()
+        state = self.module.state_dict()
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad:
+                    state.pop(name, None)
+        return state
 
     def destroy(self) -> None:
         """Finish in-flight steps, stop workers and devices. Idempotent."""
