@@ -131,7 +131,9 @@ def _deepspeed_engine_class() -> type:
 
 
 # Names the adapter keeps for itself; every other attribute is the RoundPipe engine's.
-_OWN = frozenset({"roundpipe_engine", "__class__", "__dict__", "__getstate__", "__setstate__"})
+_OWN = frozenset(
+    {"roundpipe_engine", "module", "__class__", "__dict__", "__getstate__", "__setstate__"}
+)
 
 
 class DeepSpeedEngineAdapter(_deepspeed_engine_class()):  # type: ignore[misc]
@@ -145,6 +147,14 @@ class DeepSpeedEngineAdapter(_deepspeed_engine_class()):  # type: ignore[misc]
 
     def __init__(self, engine: Any) -> None:  # no super().__init__: nothing of DeepSpeed's runs
         object.__setattr__(self, "roundpipe_engine", engine)
+
+    @property
+    def module(self) -> Any:
+        """The Hugging Face model with the newest weights: in-flight optimizer steps are drained
+        first. Accelerate's ``unwrap_model`` and ``get_state_dict`` read it."""
+        engine = self.roundpipe_engine
+        engine.synchronize()
+        return engine.module
 
     def __getattribute__(self, name: str) -> Any:
         if name in _OWN:

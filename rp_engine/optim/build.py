@@ -109,7 +109,7 @@ def _accepted_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
     """The optimizer's ``defaults`` its constructor accepts: torch's AdamW records
     ``decoupled_weight_decay`` (inherited from Adam) in ``defaults`` but refuses it as an
     argument."""
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(defaults)
     return {k: v for k, v in defaults.items() if k in params}
