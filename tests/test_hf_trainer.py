@@ -117,3 +117,22 @@ def test_deepspeed_reads_trainer_checkpoint(rp_run: dict, root: Path) -> None:
     assert set(final) <= set(state)
     for name, tensor in final.items():
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_zero2_offload_without_optimizer_or_scheduler_section(root: Path) -> None:
+    """Trainer builds torch AdamW (decay / no-decay groups; Accelerate maps it to DeepSpeedCPUAdam)
+    and its own linear schedule, handed over as a callable; ZeRO-2 with optimizer offload."""
+    cfg = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    }
+    common = {"config": cfg, "save_steps": None, "evaluate": False, "save_model": None}
+    theirs = run({**spec("deepspeed", root / "z2", port=29562), **common})
+    ours = run({**spec("rp_engine", root / "z2"), **common})
+    assert len(ours["log"]) == STEPS
+    assert_logs_match(ours["log"], theirs["log"])
+    # the linear decay reached the scheduler: not the warmup-only shape of the fixture config
+    assert ours["log"][-1]["learning_rate"] < ours["log"][-2]["learning_rate"]
