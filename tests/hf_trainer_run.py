@@ -73,7 +73,10 @@ def main() -> None:
     if model is None:
         model = tiny_qwen3(0, layers=spec.get("layers", 2))
     partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-    trainer = Trainer(
+    trainer_cls = Trainer
+    if spec.get("fast_path"):
+        from rp_engine.integrations.hf import RoundPipeTrainer as trainer_cls  # noqa: N813
+    trainer = trainer_cls(
         model=model,
         args=args,
         train_dataset=TokenData(64, spec.get("seq", 16), 128),
@@ -87,6 +90,7 @@ def main() -> None:
             if "loss" in row
         ],
         "partitioned_at_load": partitioned,
+        "fast_path_steps": getattr(trainer, "fast_path_steps", None),
     }
     if spec.get("evaluate"):
         result["eval_loss"] = trainer.evaluate()["eval_loss"]

@@ -136,3 +136,15 @@ def test_zero2_offload_without_optimizer_or_scheduler_section(root: Path) -> Non
     assert_logs_match(ours["log"], theirs["log"])
     # the linear decay reached the scheduler: not the warmup-only shape of the fixture config
     assert ours["log"][-1]["learning_rate"] < ours["log"][-2]["learning_rate"]
+
+
+def test_fast_path_trainer_matches_deepspeed(deepspeed_run: dict, root: Path) -> None:
+    """RoundPipeTrainer runs each optimizer step as one train_batch: DeepSpeed's numbers."""
+    ours = run(
+        spec(
+            "rp_engine", root / "fast", save_steps=None, evaluate=False, save_model=None,
+            fast_path=True,
+        )
+    )  # fmt: skip
+    assert ours["fast_path_steps"] == STEPS
+    assert_logs_match(ours["log"], deepspeed_run["log"])

@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["enable", "disable", "is_enabled", "initialize", "DeepSpeedEngineAdapter"]
+__all__ = [
+    "enable",
+    "disable",
+    "is_enabled",
+    "initialize",
+    "DeepSpeedEngineAdapter",
+    "RoundPipeTrainer",
+]
 
 log = logging.getLogger("rp_engine.hf")
 
@@ -175,3 +182,74 @@ class DeepSpeedEngineAdapter(_deepspeed_engine_class()):  # type: ignore[misc]
 
     def __dir__(self) -> list[str]:
         return sorted(set(dir(self.roundpipe_engine)) | _OWN)
+
+
+_trainer_cls: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # RoundPipeTrainer subclasses transformers.Trainer, whose import costs seconds: built on use.
+    if name == "RoundPipeTrainer":
+        return _roundpipe_trainer()
+    raise AttributeError(name)
+
+
+def _roundpipe_trainer() -> type:
+    global _trainer_cls
+    if _trainer_cls is not None:
+        return _trainer_cls
+    from transformers import Trainer
+
+    class RoundPipeTrainer(Trainer):  # type: ignore[misc]
+        """``transformers.Trainer`` that feeds all micro-batches of one optimizer step to
+        ``engine.train_batch`` (one RoundPipe schedule: the fast path) instead of one
+        forward/backward per micro-batch.
+
+        Same losses, gradients and logs as the plain Trainer. It falls back to the plain
+        per-micro-batch path (still correct, just slower) when the step is not a full
+        accumulation window (an epoch's last, short step), when the micro-batches hold different
+        numbers of loss tokens (Trainer then weights them by token count, ``train_batch``
+        equally), with ``compute_loss_func`` or label smoothing, or when the engine is not
+        rp_engine's. ``fast_path_steps`` counts the optimizer steps that took the fast path.
+        """
+
+        fast_path_steps = 0
+        _rp_pending: tuple[list[Any], Any] | None = None
+        _rp_fast = False
+
+        def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            self._rp_pending = (batches, num_items)
+            return batches, num_items
+
+        def training_step(
+            self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None
+        ) -> torch.Tensor:
+            engine = getattr(model, "roundpipe_engine", None)
+            pending = self._rp_pending
+            if pending is not None and inputs is pending[0][0]:
+                self._rp_pending = None
+                self._rp_fast = engine is not None and self._fast_path_ok(engine, pending[0])
+                if self._rp_fast:
+                    batches = [self._prepare_inputs(b) for b in pending[0]]
+                    loss = engine.train_batch(iter(batches))
+                    self.fast_path_steps += 1
+                    return loss.detach().to(self.args.device)
+            if self._rp_fast:
+                # the rest of a step train_batch already ran: its loss was reported once
+                return torch.zeros((), device=self.args.device)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def _fast_path_ok(self, engine: Any, batches: list[Any]) -> bool:
+            if len(batches) != engine.gradient_accumulation_steps():
+                return False
+            if self.compute_loss_func is not None or self.label_smoother is not None:
+                return False
+            try:
+                counts = {int((b["labels"][..., 1:] != -100).sum()) for b in batches}
+            except (KeyError, TypeError):
+                return False
+            return len(counts) == 1
+
+    _trainer_cls = RoundPipeTrainer
+    return RoundPipeTrainer
