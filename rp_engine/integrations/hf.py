@@ -34,14 +34,8 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "enable",
-    "disable",
-    "is_enabled",
-    "initialize",
-    "DeepSpeedEngineAdapter",
-    "RoundPipeTrainer",
-]
+# Also ``RoundPipeTrainer`` (built on first access, see ``__getattr__`` below).
+__all__ = ["enable", "disable", "is_enabled", "initialize", "DeepSpeedEngineAdapter"]
 
 log = logging.getLogger("rp_engine.hf")
 
