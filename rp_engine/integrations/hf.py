@@ -24,6 +24,9 @@ The engine handed back is a :class:`DeepSpeedEngineAdapter`: a real subclass of 
 every attribute is served by the RoundPipe engine; DeepSpeed's own engine code never runs on it.
 ``adapter.module`` is the Hugging Face model with the newest weights (in-flight optimizer steps
 drained). ``disable()`` restores everything ``enable()`` changed.
+
+``RoundPipeTrainer`` (a ``transformers.Trainer``) additionally runs each optimizer step's
+micro-batches as one ``train_batch`` schedule, the fast path.
 """
 
 from __future__ import annotations
@@ -219,7 +222,7 @@ def _roundpipe_trainer() -> type:
         def training_step(
             self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None
         ) -> torch.Tensor:
-            engine = getattr(model, "roundpipe_engine", None)
+            engine: Any = getattr(model, "roundpipe_engine", None)
             pending = self._rp_pending
             if pending is not None and inputs is pending[0][0]:
                 self._rp_pending = None
