@@ -237,6 +237,14 @@ def _roundpipe_trainer() -> type:
                 return torch.zeros((), device=self.args.device)
             return super().training_step(model, inputs, num_items_in_batch)
 
+        def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+            """Trainer evaluates the host module itself: drain in-flight asynchronous optimizer
+            steps first, so it sees the newest weights (not the one-step-old ones)."""
+            engine = getattr(self.model_wrapped, "roundpipe_engine", None)
+            if engine is not None:
+                engine.synchronize()
+            return super().evaluate(*args, **kwargs)
+
         def _fast_path_ok(self, engine: Any, batches: list[Any]) -> bool:
             if len(batches) != engine.gradient_accumulation_steps():
                 return False
