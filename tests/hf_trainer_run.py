@@ -93,7 +93,13 @@ def main() -> None:
         "fast_path_steps": getattr(trainer, "fast_path_steps", None),
     }
     if spec.get("evaluate"):
+        engine = getattr(trainer.model_wrapped, "roundpipe_engine", None)
+        calls = []
+        if engine is not None:  # count the evaluation runs that go through the engine
+            eval_losses = engine._eval_losses
+            engine._eval_losses = lambda b: calls.append(1) or eval_losses(b)
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
+        result["eval_through_engine"] = len(calls)
     if spec.get("save_model"):
         trainer.save_model(spec["save_model"])
         result["saved"] = sorted(os.listdir(spec["save_model"]))

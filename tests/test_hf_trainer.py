@@ -142,9 +142,11 @@ def test_fast_path_trainer_matches_deepspeed(deepspeed_run: dict, root: Path) ->
     """RoundPipeTrainer runs each optimizer step as one train_batch: DeepSpeed's numbers."""
     ours = run(
         spec(
-            "rp_engine", root / "fast", save_steps=None, evaluate=False, save_model=None,
-            fast_path=True,
+            "rp_engine", root / "fast", save_steps=None, save_model=None, fast_path=True,
         )
     )  # fmt: skip
     assert ours["fast_path_steps"] == STEPS
     assert_logs_match(ours["log"], deepspeed_run["log"])
+    # evaluated through the engine (devices + fused head), not the host module
+    assert ours["eval_through_engine"] > 0
+    assert ours["eval_loss"] == pytest.approx(deepspeed_run["eval_loss"], rel=1e-4)

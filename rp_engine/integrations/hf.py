@@ -238,12 +238,28 @@ def _roundpipe_trainer() -> type:
             return super().training_step(model, inputs, num_items_in_batch)
 
         def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-            """Trainer evaluates the host module itself: drain in-flight asynchronous optimizer
-            steps first, so it sees the newest weights (not the one-step-old ones)."""
+            """Drain in-flight asynchronous optimizer steps first, so evaluation (through the
+            engine or, for logits, the host module) sees the newest weights."""
             engine = getattr(self.model_wrapped, "roundpipe_engine", None)
             if engine is not None:
                 engine.synchronize()
             return super().evaluate(*args, **kwargs)
+
+        def prediction_step(
+            self,
+            model: Any,
+            inputs: dict[str, Any],
+            prediction_loss_only: bool,
+            ignore_keys: list[str] | None = None,
+        ) -> Any:
+            """Loss-only evaluation runs through the engine (devices + fused LM head) instead
+            of the host-resident module; logits (for ``compute_metrics``) need the module."""
+            engine: Any = getattr(self.model_wrapped, "roundpipe_engine", None)
+            if engine is None or not prediction_loss_only or "labels" not in inputs:
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            batch = self._prepare_inputs(inputs)
+            loss = engine.eval_batch(iter([batch]), num_micro_batches=1)
+            return loss.detach().to(self.args.device), None, None
 
         def _fast_path_ok(self, engine: Any, batches: list[Any]) -> bool:
             if len(batches) != engine.gradient_accumulation_steps():
