@@ -69,6 +69,8 @@ def main() -> None:
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
+        train_sampling_strategy=spec.get("sampling", "random"),
+        lr_scheduler_type=spec.get("lr_scheduler_type", "linear"),
     )
     if model is None:
         model = tiny_qwen3(0, layers=spec.get("layers", 2))
