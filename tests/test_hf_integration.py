@@ -143,6 +143,8 @@ def test_adapter_is_a_deepspeed_engine_serving_rp_engine() -> None:
         adapter.backward(loss)
         adapter.step()
         assert adapter.global_steps == 1 and engine.global_steps == 1
+        with pytest.raises(NotImplementedError, match="fused_lm_head"):
+            adapter(**random_batch(128, batch=2, seq=8, seed=3), fused_lm_head=True)
         adapter.some_flag = 3
         assert engine.some_flag == 3
         # Accelerate's unwrap_model: the HF model, with the async step already applied.

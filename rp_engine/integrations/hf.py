@@ -172,6 +172,13 @@ class DeepSpeedEngineAdapter(_deepspeed_engine_class()):  # type: ignore[misc]
         delattr(self.roundpipe_engine, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("fused_lm_head"):
+            raise NotImplementedError(
+                "fused_lm_head=True (TRL's SFTTrainer asks for per-token log_probs, entropy and "
+                "is_top1) is not supported yet: rp_engine's fused head returns the mean loss "
+                "only. Use transformers.Trainer (or hf.RoundPipeTrainer) for supervised "
+                "fine-tuning on rp_engine"
+            )
         return self.roundpipe_engine(*args, **kwargs)
 
     def __repr__(self) -> str:
