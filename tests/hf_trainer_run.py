@@ -49,7 +49,8 @@ def main() -> None:
     # DeepSpeed's side builds the model before TrainingArguments, so both sides start from the
     # same weights (built after, it would be initialised inside zero.Init); rp_engine's side
     # builds it after, where enable() must keep zero.Init away.
-    model = tiny_qwen3(0, layers=spec.get("layers", 2)) if spec["backend"] == "deepspeed" else None
+    shape = {"layers": spec.get("layers", 2), "hidden": spec.get("hidden", 64)}
+    model = tiny_qwen3(0, **shape) if spec["backend"] == "deepspeed" else None
     out = spec["output_dir"]
     args = TrainingArguments(
         output_dir=out,
@@ -73,7 +74,7 @@ def main() -> None:
         lr_scheduler_type=spec.get("lr_scheduler_type", "linear"),
     )
     if model is None:
-        model = tiny_qwen3(0, layers=spec.get("layers", 2))
+        model = tiny_qwen3(0, **shape)
     partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     trainer_cls = Trainer
     if spec.get("fast_path"):
@@ -93,6 +94,7 @@ def main() -> None:
         ],
         "partitioned_at_load": partitioned,
         "fast_path_steps": getattr(trainer, "fast_path_steps", None),
+        "train_runtime": trainer.state.log_history[-1].get("train_runtime"),
     }
     if spec.get("evaluate"):
         engine = getattr(trainer.model_wrapped, "roundpipe_engine", None)

@@ -99,7 +99,12 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     if args:
         raise TypeError("rp_engine.integrations.hf.initialize takes keyword arguments only")
     if kwargs.get("optimizer") is None and kwargs.get("model_parameters") is None:
-        return _originals["initialize"](**kwargs)  # type: ignore[no-any-return]
+        import deepspeed
+
+        original = _originals.get("initialize", deepspeed.initialize)
+        if original is initialize:  # pragma: no cover - enable() never stores itself
+            raise RuntimeError("deepspeed.initialize was replaced outside enable()")
+        return original(**kwargs)  # type: ignore[no-any-return]
     config = kwargs.pop("config_params", None) or kwargs.pop("config", None)
     if isinstance(config, dict):
         config = {**config, "roundpipe": {**config.get("roundpipe", {}), **_roundpipe}}
