@@ -21,7 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
-FIXTURE = Path(os.environ.get("RP_SHARED", "/work/shared")) / "fixtures/ds_configs"
+SHARED = Path(os.environ.get("RP_SHARED_DIR", ROOT.parent / "shared"))
+FIXTURE = SHARED / "fixtures" / "ds_configs" / "hf_zero3_offload_auto.json"
 
 
 def run(spec: dict) -> dict:
@@ -44,7 +45,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=64)
     a = ap.parse_args()
-    config = json.loads((FIXTURE / "hf_zero3_offload_auto.json").read_text())
+    config = json.loads(FIXTURE.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         base = {
             "config": config, "steps": a.steps, "layers": a.layers, "hidden": a.hidden,
