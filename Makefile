@@ -19,7 +19,7 @@ FAST_TESTS := $(wildcard tests/test_plan_*.py) tests/test_config.py tests/test_c
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,hf]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -1445,6 +1445,9 @@ def load_config(
             return config
         config = config.raw  # re-derive for another world size
     raw = _load_raw(config)
+    if raw.get("steps_per_print") == math.inf:
+        # Accelerate's DeepSpeedPlugin sets it to infinity to mean "never print": as absent.
+        del raw["steps_per_print"]
     _check_top_level_keys(raw)
     if auto_values:
         _apply_auto_values(raw, auto_values)

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from rp_engine.runtime.counters import StepCounters
 
 if TYPE_CHECKING:
@@ -227,6 +229,25 @@ class DeepSpeedAccessors:
         return _ckpt().save_16bit(
             self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters
         )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's flag (``stage3_gather_16bit_weights_on_model_save``), which Hugging Face
+        reads to choose between saving model files and a full checkpoint. The weights here are
+        never partitioned, so either way costs no gather."""
+        return self._config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The module's whole state_dict in the compute dtype, newest weights (DeepSpeed's
+        ZeRO-3 gather; Hugging Face's save path calls it)."""
+        self.synchronize()
+        state = self._module.state_dict()
+        if exclude_frozen_parameters:
+            for name, p in self._module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad:
+                    state.pop(name, None)
+        return state
 
 
 def _ckpt() -> Any:

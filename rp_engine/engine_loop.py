@@ -41,6 +41,7 @@ class ImperativeLoop:
 
     if TYPE_CHECKING:  # provided by RoundPipeEngine
         stepper: OptimizerStepper
+        device: torch.device
         planner: Planner
         optimizer: HostOptimizer
         global_steps: int
@@ -65,9 +66,14 @@ class ImperativeLoop:
         """Run the forward stages and the fused head of one micro-batch; returns the loss
         (a Hugging Face ``CausalLMOutput`` for HF models, else the loss tensor)."""
         self.stepper.check()
+        # Transformers' Trainer passes the token count of the whole optimizer step; the model
+        # then returns sum / count instead of the micro-batch mean (as HF's ForCausalLMLoss).
+        num_items = kwargs.pop("num_items_in_batch", None)
         batch = self._batch_of(inputs, kwargs)
+        share = self._batches.token_share(batch, num_items)
         if not (self._module.training and torch.is_grad_enabled()):
-            return self._batches.wrap_loss(torch.tensor(self._eval_losses([batch])[0]))
+            loss = torch.tensor(self._eval_losses([batch])[0], device=self.device)
+            return self._batches.wrap_loss(loss * share)
         if self._carry is not None:
             raise RuntimeError(
                 "engine.forward() called twice without engine.backward(): rp_engine computes the "
@@ -82,8 +88,10 @@ class ImperativeLoop:
             closes_step=False,
         )
         self._carry, self._carry_batch = result.carry, batch
-        self._loss_leaf = torch.tensor(result.losses[0], requires_grad=True)
-        return self._batches.wrap_loss(self._loss_leaf)
+        self._loss_leaf = torch.tensor(result.losses[0], device=self.device, requires_grad=True)
+        # Not the leaf itself: callers scale the loss in place (Trainer's `loss *= ...`), which
+        # autograd refuses on a leaf; backward differentiates through this product.
+        return self._batches.wrap_loss(self._loss_leaf * share)
 
     def backward(
         self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True, **kwargs: Any

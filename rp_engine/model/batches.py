@@ -51,6 +51,17 @@ class BatchAdapter:
             if isinstance(v, torch.Tensor)
         }
 
+    def token_share(self, batch: dict[str, Any], num_items: Any) -> float:
+        """This micro-batch's share of ``num_items`` loss tokens (1 when not given): the
+        pipeline's loss is the mean over the micro-batch's tokens (labels != -100, shifted for
+        causal LMs as Hugging Face counts them)."""
+        if num_items is None:
+            return 1.0
+        labels = batch["labels"]
+        if self.seq.kind.startswith("hf:"):
+            labels = labels[..., 1:]
+        return float((labels != -100).sum()) / float(num_items)
+
     def wrap_loss(self, loss: torch.Tensor) -> Any:
         """The loss as the model's own forward would return it."""
         if self.seq.kind.startswith("hf:"):

@@ -9,6 +9,7 @@ client optimizer instance is rebuilt over the masters with its own hyper-paramet
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -101,7 +102,17 @@ def _rebuild(client: torch.optim.Optimizer, store: HostStore) -> tuple[torch.opt
     if cls.__name__ == "DeepSpeedCPUAdam":
         adamw_mode = bool(getattr(client, "adam_w_mode", True))
         return cls(groups, adamw_mode=adamw_mode), True  # type: ignore[call-arg]
-    return cls(groups, **client.defaults), False
+    return cls(groups, **_accepted_defaults(cls, client.defaults)), False
+
+
+def _accepted_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's ``defaults`` its constructor accepts: torch's AdamW records
+    ``decoupled_weight_decay`` (inherited from Adam) in ``defaults`` but refuses it as an
+    argument."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
 
 
 def build_scheduler(

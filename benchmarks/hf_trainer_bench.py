@@ -1,0 +1,75 @@
+"""Trainer + DeepSpeed ZeRO-Infinity vs Trainer + rp_engine (``hf.enable()``), same config.
+
+Each system trains the same Qwen3 with ``transformers.Trainer`` and the shared all-"auto"
+ZeRO-Infinity config, in its own subprocess (``tests/hf_trainer_run.py``); the figure is
+Trainer's own ``train_runtime`` (the training loop, not process start or model build), printed
+as a side-by-side ratio. rp_engine runs plain ``Trainer`` and ``RoundPipeTrainer`` (the
+``train_batch`` fast path), sync optimizer (DeepSpeed's numbers) and async.
+
+    .venv/bin/python benchmarks/hf_trainer_bench.py [--devices cpu:2] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+SHARED = Path(os.environ.get("RP_SHARED_DIR", ROOT.parent / "shared"))
+FIXTURE = SHARED / "fixtures" / "ds_configs" / "hf_zero3_offload_auto.json"
+
+
+def run(spec: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "hf_trainer_run.py"), json.dumps(spec)],
+        capture_output=True, text=True, env=env, cwd=TESTS, timeout=3600,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
+    if proc.returncode or not lines:
+        raise RuntimeError(proc.stderr[-4000:])
+    return json.loads(lines[-1][5:])  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", default="cpu:2")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=64)
+    a = ap.parse_args()
+    config = json.loads(FIXTURE.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        base = {
+            "config": config, "steps": a.steps, "layers": a.layers, "hidden": a.hidden,
+            "seq": a.seq, "mbs": 2, "gas": 4, "save_steps": None,
+        }  # fmt: skip
+        rows = [("DeepSpeed ZeRO-Infinity", {"backend": "deepspeed", "port": 29591})]
+        for fast in (False, True):
+            for async_opt in (False, True):
+                name = f"rp_engine {'RoundPipeTrainer' if fast else 'Trainer'}, " + (
+                    "async" if async_opt else "sync"
+                )
+                rp = {"devices": a.devices, "async_optimizer": async_opt}
+                rows.append((name, {"backend": "rp_engine", "roundpipe": rp, "fast_path": fast}))
+        times = {}
+        for i, (name, extra) in enumerate(rows):
+            out = run({**base, **extra, "output_dir": f"{tmp}/o{i}"})
+            times[name] = out["train_runtime"]
+    ds = times["DeepSpeed ZeRO-Infinity"]
+    print(f"Qwen3 {a.layers} layers hidden {a.hidden}, seq {a.seq}, mbs 2, GAS 4, {a.steps} steps")
+    print("| system | train_runtime s | DeepSpeed / system |")
+    print("|---|---:|---:|")
+    for name, t in times.items():
+        print(f"| {name} | {t:.2f} | {ds / t:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Hugging Face Trainer, Accelerate and TRL on rp_engine: one line, ``enable()``.
+
+::
+
+    from rp_engine.integrations import hf
+    hf.enable(devices="cpu:2")          # before TrainingArguments(...) / Accelerator(...)
+    args = TrainingArguments(..., deepspeed="ds_config.json")
+    Trainer(model=model, args=args, ...).train()
+
+Those libraries build the DeepSpeed engine themselves: Accelerate's ``_prepare_deepspeed`` looks
+``deepspeed.initialize`` up at call time. ``enable()`` therefore:
+
+- replaces ``deepspeed.initialize`` by :func:`initialize`: a *training* call (an optimizer or
+  ``model_parameters`` given) builds a :class:`~rp_engine.engine.RoundPipeEngine`; an
+  inference-only call (no optimizer: Trainer's ``evaluate()`` before ``train()``, TRL reference
+  models) still goes to DeepSpeed, unchanged;
+- stops Transformers from registering its ZeRO-3 config weakref, so ``from_pretrained`` does not
+  build the model inside ``deepspeed.zero.Init``: rp_engine wants the whole model in host memory;
+- creates a one-rank gloo process group when no launcher did (Trainer and Accelerate call
+  ``torch.distributed`` when DeepSpeed is on).
+
+The engine handed back is a :class:`DeepSpeedEngineAdapter`: a real subclass of DeepSpeed's
+``DeepSpeedEngine`` (so Accelerate's ``isinstance(model, DeepSpeedEngine)`` unwrapping holds) whose
+every attribute is served by the RoundPipe engine; DeepSpeed's own engine code never runs on it.
+``adapter.module`` is the Hugging Face model with the newest weights (in-flight optimizer steps
+drained). ``disable()`` restores everything ``enable()`` changed.
+
+``RoundPipeTrainer`` (a ``transformers.Trainer``) additionally runs each optimizer step's
+micro-batches as one ``train_batch`` schedule, the fast path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+# Also ``RoundPipeTrainer`` (built on first access, see ``__getattr__`` below).
+__all__ = ["enable", "disable", "is_enabled", "initialize", "DeepSpeedEngineAdapter"]
+
+log = logging.getLogger("rp_engine.hf")
+
+_originals: dict[str, Any] = {}
+_roundpipe: dict[str, Any] = {}
+_owned_group = False
+
+
+def enable(**roundpipe: Any) -> None:
+    """Route Hugging Face's DeepSpeed path to rp_engine. Idempotent.
+
+    Keyword arguments are ``roundpipe`` config settings (``devices="cuda:0-3"``,
+    ``async_optimizer=True``...) merged over the ``roundpipe`` section of the DeepSpeed config.
+    Call it before ``TrainingArguments``/``Accelerator`` are created: the ZeRO-3 weakref is set
+    while ``TrainingArguments`` is built.
+    """
+    global _owned_group
+    import deepspeed
+    from transformers.integrations import deepspeed as hf_ds
+
+    _roundpipe.clear()
+    _roundpipe.update(roundpipe)
+    if _originals:
+        return
+    _originals["initialize"] = deepspeed.initialize
+    _originals["set_hf_deepspeed_config"] = hf_ds.set_hf_deepspeed_config
+    deepspeed.initialize = initialize
+    hf_ds.set_hf_deepspeed_config = _no_zero3_weakref
+    hf_ds.unset_hf_deepspeed_config()
+    _owned_group = _ensure_process_group()
+
+
+def disable() -> None:
+    """Undo :func:`enable` (engines already built keep working). Idempotent."""
+    global _owned_group
+    if not _originals:
+        return
+    import deepspeed
+    from transformers.integrations import deepspeed as hf_ds
+
+    deepspeed.initialize = _originals.pop("initialize")
+    hf_ds.set_hf_deepspeed_config = _originals.pop("set_hf_deepspeed_config")
+    _roundpipe.clear()
+    if _owned_group and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    _owned_group = False
+
+
+def is_enabled() -> bool:
+    return bool(_originals)
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize`` while enabled: training calls build a RoundPipe engine (wrapped in
+    :class:`DeepSpeedEngineAdapter`), inference-only calls go to DeepSpeed."""
+    import rp_engine
+
+    if args:
+        raise TypeError("rp_engine.integrations.hf.initialize takes keyword arguments only")
+    if kwargs.get("optimizer") is None and kwargs.get("model_parameters") is None:
+        import deepspeed
+
+        original = _originals.get("initialize", deepspeed.initialize)
+        if original is initialize:  # pragma: no cover - enable() never stores itself
+            raise RuntimeError("deepspeed.initialize was replaced outside enable()")
+        return original(**kwargs)  # type: ignore[no-any-return]
+    config = kwargs.pop("config_params", None) or kwargs.pop("config", None)
+    if isinstance(config, dict):
+        config = {**config, "roundpipe": {**config.get("roundpipe", {}), **_roundpipe}}
+    elif _roundpipe:
+        raise ValueError(
+            "enable(**roundpipe) overrides need the DeepSpeed config as a dict; put them in the "
+            'config file\'s "roundpipe" section instead'
+        )
+    engine, optimizer, loader, scheduler = rp_engine.initialize(config=config, **kwargs)
+    return DeepSpeedEngineAdapter(engine), optimizer, loader, scheduler
+
+
+def _no_zero3_weakref(_config: Any) -> None:
+    """Replaces transformers' ``set_hf_deepspeed_config``: ``is_deepspeed_zero3_enabled()`` stays
+    False, so models load whole (no ``zero.Init`` partitioning) into host memory."""
+
+
+def _ensure_process_group() -> bool:
+    """A one-rank gloo group when no launcher made one; True if this call created it."""
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return False  # a launcher's job; rp_engine.initialize refuses it with the fix
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def _deepspeed_engine_class() -> type:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return DeepSpeedEngine
+
+
+# Names the adapter keeps for itself; every other attribute is the RoundPipe engine's.
+_OWN = frozenset(
+    {"roundpipe_engine", "module", "__class__", "__dict__", "__getstate__", "__setstate__"}
+)
+
+
+class DeepSpeedEngineAdapter(_deepspeed_engine_class()):  # type: ignore[misc]
+    """A ``DeepSpeedEngine`` whose whole API is the RoundPipe engine's.
+
+    It subclasses DeepSpeed's class only so that type checks written for DeepSpeed
+    (Accelerate's ``extract_model_from_parallel``, ``isinstance(m, DeepSpeedEngine)``) recognise
+    it; DeepSpeed's ``__init__`` and methods never run: every attribute read, write and call is
+    forwarded to ``roundpipe_engine``. A DeepSpeed method rp_engine lacks raises AttributeError.
+    """
+
+    def __init__(self, engine: Any) -> None:  # no super().__init__: nothing of DeepSpeed's runs
+        object.__setattr__(self, "roundpipe_engine", engine)
+
+    @property
+    def module(self) -> Any:
+        """The Hugging Face model with the newest weights: in-flight optimizer steps are drained
+        first. Accelerate's ``unwrap_model`` and ``get_state_dict`` read it."""
+        engine = self.roundpipe_engine
+        engine.synchronize()
+        return engine.module
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _OWN:
+            return object.__getattribute__(self, name)
+        return getattr(object.__getattribute__(self, "roundpipe_engine"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.roundpipe_engine, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.roundpipe_engine, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("fused_lm_head"):
+            raise NotImplementedError(
+                "fused_lm_head=True (TRL's SFTTrainer asks for per-token log_probs, entropy and "
+                "is_top1) is not supported yet: rp_engine's fused head returns the mean loss "
+                "only. Use transformers.Trainer (or hf.RoundPipeTrainer) for supervised "
+                "fine-tuning on rp_engine"
+            )
+        return self.roundpipe_engine(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedEngineAdapter({type(self.roundpipe_engine).__name__})"
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(self.roundpipe_engine)) | _OWN)
+
+
+_trainer_cls: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # RoundPipeTrainer subclasses transformers.Trainer, whose import costs seconds: built on use.
+    if name == "RoundPipeTrainer":
+        return _roundpipe_trainer()
+    raise AttributeError(name)
+
+
+def _roundpipe_trainer() -> type:
+    global _trainer_cls
+    if _trainer_cls is not None:
+        return _trainer_cls
+    from transformers import Trainer
+
+    class RoundPipeTrainer(Trainer):  # type: ignore[misc]
+        """``transformers.Trainer`` that feeds all micro-batches of one optimizer step to
+        ``engine.train_batch`` (one RoundPipe schedule: the fast path) instead of one
+        forward/backward per micro-batch.
+
+        Same losses, gradients and logs as the plain Trainer. It falls back to the plain
+        per-micro-batch path (still correct, just slower) when the step is not a full
+        accumulation window (an epoch's last, short step), when the micro-batches hold different
+        numbers of loss tokens (Trainer then weights them by token count, ``train_batch``
+        equally), with ``compute_loss_func`` or label smoothing, or when the engine is not
+        rp_engine's. ``fast_path_steps`` counts the optimizer steps that took the fast path.
+        """
+
+        fast_path_steps = 0
+        _rp_pending: tuple[list[Any], Any] | None = None
+        _rp_fast = False
+
+        def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            self._rp_pending = (batches, num_items)
+            return batches, num_items
+
+        def training_step(
+            self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None
+        ) -> torch.Tensor:
+            engine: Any = getattr(model, "roundpipe_engine", None)
+            pending = self._rp_pending
+            if pending is not None and inputs is pending[0][0]:
+                self._rp_pending = None
+                self._rp_fast = engine is not None and self._fast_path_ok(engine, pending[0])
+                if self._rp_fast:
+                    batches = [self._prepare_inputs(b) for b in pending[0]]
+                    loss = engine.train_batch(iter(batches))
+                    self.fast_path_steps += 1
+                    return loss.detach().to(self.args.device)
+            if self._rp_fast:
+                # the rest of a step train_batch already ran: its loss was reported once
+                return torch.zeros((), device=self.args.device)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+            """Drain in-flight asynchronous optimizer steps first, so evaluation (through the
+            engine or, for logits, the host module) sees the newest weights."""
+            engine = getattr(self.model_wrapped, "roundpipe_engine", None)
+            if engine is not None:
+                engine.synchronize()
+            return super().evaluate(*args, **kwargs)
+
+        def prediction_step(
+            self,
+            model: Any,
+            inputs: dict[str, Any],
+            prediction_loss_only: bool,
+            ignore_keys: list[str] | None = None,
+        ) -> Any:
+            """Loss-only evaluation runs through the engine (devices + fused LM head) instead
+            of the host-resident module; logits (for ``compute_metrics``) need the module."""
+            engine: Any = getattr(self.model_wrapped, "roundpipe_engine", None)
+            if engine is None or not prediction_loss_only or "labels" not in inputs:
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            batch = self._prepare_inputs(inputs)
+            loss = engine.eval_batch(iter([batch]), num_micro_batches=1)
+            return loss.detach().to(self.args.device), None, None
+
+        def _fast_path_ok(self, engine: Any, batches: list[Any]) -> bool:
+            if len(batches) != engine.gradient_accumulation_steps():
+                return False
+            if self.compute_loss_func is not None or self.label_smoother is not None:
+                return False
+            try:
+                counts = {int((b["labels"][..., 1:] != -100).sum()) for b in batches}
+            except (KeyError, TypeError):
+                return False
+            return len(counts) == 1
+
+    _trainer_cls = RoundPipeTrainer
+    return RoundPipeTrainer
