@@ -166,13 +166,9 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         batches = [self._batch_of((b,), {}) for b in self._feed.take(data_iter, gas)]
         profile = self.planner.profile_left > 0
         result = self._run(
-            self.planner.plan(gas),
-            batches,
-            step=self.global_steps + 1,
-            closes_step=True,
-            grad_scale=self.optimizer.cur_scale / gas,
-            profile=profile,
-        )
+            self.planner.plan(gas), batches, step=self.global_steps + 1, closes_step=True,
+            grad_scale=self.optimizer.cur_scale / gas, profile=profile,
+        )  # fmt: skip
         self._counters.whole_step(applied=self._apply_boundary(None))
         self._guard.raise_failed()
         if profile and self.planner.observe(result.layer_ms, result.bwd_ms):
@@ -272,12 +268,9 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
     def _eval_losses(self, batches: list[Any]) -> list[float]:
         step = self.global_steps + 1
         spec = RunSpec(
-            plan=self.planner.plan(len(batches), ops=FORWARD_OPS),
-            batches=batches,
-            version=self.stepper.required_version(step),
-            step=step,
-            train=False,
-        )
+            plan=self.planner.plan(len(batches), ops=FORWARD_OPS), batches=batches,
+            version=self.stepper.required_version(step), step=step, train=False,
+        )  # fmt: skip
         self.stepper.synchronize()
         return self._executor.run(spec).losses
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from rp_engine.model import LayerSequence, to_layers
+from rp_engine.model import LayerSequence, batch_to_dict, to_layers
 
 F = nn.functional
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
@@ -43,7 +43,7 @@ HF_FAMILIES: dict[str, Callable[[], nn.Module]] = {
 def run_stages(seq: LayerSequence, batch: Any, *, grad_scale: float = 1.0) -> torch.Tensor:
     """Run the sequence as a pipeline would: every block is its own stage (input detached), the
     head runs forward_backward, then grad_hidden is backpropagated stage by stage."""
-    state = seq.batch_to_dict(batch)
+    state = batch_to_dict(batch)
     if seq.prefix is not None:
         state = seq.prefix(state)
     outputs, inputs = [state["hidden"]], []

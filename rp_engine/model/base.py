@@ -97,12 +97,9 @@ class LayerSequence:
         yield from self.blocks
         yield self.head
 
-    def batch_to_dict(self, batch: Any) -> dict[str, Any]:
-        return batch_to_dict(batch)
-
     def run_reference(self, batch: Any) -> torch.Tensor:
         """prefix -> blocks -> head under ordinary autograd; returns the loss (for tests)."""
-        state = self.batch_to_dict(batch)
+        state = batch_to_dict(batch)
         if self.prefix is not None:
             state = self.prefix(state)
         for block in self.blocks:

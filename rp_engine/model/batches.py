@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rp_engine.model.base import LayerSequence
+from rp_engine.model.base import LayerSequence, batch_to_dict
 from rp_engine.model.batch_checks import check_batch
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class BatchAdapter:
             raw = inputs[0]
         else:
             raw = inputs
-        batch = self.seq.batch_to_dict(raw)
+        batch = batch_to_dict(raw)
         if "labels" not in batch:
             raise ValueError(
                 f"the batch has no 'labels' (keys: {sorted(batch)}): rp_engine computes the loss "

@@ -36,7 +36,6 @@ __all__ = [
     "HOST",
     "OPTIMIZER_LAG",
     "COMPUTE_OPS",
-    "TRANSFER_OPS",
     "Op",
     "Action",
     "Plan",
@@ -71,7 +70,6 @@ class Op(enum.Enum):
 
 
 COMPUTE_OPS = frozenset({Op.FWD, Op.BWD, Op.HEAD})
-TRANSFER_OPS = frozenset({Op.UPLOAD, Op.DOWNLOAD, Op.SEND, Op.FREE})
 _OP_BY_LETTER = {op.value: op for op in Op}
 _ACTION_RE = re.compile(r"^([A-Z])(\d+)\.(\d+)@(h|\d+)(?:#(\d+))?$")
 

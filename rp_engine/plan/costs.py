@@ -10,10 +10,11 @@ No timing model here: see simulate.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["LayerCosts", "StageCosts", "SlotMemory", "slot_memory", "load_costs"]
@@ -76,9 +77,6 @@ class LayerCosts:
     comm_ms: float = 0.0
     # the prefix (embeddings, rotary): uploaded with forward slot 0 and the last backward slot
     prefix_param_bytes: int = 0
-    _cache: dict[tuple, StageCosts] = field(
-        default_factory=dict, init=False, repr=False, compare=False, hash=False
-    )
 
     def __post_init__(self) -> None:
         n = len(self.fwd_ms)
@@ -165,11 +163,9 @@ class LayerCosts:
     def stages(
         self, fwd_cuts: Sequence[int], bwd_cuts: Sequence[int], *, fused_head: bool = True
     ) -> StageCosts:
-        """Fold the layer costs onto the slots of a cut (cached per cut)."""
-        key = (tuple(fwd_cuts), tuple(bwd_cuts), fused_head)
-        if key not in self._cache:
-            self._cache[key] = self._stages(*key)
-        return self._cache[key]
+        """Fold the layer costs onto the slots of a cut (memoised: the partitioner asks for the
+        same cut many times; costs are frozen, so the answer never changes)."""
+        return _fold(self, tuple(fwd_cuts), tuple(bwd_cuts), fused_head)
 
     def _stages(
         self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...], fused_head: bool
@@ -218,15 +214,12 @@ class LayerCosts:
             layer_param_bytes=self.param_bytes + (self.head_param_bytes,),
         )
 
-    def busy_ms_per_microbatch(self) -> float:
-        """Compute of one micro-batch: forward + recompute + backward of every layer + head."""
-        return (
-            sum(self.fwd_ms)
-            + sum(self.recompute_ms)
-            + sum(self.bwd_ms)
-            + self.head_fwd_ms
-            + self.head_bwd_ms
-        )
+
+@functools.lru_cache(maxsize=4096)
+def _fold(
+    costs: LayerCosts, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...], fused_head: bool
+) -> StageCosts:
+    return costs._stages(fwd_cuts, bwd_cuts, fused_head)
 
 
 @dataclass(frozen=True)

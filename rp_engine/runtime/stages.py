@@ -36,7 +36,6 @@ class StageMap:
     fwd: tuple[tuple[int, ...], ...]
     bwd: tuple[tuple[int, ...], ...]
     has_prefix: bool
-    num_blocks: int
 
     @staticmethod
     def min_bwd_stages(has_prefix: bool) -> int:
@@ -97,7 +96,7 @@ class StageMap:
                     "after the head stage (at least 2 backward stages)"
                 )
             bwd[-1] = (0, *bwd[-1])
-        return cls(tuple(fwd), tuple(bwd), has_prefix, num_blocks)
+        return cls(tuple(fwd), tuple(bwd), has_prefix)
 
     @property
     def head_index(self) -> int:
