@@ -67,12 +67,10 @@ def config(name: str) -> dict[str, Any]:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(spec.get("port", 29521)))
     sys.path.insert(0, os.path.dirname(__file__))
+    from subprocess_helpers import single_process_group_env
+
+    single_process_group_env()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from models import random_batch, tiny_qwen3

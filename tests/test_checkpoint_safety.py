@@ -13,10 +13,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +21,12 @@ import pytest
 import torch
 from engine_helpers import config, engine_for
 from models import random_batch, tiny_qwen3
+from subprocess_helpers import run_json
 
 from rp_engine import safe_load
 from rp_engine.checkpoint import model_file_name, optim_file_name
 from rp_engine.safe_load import DEEPSPEED_GLOBALS, UntrustedCheckpointError
 
-HERE = Path(__file__).resolve().parent
 MKDIR = f"{os.mkdir.__module__}.{os.mkdir.__name__}"  # "posix.mkdir" on Linux
 LAYERS, HIDDEN, VOCAB = 2, 32, 64
 
@@ -141,14 +138,7 @@ def deepspeed_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pat
     out = tmp_path_factory.mktemp("ds_ckpts")
     spec = {"out": str(out), "configs": list(DS_CONFIGS), "layers": LAYERS, "hidden": HIDDEN,
             "vocab": VOCAB, "continue_seeds": CONTINUE_SEEDS}  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "ds_checkpoints.py"), json.dumps(spec)],
-        capture_output=True, text=True, env=env, timeout=1200, cwd=HERE,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return out, json.loads(lines[-1][5:])
+    return out, run_json("ds_checkpoints.py", spec)
 
 
 @pytest.mark.parametrize("name", DS_CONFIGS)

@@ -9,20 +9,13 @@ contract stay DeepSpeed's (only the losses move, by staleness). DeepSpeed runs i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from ds_reference import record
 from models import random_batch, tiny_qwen3
+from subprocess_helpers import run_json
 
 import rp_engine
-
-HERE = Path(__file__).resolve().parent
 
 SPEC = {
     "layers": 4,
@@ -56,14 +49,7 @@ SPEC = {
 
 @pytest.fixture(scope="module")
 def deepspeed_rows() -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "ds_reference.py"), json.dumps(SPEC)],
-        capture_output=True, text=True, env=env, timeout=1200, cwd=HERE,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][5:])
+    return run_json("ds_reference.py", SPEC)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("async_optimizer", [False, True])

@@ -10,17 +10,12 @@ Each side runs in its own subprocess (``hf_accelerate_run.py``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
+from subprocess_helpers import run_json
 
 
 def config(force_ds_cpu_optimizer: bool) -> dict[str, Any]:
@@ -47,14 +42,7 @@ def run(backend: str, root: Path, force: bool, **extra: Any) -> dict[str, Any]:
         "roundpipe": {"devices": "cpu:2", "async_optimizer": False},
         **extra,
     }
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "hf_accelerate_run.py"), json.dumps(spec)],
-        capture_output=True, text=True, env=env, timeout=900, cwd=HERE,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
-    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
-    return {**json.loads(lines[-1][5:]), "weights": spec["weights"]}
+    return {**run_json("hf_accelerate_run.py", spec, timeout=900), "weights": spec["weights"]}
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from subprocess_helpers import run_json
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,14 +40,7 @@ STEPS = 4
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "hf_trainer_run.py"), json.dumps(spec)],
-        capture_output=True, text=True, env=env, timeout=900, cwd=HERE,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
-    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
-    return json.loads(lines[-1][5:])  # type: ignore[no-any-return]
+    return run_json("hf_trainer_run.py", spec, timeout=900)  # type: ignore[no-any-return]
 
 
 def spec(backend: str, root: Path, **extra: Any) -> dict[str, Any]:
