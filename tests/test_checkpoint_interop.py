@@ -1,0 +1,117 @@
+"""Checkpoints go both ways with DeepSpeed (issue 18): rp_engine -> DeepSpeed's own engine.
+
+rp_engine trains two steps with a DeepSpeed config (ZeRO-2; ZeRO-3 with parameters and optimizer
+offloaded to CPU; fp32) and saves. DeepSpeed 0.19.8, built from the same config in a subprocess,
+``load_checkpoint``s it (optimizer and scheduler states included) and trains on; a fresh
+rp_engine loads the same checkpoint and trains on the same batches. Checked:
+
+- what DeepSpeed's ZeRO optimizer holds after loading is exactly rp_engine's state: its flat fp32
+  partitions are the masters, the inner optimizer's flat Adam moments and step are rp_engine's;
+- counters, client state and learning rate carry over;
+- the losses of both continuations agree (relative 1e-4) over three steps with a nonzero
+  learning rate, so the moments matter.
+
+The other direction (DeepSpeed-written checkpoints resumed by rp_engine, also fp16 with its loss
+scale) is in test_checkpoint_safety.py. The learning rate of every step is nonzero
+(``warmup_min_lr`` > 0): a zero first-step rate would leave the weights, hence the losses, blind
+to the moments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import engine_for
+from models import random_batch, tiny_qwen3
+
+HERE = Path(__file__).resolve().parent
+LAYERS, HIDDEN, VOCAB = 2, 32, 64
+TRAIN_SEEDS, CONTINUE_SEEDS = [7, 8], [60, 61, 62]
+
+
+def _config(name: str) -> dict[str, Any]:
+    import ds_checkpoints
+
+    # Synchronous optimizer: DeepSpeed's semantics step for step (the asynchronous one runs the
+    # next forward on weights one step stale).
+    return {
+        **ds_checkpoints.config(name),
+        "roundpipe": {"devices": "cpu:1", "fwd_cuts": [LAYERS], "bwd_cuts": [0, LAYERS],
+                      "async_optimizer": False},
+    }  # fmt: skip
+
+
+def _train(engine: Any, seeds: list[int]) -> list[float]:
+    losses = [
+        float(engine.train_batch(iter([random_batch(VOCAB, batch=2, seq=8, seed=s)])))
+        for s in seeds
+    ]
+    engine.synchronize()
+    return losses
+
+
+def _deepspeed_resume(name: str, load_dir: Path, state_out: Path) -> dict[str, Any]:
+    spec = {"config": name, "load": str(load_dir), "layers": LAYERS, "hidden": HIDDEN,
+            "vocab": VOCAB, "seeds": CONTINUE_SEEDS, "state_out": str(state_out)}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "ds_resume.py"), json.dumps(spec)],
+        capture_output=True, text=True, env=env, timeout=1200, cwd=HERE,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][5:])
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3_offload"])
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_deepspeed_resumes_an_rp_engine_checkpoint(tmp_path: Path, name: str) -> None:
+    first = engine_for(tiny_qwen3(0, layers=LAYERS, hidden=HIDDEN, vocab=VOCAB), _config(name))
+    try:
+        _train(first, TRAIN_SEEDS)
+        first.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 3})
+        # rp_engine's state at the save, flattened in DeepSpeed's order (parameter order, dp=1)
+        owned = [hp for hp in first.store.owned_params() if hp.master.numel()]
+        masters = torch.cat([hp.master.reshape(-1) for hp in owned])
+        moments = {
+            k: torch.cat([first.optimizer.state[hp.master][k].reshape(-1) for hp in owned])
+            for k in ("exp_avg", "exp_avg_sq")
+        }
+        steps = {int(first.optimizer.state[hp.master]["step"]) for hp in owned}
+    finally:
+        first.destroy()
+    assert steps == {len(TRAIN_SEEDS)}
+
+    second = engine_for(tiny_qwen3(1, layers=LAYERS, hidden=HIDDEN, vocab=VOCAB), _config(name))
+    try:
+        second.load_checkpoint(str(tmp_path / "ckpt"))
+        ours = _train(second, CONTINUE_SEEDS)
+        our_lr = second.get_lr()
+    finally:
+        second.destroy()
+
+    report = _deepspeed_resume(name, tmp_path / "ckpt", tmp_path / "ds_state.pt")
+    assert report["global_steps"] == len(TRAIN_SEEDS)
+    assert report["global_steps_after"] == len(TRAIN_SEEDS) + len(CONTINUE_SEEDS)
+    assert report["client_state"]["epoch"] == 3
+    assert report["loss_scale"] == 1.0
+
+    # What DeepSpeed's ZeRO optimizer holds after load_checkpoint: exactly rp_engine's state.
+    loaded = torch.load(tmp_path / "ds_state.pt", weights_only=True)
+    (flat,) = loaded["flats"]  # one flat partition: one param group, dp = 1
+    (state,) = loaded["state"]
+    n = masters.numel()
+    assert torch.equal(flat[:n], masters) and not flat[n:].any()
+    for key, expected in moments.items():
+        assert torch.equal(state[key][:n], expected), key
+    assert int(state["step"]) == len(TRAIN_SEEDS)
+
+    torch.testing.assert_close(report["losses"], ours, rtol=1e-4, atol=0)
+    torch.testing.assert_close(report["lr"], our_lr, rtol=1e-12, atol=0)
