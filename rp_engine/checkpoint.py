@@ -12,19 +12,35 @@ Owns ``save`` / ``load`` (``engine.save_checkpoint`` / ``load_checkpoint``), ``s
         zero_pp_rank_0_mp_rank_00_model_states.pt   ZeRO stage 3
         [bf16_]zero_pp_rank_0_mp_rank_00_optim_states.pt
 
-so ``deepspeed.utils.zero_to_fp32`` and Hugging Face's resume (``global_step*``) work unchanged.
-Choices where DeepSpeed's own output would be less useful (files are single-process, dp = mp = 1):
+so ``deepspeed.utils.zero_to_fp32``, Hugging Face's resume (``global_step*``) and DeepSpeed's own
+``engine.load_checkpoint`` (ZeRO 1-3, with optimizer states; tests/test_checkpoint_interop.py)
+work unchanged. The files are what DeepSpeed's engine of the configured stage writes at data-
+parallel world size 1 (recorded as ``dp_world_size``):
 
-- ``module`` always holds the full compute-dtype state_dict (DeepSpeed ZeRO-3 stores empty
-  placeholders): nothing is partitioned here, and the file is usable without zero_to_fp32.
+- ``*_optim_states.pt``: the fp32 masters as DeepSpeed's flat partitions (ZeRO-1/2: one per param
+  group, ``single_partition_of_fp32_groups`` with ``group_paddings`` / ``param_alignment_
+  paddings``; ZeRO-3: one per sub-group of ``sub_group_size``, ``fp32_flat_groups``), the inner
+  optimizer's state_dict with one flat parameter per partition (Adam's moments flattened alike,
+  ``step`` per partition), DeepSpeed's loss-scaler object and, for rp_engine, its own full
+  scaler state (``rp_loss_scaler``).
+- ZeRO-3's ``module`` holds 0-element placeholders for the parameters, as DeepSpeed's (its loader
+  copies the state_dict into partitioned parameters of shape [0]); weights come back from the
+  optim file (also for ``load_module_only``) or ``frozen_param_fragments``. Stage 0-2 ``module``
+  holds the full compute-dtype state_dict.
+
+Choices where DeepSpeed's own output would be less useful:
+
 - The fp32 masters and the optimizer state always go to the ``*_optim_states.pt`` file, also at
-  stage 0 (DeepSpeed puts a stage-0 fp32/fp16 optimizer into the model file, where zero_to_fp32
-  cannot read it); ``module`` file's ``optimizer`` is therefore always None.
+  stage 0 (DeepSpeed puts a stage-0 optimizer into the model file, where zero_to_fp32 cannot
+  read it; DeepSpeed's stage-0 engine therefore resumes these files only with
+  ``load_optimizer_states=False``); ``module`` file's ``optimizer`` is always None.
 - Frozen parameters are recorded (``frozen_param_shapes`` / ``frozen_param_fragments``) at every
   stage, not only from stage 2, so zero_to_fp32 returns them too (in the compute dtype).
-- Files hold plain ints, dicts and tensors (no DeepSpeed classes): ``torch.load(weights_only=True)``
-  reads them. Loading never runs code from a file (:mod:`rp_engine.safe_load`): DeepSpeed's own
-  checkpoints load through an allowlist of its classes; anything else needs the caller's opt-in.
+- ``param_slice_mappings`` (for DeepSpeed's universal-checkpoint converter) is not written.
+- Files load with ``torch.load(weights_only=True)`` plus the DeepSpeed classes allowed by
+  :mod:`rp_engine.safe_load` (the optim file pickles DeepSpeed's ``LossScaler`` /
+  ``DynamicLossScaler``, which DeepSpeed's optimizers use as they find them). Loading never runs
+  code from a file; anything beyond the allowlist needs the caller's opt-in.
 
 Writes are atomic: files go to ``save_dir/.<tag>.tmp-<pid>``, are fsynced, and the folder is renamed
 to ``<tag>``; ``latest`` is replaced last. A crash leaves the previous checkpoint and ``latest``.
