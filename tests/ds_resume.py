@@ -50,8 +50,13 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", str(spec.get("port", 29531)))
     sys.path.insert(0, os.path.dirname(__file__))
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from ds_checkpoints import config
     from models import random_batch, tiny_qwen3
+
+    # As in ds_checkpoints.py: DeepSpeed refuses fp16 on a CPU without mkldnn fp16; torch
+    # computes fp16 on CPU anyway.
+    get_accelerator().is_fp16_supported = lambda: True  # type: ignore[method-assign]
 
     model = tiny_qwen3(99, layers=spec["layers"], hidden=spec["hidden"], vocab=spec["vocab"])
     engine, _, _, _ = deepspeed.initialize(
@@ -63,7 +68,11 @@ def main() -> None:
     report: dict[str, Any] = {
         "global_steps": engine.global_steps,
         "client_state": {k: v for k, v in client.items() if isinstance(v, int | float | str)},
-        "loss_scale": float(engine.optimizer.loss_scaler.cur_scale),
+        "loss_scaler": {
+            k: v
+            for k, v in vars(engine.optimizer.loss_scaler).items()
+            if isinstance(v, int | float | bool)
+        },
         "losses": [],
     }
     for seed in spec["seeds"]:

@@ -1,13 +1,13 @@
 """Checkpoints go both ways with DeepSpeed (issue 18): rp_engine -> DeepSpeed's own engine.
 
-rp_engine trains two steps with a DeepSpeed config (ZeRO-2; ZeRO-3 with parameters and optimizer
-offloaded to CPU; fp32) and saves. DeepSpeed 0.19.8, built from the same config in a subprocess,
+rp_engine trains two steps with a DeepSpeed config (fp32 ZeRO-2; fp32 ZeRO-3 with parameters and
+optimizer offloaded to CPU; fp16 ZeRO-1 with dynamic loss scaling) and saves. DeepSpeed 0.19.8, built from the same config in a subprocess,
 ``load_checkpoint``s it (optimizer and scheduler states included) and trains on; a fresh
 rp_engine loads the same checkpoint and trains on the same batches. Checked:
 
 - what DeepSpeed's ZeRO optimizer holds after loading is exactly rp_engine's state: its flat fp32
   partitions are the masters, the inner optimizer's flat Adam moments and step are rp_engine's;
-- counters, client state and learning rate carry over;
+- counters, client state, learning rate and the loss scaler carry over;
 - the losses of both continuations agree (relative 1e-4) over three steps with a nonzero
   learning rate, so the moments matter.
 
@@ -70,7 +70,9 @@ def _deepspeed_resume(name: str, load_dir: Path, state_out: Path) -> dict[str, A
     return json.loads(lines[-1][5:])
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3_offload"])
+# fp16 (ZeRO-1, dynamic loss scaling) beyond the issue's two: DeepSpeed's DynamicLossScaler
+# object is written and resumed (its losses met 1e-4 too on this CPU).
+@pytest.mark.parametrize("name", ["zero2", "zero3_offload", "fp16_dynamic"])
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_deepspeed_resumes_an_rp_engine_checkpoint(tmp_path: Path, name: str) -> None:
     first = engine_for(tiny_qwen3(0, layers=LAYERS, hidden=HIDDEN, vocab=VOCAB), _config(name))
@@ -85,6 +87,7 @@ def test_deepspeed_resumes_an_rp_engine_checkpoint(tmp_path: Path, name: str) ->
             for k in ("exp_avg", "exp_avg_sq")
         }
         steps = {int(first.optimizer.state[hp.master]["step"]) for hp in owned}
+        scaler = first.optimizer.loss_scaler.state_dict()
     finally:
         first.destroy()
     assert steps == {len(TRAIN_SEEDS)}
@@ -101,7 +104,12 @@ def test_deepspeed_resumes_an_rp_engine_checkpoint(tmp_path: Path, name: str) ->
     assert report["global_steps"] == len(TRAIN_SEEDS)
     assert report["global_steps_after"] == len(TRAIN_SEEDS) + len(CONTINUE_SEEDS)
     assert report["client_state"]["epoch"] == 3
-    assert report["loss_scale"] == 1.0
+    if name == "fp16_dynamic":  # the loss scale and its counters carry over
+        assert scaler["dynamic"] and scaler["cur_iter"] == len(TRAIN_SEEDS)
+        for key, value in scaler.items():
+            assert report["loss_scaler"][key] == value, key
+    else:
+        assert report["loss_scaler"] == {"cur_scale": 1.0, "dynamic": False}
 
     # What DeepSpeed's ZeRO optimizer holds after load_checkpoint: exactly rp_engine's state.
     loaded = torch.load(tmp_path / "ds_state.pt", weights_only=True)
