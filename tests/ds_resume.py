@@ -2,8 +2,8 @@
 
 Used by test_checkpoint_interop.py in a subprocess (DeepSpeed needs a process group, which must
 not leak into the test process). Usage: ``python ds_resume.py '<spec json>'`` with spec
-``{"config": name, "load": dir, "layers": L, "hidden": H, "vocab": V, "seeds": [...],
-"state_out": file}``: builds a tiny Qwen3 (weights from another seed, so only the checkpoint can
+``{"config": name, "zero": {extra zero_optimization keys}, "load": dir, "layers": L, "hidden": H,
+"vocab": V, "tie": bool, "seeds": [...], "state_out": file}``: builds a tiny Qwen3 (weights from another seed, so only the checkpoint can
 make it match) with ``ds_checkpoints.config(name)``, ``engine.load_checkpoint(load)`` (optimizer
 and scheduler states included), ``torch.save``s what DeepSpeed's ZeRO optimizer then holds (its
 flat fp32 partitions and the inner optimizer's per-partition state) to ``state_out``, and trains
@@ -58,9 +58,13 @@ def main() -> None:
     # computes fp16 on CPU anyway.
     get_accelerator().is_fp16_supported = lambda: True  # type: ignore[method-assign]
 
-    model = tiny_qwen3(99, layers=spec["layers"], hidden=spec["hidden"], vocab=spec["vocab"])
+    model = tiny_qwen3(
+        99, layers=spec["layers"], hidden=spec["hidden"], vocab=spec["vocab"], tie=spec["tie"]
+    )
+    cfg = config(spec["config"])
+    cfg["zero_optimization"] = {**cfg["zero_optimization"], **spec.get("zero", {})}
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config(spec["config"])
+        model=model, model_parameters=model.parameters(), config=cfg
     )
     path, client = engine.load_checkpoint(spec["load"])
     assert path is not None, f"DeepSpeed found no checkpoint in {spec['load']}"

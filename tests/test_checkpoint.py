@@ -82,6 +82,7 @@ class FakeEngine:
         tied: bool = False,
         lora: bool = False,
         two_groups: bool = False,
+        zero: dict[str, Any] | None = None,
     ) -> None:
         from deepspeed.runtime.lr_schedules import WarmupLR
 
@@ -89,7 +90,7 @@ class FakeEngine:
             {
                 "train_micro_batch_size_per_gpu": 2,
                 "gradient_accumulation_steps": 1,
-                "zero_optimization": {"stage": stage},
+                "zero_optimization": {"stage": stage, **(zero or {})},
                 "bf16": {"enabled": bf16},
                 "gradient_clipping": 0.0,
             }
@@ -326,10 +327,16 @@ def test_zero_to_fp32_reads_our_checkpoints(
 
 # ---------------------------------------------------------------------------------------------
 # resume
-@pytest.mark.parametrize(("stage", "bf16"), [(2, True), (3, False)])
-def test_resume_is_bit_exact(tmp_path: Any, make_engine: Any, stage: int, bf16: bool) -> None:
+@pytest.mark.parametrize(
+    ("stage", "bf16", "zero"),
+    [(2, True, {}), (3, False, {}), (3, True, {"sub_group_size": 100})],
+    ids=["stage2-bf16", "stage3", "stage3-bf16-subgroups"],
+)
+def test_resume_is_bit_exact(
+    tmp_path: Any, make_engine: Any, stage: int, bf16: bool, zero: dict[str, Any]
+) -> None:
     data = batches(5)
-    first = make_engine(stage=stage, bf16=bf16, two_groups=True)
+    first = make_engine(stage=stage, bf16=bf16, two_groups=True, zero=zero)
     for b in data[:3]:
         first.train_step(*b)
     first.optimizer.loss_scaler.cur_iter = 7  # something to restore
@@ -340,7 +347,10 @@ def test_resume_is_bit_exact(tmp_path: Any, make_engine: Any, stage: int, bf16: 
     for b in data[3:]:
         first.train_step(*b)
 
-    second = make_engine(stage=stage, bf16=bf16, two_groups=True, seed=1)
+    if zero:  # DeepSpeed's ZeRO-3 sub-groups: several flat fp32 partitions per param group
+        osd = _load(tmp_path / "global_step3" / ckpt.optim_file_name(bf16=bf16))
+        assert len(osd["optimizer_state_dict"]["fp32_flat_groups"]) > 2
+    second = make_engine(stage=stage, bf16=bf16, two_groups=True, seed=1, zero=zero)
     path, client = second.load(tmp_path)
     assert path == str(tmp_path / "global_step3" / ckpt.model_file_name(stage))
     assert (

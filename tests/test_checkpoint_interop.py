@@ -36,13 +36,29 @@ LAYERS, HIDDEN, VOCAB = 2, 32, 64
 TRAIN_SEEDS, CONTINUE_SEEDS = [7, 8], [60, 61, 62]
 
 
-def _config(name: str) -> dict[str, Any]:
+# Case -> (ds_checkpoints config, extra zero_optimization keys, tied embeddings). The last one
+# splits ZeRO-3's flat fp32 into several sub-groups (sub_group_size) and ties lm_head to the
+# embedding (one master under two names; ZeRO-3 placeholders for both).
+CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "zero2": ("zero2", {}, False),
+    "zero3_offload": ("zero3_offload", {}, False),
+    # beyond the issue's two: DeepSpeed's DynamicLossScaler object is written and resumed (fp16
+    # losses met 1e-4 too on this CPU)
+    "fp16_dynamic": ("fp16_dynamic", {}, False),
+    "zero3_subgroups_tied": ("zero3_offload", {"sub_group_size": 6000}, True),
+}
+
+
+def _config(case: str) -> dict[str, Any]:
     import ds_checkpoints
 
+    name, zero, _ = CASES[case]
+    cfg = ds_checkpoints.config(name)
     # Synchronous optimizer: DeepSpeed's semantics step for step (the asynchronous one runs the
     # next forward on weights one step stale).
     return {
-        **ds_checkpoints.config(name),
+        **cfg,
+        "zero_optimization": {**cfg["zero_optimization"], **zero},
         "roundpipe": {"devices": "cpu:1", "fwd_cuts": [LAYERS], "bwd_cuts": [0, LAYERS],
                       "async_optimizer": False},
     }  # fmt: skip
@@ -57,9 +73,15 @@ def _train(engine: Any, seeds: list[int]) -> list[float]:
     return losses
 
 
-def _deepspeed_resume(name: str, load_dir: Path, state_out: Path) -> dict[str, Any]:
-    spec = {"config": name, "load": str(load_dir), "layers": LAYERS, "hidden": HIDDEN,
-            "vocab": VOCAB, "seeds": CONTINUE_SEEDS, "state_out": str(state_out)}  # fmt: skip
+def _model(case: str, seed: int) -> Any:
+    return tiny_qwen3(seed, layers=LAYERS, hidden=HIDDEN, vocab=VOCAB, tie=CASES[case][2])
+
+
+def _deepspeed_resume(case: str, load_dir: Path, state_out: Path) -> dict[str, Any]:
+    name, zero, tie = CASES[case]
+    spec = {"config": name, "zero": zero, "load": str(load_dir), "layers": LAYERS,
+            "hidden": HIDDEN, "vocab": VOCAB, "tie": tie, "seeds": CONTINUE_SEEDS,
+            "state_out": str(state_out)}  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     proc = subprocess.run(
         [sys.executable, str(HERE / "ds_resume.py"), json.dumps(spec)],
@@ -70,12 +92,10 @@ def _deepspeed_resume(name: str, load_dir: Path, state_out: Path) -> dict[str, A
     return json.loads(lines[-1][5:])
 
 
-# fp16 (ZeRO-1, dynamic loss scaling) beyond the issue's two: DeepSpeed's DynamicLossScaler
-# object is written and resumed (its losses met 1e-4 too on this CPU).
-@pytest.mark.parametrize("name", ["zero2", "zero3_offload", "fp16_dynamic"])
+@pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_deepspeed_resumes_an_rp_engine_checkpoint(tmp_path: Path, name: str) -> None:
-    first = engine_for(tiny_qwen3(0, layers=LAYERS, hidden=HIDDEN, vocab=VOCAB), _config(name))
+    first = engine_for(_model(name, 0), _config(name))
     try:
         _train(first, TRAIN_SEEDS)
         first.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 3})
@@ -92,7 +112,7 @@ def test_deepspeed_resumes_an_rp_engine_checkpoint(tmp_path: Path, name: str) ->
         first.destroy()
     assert steps == {len(TRAIN_SEEDS)}
 
-    second = engine_for(tiny_qwen3(1, layers=LAYERS, hidden=HIDDEN, vocab=VOCAB), _config(name))
+    second = engine_for(_model(name, 1), _config(name))
     try:
         second.load_checkpoint(str(tmp_path / "ckpt"))
         ours = _train(second, CONTINUE_SEEDS)
@@ -113,13 +133,15 @@ def test_deepspeed_resumes_an_rp_engine_checkpoint(tmp_path: Path, name: str) ->
 
     # What DeepSpeed's ZeRO optimizer holds after load_checkpoint: exactly rp_engine's state.
     loaded = torch.load(tmp_path / "ds_state.pt", weights_only=True)
-    (flat,) = loaded["flats"]  # one flat partition: one param group, dp = 1
-    (state,) = loaded["state"]
+    # one param group, dp = 1: the flat partitions (several ZeRO-3 sub-groups) in a row
+    flat = torch.cat(loaded["flats"])
     n = masters.numel()
+    assert (len(loaded["flats"]) > 1) == (name == "zero3_subgroups_tied")
     assert torch.equal(flat[:n], masters) and not flat[n:].any()
     for key, expected in moments.items():
-        assert torch.equal(state[key][:n], expected), key
-    assert int(state["step"]) == len(TRAIN_SEEDS)
+        got = torch.cat([st[key] for st in loaded["state"]])
+        assert torch.equal(got[:n], expected), key
+    assert {int(st["step"]) for st in loaded["state"]} == {len(TRAIN_SEEDS)}
 
     torch.testing.assert_close(report["losses"], ours, rtol=1e-4, atol=0)
     torch.testing.assert_close(report["lr"], our_lr, rtol=1e-12, atol=0)
