@@ -3,7 +3,7 @@
 Used by test_checkpoint_interop.py in a subprocess (DeepSpeed needs a process group, which must
 not leak into the test process). Usage: ``python ds_resume.py '<spec json>'`` with spec
 ``{"config": name, "zero": {extra zero_optimization keys}, "load": dir, "layers": L, "hidden": H,
-"vocab": V, "tie": bool, "seeds": [...], "state_out": file}``: builds a tiny Qwen3 (weights from another seed, so only the checkpoint can
+"vocab": V, "tie": bool, "seeds": [...], "state_out": file, "load_optimizer_states": bool}``: builds a tiny Qwen3 (weights from another seed, so only the checkpoint can
 make it match) with ``ds_checkpoints.config(name)``, ``engine.load_checkpoint(load)`` (optimizer
 and scheduler states included), ``torch.save``s what DeepSpeed's ZeRO optimizer then holds (its
 flat fp32 partitions and the inner optimizer's per-partition state) to ``state_out``, and trains
@@ -66,7 +66,9 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=cfg
     )
-    path, client = engine.load_checkpoint(spec["load"])
+    path, client = engine.load_checkpoint(
+        spec["load"], load_optimizer_states=spec.get("load_optimizer_states", True)
+    )
     assert path is not None, f"DeepSpeed found no checkpoint in {spec['load']}"
     torch.save(_zero_state(engine), spec["state_out"])
     report: dict[str, Any] = {

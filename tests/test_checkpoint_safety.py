@@ -7,8 +7,10 @@
   would have run without the guard).
 - Real DeepSpeed 0.19.8 checkpoints (written in one subprocess: ZeRO-3 with CPU offload, ZeRO-2,
   fp16 with dynamic loss scaling, bf16) load without the opt-in, restore DeepSpeed's fp32
-  weights, and training continues.
-- rp_engine's own files hold no global beyond PyTorch's weights_only set.
+  weights, Adam moments, step and loss scale, and training continues as DeepSpeed's own
+  continuation (issue 18's DeepSpeed -> rp_engine direction).
+- rp_engine's own files hold no global beyond PyTorch's weights_only set, except DeepSpeed's
+  loss-scaler class in the optim file (allowlisted; DeepSpeed's engine needs it to resume).
 """
 
 from __future__ import annotations
