@@ -13,7 +13,8 @@ Owns ``save`` / ``load`` (``engine.save_checkpoint`` / ``load_checkpoint``), ``s
         [bf16_]zero_pp_rank_0_mp_rank_00_optim_states.pt
 
 so ``deepspeed.utils.zero_to_fp32``, Hugging Face's resume (``global_step*``) and DeepSpeed's own
-``engine.load_checkpoint`` (ZeRO 1-3, with optimizer states; tests/test_checkpoint_interop.py)
+``engine.load_checkpoint`` (ZeRO 1-3 and fp32 stage 0, with optimizer states; tests/
+test_checkpoint_interop.py)
 work unchanged. The files are what DeepSpeed's engine of the configured stage writes at data-
 parallel world size 1 (recorded as ``dp_world_size``):
 
@@ -27,13 +28,15 @@ parallel world size 1 (recorded as ``dp_world_size``):
   copies the state_dict into partitioned parameters of shape [0]); weights come back from the
   optim file (also for ``load_module_only``) or ``frozen_param_fragments``. Stage 0-2 ``module``
   holds the full compute-dtype state_dict.
+- Stage 0 fp32: the optimizer's per-parameter state_dict is in the model file's ``optimizer``
+  (where DeepSpeed's stage-0 engine reads it); the optim file still holds the fp32 masters
+  (zero_to_fp32 reads them) but no optimizer state (not twice). Otherwise ``optimizer`` is None.
 
 Choices where DeepSpeed's own output would be less useful:
 
-- The fp32 masters and the optimizer state always go to the ``*_optim_states.pt`` file, also at
-  stage 0 (DeepSpeed puts a stage-0 optimizer into the model file, where zero_to_fp32 cannot
-  read it; DeepSpeed's stage-0 engine therefore resumes these files only with
-  ``load_optimizer_states=False``); ``module`` file's ``optimizer`` is always None.
+- The fp32 masters always go to a ``*_optim_states.pt`` file, also at stage 0 (DeepSpeed writes
+  none there, and zero_to_fp32 cannot read such a checkpoint). Stage 0 with fp16/bf16 keeps the
+  ZeRO-1 layout (DeepSpeed's FP16_Optimizer / BF16_Optimizer layouts are not written).
 - Frozen parameters are recorded (``frozen_param_shapes`` / ``frozen_param_fragments``) at every
   stage, not only from stage 2, so zero_to_fp32 returns them too (in the compute dtype).
 - ``param_slice_mappings`` (for DeepSpeed's universal-checkpoint converter) is not written.
@@ -289,7 +292,9 @@ def _model_states(
     return {
         "module": _compact(state),
         "buffer_names": _buffer_names(module),
-        "optimizer": None,  # ZeRO layout: the optimizer lives in the optim-states file
+        # DeepSpeed's stage-0 fp32 engine reads its (plain torch) optimizer from here; ZeRO
+        # stages keep it in the optim-states file.
+        "optimizer": engine.optimizer.state_dict() if _plain_stage0(engine) else None,
         # DeepSpeed records one entry per flat fp32 group (ZeRO-3: per sub-group).
         "param_shapes": [OrderedDict((n, m.shape) for n, m, _ in unit.params) for unit in units],
         "frozen_param_shapes": None if exclude_frozen else frozen_shapes,
@@ -307,6 +312,18 @@ def _model_states(
         "ds_config": _plain(engine._config.raw),
         "ds_version": _ds_version(),
     }
+
+
+def _plain_stage0(engine: Any) -> bool:
+    """ZeRO stage 0 without fp16/bf16: DeepSpeed steps the user's optimizer on the module's own
+    parameters and saves its per-parameter state_dict in the model file (``optimizer``)."""
+    cfg = engine._config
+    return (
+        engine.optimizer is not None
+        and int(cfg.zero.stage) == 0
+        and not cfg.fp16.enabled
+        and not cfg.bf16.enabled
+    )
 
 
 class _FlatUnit:
@@ -393,6 +410,8 @@ def _optim_states(engine: Any, units: list[_FlatUnit], *, stage: int) -> dict[st
         _RP_LOSS_SCALER: dict(scaler.state_dict()),
     }
     inner = _flat_optimizer_state(engine, units)
+    if _plain_stage0(engine):  # the state is in the model file (DeepSpeed's place): not twice
+        inner = {"state": {}, "param_groups": inner["param_groups"]}
     if stage >= 3:
         # DeepSpeed ZeRO-3 (stage3.py _rigid_state_dict): partition_count is an int.
         osd = {
@@ -827,6 +846,8 @@ def _load_optimizer(
         log.warning(msg + "; missing masters were rebuilt from the loaded weights")
 
     inner = osd.get(_BASE_OPTIMIZER_STATE, osd.get(_OPTIMIZER_STATE_DICT))
+    if ckpt.get("optimizer") is not None:  # stage 0 fp32: per-parameter, in the model file
+        inner = ckpt["optimizer"]
     ids = _flat_ids(inner, list(flats)) if inner is not None else None
     if inner is not None and ids is not None:
         inner = _unflatten_state(engine, ckpt, inner, ids, list(flats), osd, stage=stage)

@@ -24,6 +24,16 @@ import torch
 def _zero_state(engine: Any) -> dict[str, Any]:
     """DeepSpeed's flat fp32 partitions and the inner optimizer's state of each, in order."""
     opt = engine.optimizer
+    if not hasattr(opt, "loss_scaler"):  # stage 0 fp32: the torch optimizer on the parameters
+        params = [p for g in opt.param_groups for p in g["params"]]
+        first = opt.state[params[0]]
+        state = {
+            k: torch.cat([opt.state[p][k].reshape(-1) for p in params])
+            if isinstance(v, torch.Tensor) and v.shape == params[0].shape
+            else v
+            for k, v in first.items()
+        }
+        return {"flats": [torch.cat([p.detach().reshape(-1) for p in params])], "state": [state]}
     if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
         flats = list(opt.fp32_partitioned_groups_flat)
     else:  # ZeRO-1/2
@@ -71,12 +81,13 @@ def main() -> None:
     )
     assert path is not None, f"DeepSpeed found no checkpoint in {spec['load']}"
     torch.save(_zero_state(engine), spec["state_out"])
+    scaler = getattr(engine.optimizer, "loss_scaler", None)  # none at stage 0 fp32
     report: dict[str, Any] = {
         "global_steps": engine.global_steps,
         "client_state": {k: v for k, v in client.items() if isinstance(v, int | float | str)},
         "loss_scaler": {
             k: v
-            for k, v in vars(engine.optimizer.loss_scaler).items()
+            for k, v in (vars(scaler) if scaler is not None else {}).items()
             if isinstance(v, int | float | bool)
         },
         "losses": [],
