@@ -12,19 +12,38 @@ Owns ``save`` / ``load`` (``engine.save_checkpoint`` / ``load_checkpoint``), ``s
         zero_pp_rank_0_mp_rank_00_model_states.pt   ZeRO stage 3
         [bf16_]zero_pp_rank_0_mp_rank_00_optim_states.pt
 
-so ``deepspeed.utils.zero_to_fp32`` and Hugging Face's resume (``global_step*``) work unchanged.
-Choices where DeepSpeed's own output would be less useful (files are single-process, dp = mp = 1):
+so ``deepspeed.utils.zero_to_fp32``, Hugging Face's resume (``global_step*``) and DeepSpeed's own
+``engine.load_checkpoint`` (ZeRO 1-3 and fp32 stage 0, with optimizer states; tests/
+test_checkpoint_interop.py)
+work unchanged. The files are what DeepSpeed's engine of the configured stage writes at data-
+parallel world size 1 (recorded as ``dp_world_size``):
 
-- ``module`` always holds the full compute-dtype state_dict (DeepSpeed ZeRO-3 stores empty
-  placeholders): nothing is partitioned here, and the file is usable without zero_to_fp32.
-- The fp32 masters and the optimizer state always go to the ``*_optim_states.pt`` file, also at
-  stage 0 (DeepSpeed puts a stage-0 fp32/fp16 optimizer into the model file, where zero_to_fp32
-  cannot read it); ``module`` file's ``optimizer`` is therefore always None.
+- ``*_optim_states.pt``: the fp32 masters as DeepSpeed's flat partitions (ZeRO-1/2: one per param
+  group, ``single_partition_of_fp32_groups`` with ``group_paddings`` / ``param_alignment_
+  paddings``; ZeRO-3: one per sub-group of ``sub_group_size``, ``fp32_flat_groups``), the inner
+  optimizer's state_dict with one flat parameter per partition (Adam's moments flattened alike,
+  ``step`` per partition), DeepSpeed's loss-scaler object and, for rp_engine, its own full
+  scaler state (``rp_loss_scaler``).
+- ZeRO-3's ``module`` holds 0-element placeholders for the parameters, as DeepSpeed's (its loader
+  copies the state_dict into partitioned parameters of shape [0]); weights come back from the
+  optim file (also for ``load_module_only``) or ``frozen_param_fragments``. Stage 0-2 ``module``
+  holds the full compute-dtype state_dict.
+- Stage 0 fp32: the optimizer's per-parameter state_dict is in the model file's ``optimizer``
+  (where DeepSpeed's stage-0 engine reads it); the optim file still holds the fp32 masters
+  (zero_to_fp32 reads them) but no optimizer state (not twice). Otherwise ``optimizer`` is None.
+
+Choices where DeepSpeed's own output would be less useful:
+
+- The fp32 masters always go to a ``*_optim_states.pt`` file, also at stage 0 (DeepSpeed writes
+  none there, and zero_to_fp32 cannot read such a checkpoint). Stage 0 with fp16/bf16 keeps the
+  ZeRO-1 layout (DeepSpeed's FP16_Optimizer / BF16_Optimizer layouts are not written).
 - Frozen parameters are recorded (``frozen_param_shapes`` / ``frozen_param_fragments``) at every
   stage, not only from stage 2, so zero_to_fp32 returns them too (in the compute dtype).
-- Files hold plain ints, dicts and tensors (no DeepSpeed classes): ``torch.load(weights_only=True)``
-  reads them. Loading never runs code from a file (:mod:`rp_engine.safe_load`): DeepSpeed's own
-  checkpoints load through an allowlist of its classes; anything else needs the caller's opt-in.
+- ``param_slice_mappings`` (for DeepSpeed's universal-checkpoint converter) is not written.
+- Files load with ``torch.load(weights_only=True)`` plus the DeepSpeed classes allowed by
+  :mod:`rp_engine.safe_load` (the optim file pickles DeepSpeed's ``LossScaler`` /
+  ``DynamicLossScaler``, which DeepSpeed's optimizers use as they find them). Loading never runs
+  code from a file; anything beyond the allowlist needs the caller's opt-in.
 
 Writes are atomic: files go to ``save_dir/.<tag>.tmp-<pid>``, are fsynced, and the folder is renamed
 to ``<tag>``; ``latest`` is replaced last. A crash leaves the previous checkpoint and ``latest``.
@@ -73,6 +92,8 @@ _GROUP_PADDINGS = "group_paddings"
 _PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
 _LOSS_SCALER = "loss_scaler"
 _CLIP_GRAD = "clip_grad"
+# Not DeepSpeed's: rp_engine's full loss-scaler state, next to DeepSpeed's scaler object.
+_RP_LOSS_SCALER = "rp_loss_scaler"
 
 # Top-level keys of the model-states file that belong to DeepSpeed (never client state).
 _OWN_KEYS = frozenset(
@@ -145,11 +166,14 @@ def save(
     stage = int(cfg.zero.stage)
     names = _ParamNames(engine.module)
     groups = _optimized_groups(engine, names)
-    model_state = _model_states(engine, names, groups, stage=stage, exclude_frozen=exclude_frozen)
+    units = _flat_units(engine, groups, stage=stage)
+    model_state = _model_states(
+        engine, names, groups, units, stage=stage, exclude_frozen=exclude_frozen
+    )
     model_state.update(client_state)
     files: dict[str, Any] = {model_file_name(stage): model_state}
     if engine.optimizer is not None:
-        files[optim_file_name(bf16=cfg.bf16.enabled)] = _optim_states(engine, groups, stage=stage)
+        files[optim_file_name(bf16=cfg.bf16.enabled)] = _optim_states(engine, units, stage=stage)
 
     os.makedirs(save_dir, exist_ok=True)
     _commit_folder(save_dir, tag, files)
@@ -231,7 +255,13 @@ def _optimized_groups(engine: Any, names: _ParamNames) -> list[_Group]:
 
 
 def _model_states(
-    engine: Any, names: _ParamNames, groups: list[_Group], *, stage: int, exclude_frozen: bool
+    engine: Any,
+    names: _ParamNames,
+    groups: list[_Group],
+    units: list[_FlatUnit],
+    *,
+    stage: int,
+    exclude_frozen: bool,
 ) -> dict[str, Any]:
     module = engine.module
     optimized = {id(p) for g in groups for p in g.params}
@@ -251,15 +281,22 @@ def _model_states(
         # stage <= 2 fragments are used as they are.
         t = p.detach().cpu()
         frozen_fragments[name] = t.reshape(-1) if stage >= 3 else t
+    if stage >= 3:
+        # DeepSpeed ZeRO-3's module holds a 0-element tensor per (partitioned) parameter: its
+        # loader copies the state_dict into parameters of shape [0], then fills them from the
+        # fp32 partitions (trained) or frozen_param_fragments (frozen).
+        for key in [n for n, _ in names.params] + list(names.shared):
+            if key in state:
+                state[key] = torch.empty(0, dtype=state[key].dtype)
     scheduler = engine.lr_scheduler
     return {
         "module": _compact(state),
         "buffer_names": _buffer_names(module),
-        "optimizer": None,  # ZeRO layout: the optimizer lives in the optim-states file
-        "param_shapes": [
-            OrderedDict((n, m.shape) for n, m in zip(g.names, g.masters, strict=True))
-            for g in groups
-        ],
+        # DeepSpeed's stage-0 fp32 engine reads its (plain torch) optimizer from here; ZeRO
+        # stages keep it in the optim-states file.
+        "optimizer": engine.optimizer.state_dict() if _plain_stage0(engine) else None,
+        # DeepSpeed records one entry per flat fp32 group (ZeRO-3: per sub-group).
+        "param_shapes": [OrderedDict((n, m.shape) for n, m, _ in unit.params) for unit in units],
         "frozen_param_shapes": None if exclude_frozen else frozen_shapes,
         "frozen_param_fragments": None if exclude_frozen else _compact(frozen_fragments),
         "shared_params": dict(names.shared),
@@ -271,40 +308,129 @@ def _model_states(
         "global_samples": int(engine.global_samples),
         "dp_world_size": 1,
         "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         "ds_config": _plain(engine._config.raw),
         "ds_version": _ds_version(),
     }
 
 
-def _optim_states(engine: Any, groups: list[_Group], *, stage: int) -> dict[str, Any]:
+def _plain_stage0(engine: Any) -> bool:
+    """ZeRO stage 0 without fp16/bf16: DeepSpeed steps the user's optimizer on the module's own
+    parameters and saves its per-parameter state_dict in the model file (``optimizer``)."""
+    cfg = engine._config
+    return (
+        engine.optimizer is not None
+        and int(cfg.zero.stage) == 0
+        and not cfg.fp16.enabled
+        and not cfg.bf16.enabled
+    )
+
+
+class _FlatUnit:
+    """One flat fp32 partition as DeepSpeed lays it out at dp = 1: ZeRO-1/2 one per param group
+    (``single_partition_of_fp32_groups``), ZeRO-3 one per sub-group (``fp32_flat_groups``).
+
+    ``params`` holds (name, master, padding after it); ``tail`` pads the partition that the inner
+    optimizer steps (Adam's moments have that size) beyond the saved fp32 tensor.
+    """
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+        self.params: list[tuple[str, torch.Tensor, int]] = []
+        self.tail = 0
+
+    def flat(self, tensors: list[torch.Tensor], *, with_tail: bool) -> torch.Tensor:
+        """``tensors`` (one per param, shaped like it) flattened with this unit's paddings."""
+        parts: list[torch.Tensor] = []
+        for t, (_, _, pad) in zip(tensors, self.params, strict=True):
+            parts.append(t.detach().reshape(-1).float())
+            if pad:
+                parts.append(torch.zeros(pad, dtype=torch.float32))
+        if with_tail and self.tail:
+            parts.append(torch.zeros(self.tail, dtype=torch.float32))
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
+
+
+# DeepSpeed ZeRO-1/2 aligns each flat group to nccl_start_alignment_factor x dp elements
+# (stage_1_and_2.py: 4-byte alignment / sizeof(fp16) = 2).
+_NCCL_START_ALIGNMENT = 2
+
+
+def _flat_units(engine: Any, groups: list[_Group], *, stage: int) -> list[_FlatUnit]:
+    """DeepSpeed's flat partitions for ``groups`` at dp = 1 (see _FlatUnit)."""
+    units: list[_FlatUnit] = []
+    if stage >= 3:
+        # stage3.py _create_fp16_sub_groups: close a sub-group once it reaches sub_group_size.
+        limit = int(engine._config.zero.sub_group_size)
+        for gi, g in enumerate(groups):
+            total = sum(m.numel() for m in g.masters)
+            unit, size = _FlatUnit(gi), 0
+            for name, master in zip(g.names, g.masters, strict=True):
+                unit.params.append((name, master, 0))
+                size += master.numel()
+                if limit < total and size >= limit:
+                    units.append(unit)
+                    unit, size = _FlatUnit(gi), 0
+            if unit.params or not g.masters:
+                units.append(unit)
+        return units
+    zero_raw = engine._config.raw.get("zero_optimization") or {}
+    aligned = bool(zero_raw.get("parameter_alignment", False))
+    for gi, g in enumerate(groups):
+        unit = _FlatUnit(gi)
+        offset = 0
+        for pi, (name, master) in enumerate(zip(g.names, g.masters, strict=True)):
+            offset += master.numel()
+            # stage_1_and_2.py: parameter_alignment pads every parameter but the last to 16
+            # bytes of the compute dtype.
+            element = g.params[pi].element_size()
+            align = 16 // math.gcd(16, element) if aligned else 1
+            pad = 0 if pi == len(g.masters) - 1 else (-offset) % align
+            offset += pad
+            unit.params.append((name, master, pad))
+        unit.tail = (-offset) % _NCCL_START_ALIGNMENT
+        units.append(unit)
+    return units
+
+
+def _optim_states(engine: Any, units: list[_FlatUnit], *, stage: int) -> dict[str, Any]:
+    """The ``*_optim_states.pt`` content in the form DeepSpeed's ZeRO optimizer of ``stage``
+    reads back with ``load_state_dict`` (stage3.py ``_rigid_load_state_dict``,
+    stage_1_and_2.py ``_load_legacy_checkpoint``): flat fp32 partitions, the inner optimizer's
+    state as one flat parameter per partition, DeepSpeed's loss-scaler object."""
     opt = engine.optimizer
     scaler = opt.loss_scaler
-    flats = [_flat(g.masters) for g in groups]
+    flats = [u.flat([m for _, m, _ in u.params], with_tail=False) for u in units]
     common: dict[str, Any] = {
         _ZERO_STAGE: stage,
-        _LOSS_SCALER: dict(scaler.state_dict()),
+        _LOSS_SCALER: _deepspeed_loss_scaler(scaler, fp16=bool(engine._config.fp16.enabled)),
         "dynamic_loss_scale": bool(getattr(scaler, "dynamic", False)),
         "overflow": bool(opt.overflow),
+        # rp_engine's own scaler state, exact (DeepSpeed's static scaler keeps the scale only).
+        _RP_LOSS_SCALER: dict(scaler.state_dict()),
     }
+    inner = _flat_optimizer_state(engine, units)
+    if _plain_stage0(engine):  # the state is in the model file (DeepSpeed's place): not twice
+        inner = {"state": {}, "param_groups": inner["param_groups"]}
     if stage >= 3:
         # DeepSpeed ZeRO-3 (stage3.py _rigid_state_dict): partition_count is an int.
         osd = {
             **common,
             _PARTITION_COUNT: 1,
-            _OPTIMIZER_STATE_DICT: opt.state_dict(),
+            _OPTIMIZER_STATE_DICT: inner,
             _FP32_FLAT_GROUPS: flats,
         }
     else:
-        # DeepSpeed ZeRO-1/2 (stage_1_and_2.py state_dict): one flat partition per group, no
-        # padding at dp = 1; partition_count is a list per group.
+        # DeepSpeed ZeRO-1/2 (stage_1_and_2.py state_dict): one partition per group, saved
+        # without its tail padding; partition_count is a list per group.
         osd = {
             **common,
             _CLIP_GRAD: float(engine._config.gradient_clipping),
-            _BASE_OPTIMIZER_STATE: opt.state_dict(),
+            _BASE_OPTIMIZER_STATE: inner,
             _SINGLE_PARTITION: flats,
-            _GROUP_PADDINGS: [0] * len(groups),
-            _PARAM_ALIGNMENT_PADDINGS: [[0] * len(g.masters) for g in groups],
-            _PARTITION_COUNT: [1] * len(groups),
+            _GROUP_PADDINGS: [u.tail for u in units],
+            _PARAM_ALIGNMENT_PADDINGS: [[pad for _, _, pad in u.params] for u in units],
+            _PARTITION_COUNT: [1] * len(units),
             "ds_version": _ds_version(),
         }
     return {
@@ -314,10 +440,83 @@ def _optim_states(engine: Any, groups: list[_Group], *, stage: int) -> dict[str,
     }
 
 
-def _flat(masters: list[torch.Tensor]) -> torch.Tensor:
-    if not masters:
-        return torch.empty(0, dtype=torch.float32)
-    return torch.cat([m.detach().reshape(-1) for m in masters])
+def _flat_optimizer_state(engine: Any, units: list[_FlatUnit]) -> dict[str, Any]:
+    """The inner optimizer's state_dict as DeepSpeed's ZeRO optimizer holds it: one flat
+    parameter per unit, numbered in order; per-parameter state tensors (Adam's moments) are
+    flattened like the fp32 partition (padded to the stepped size), other entries (``step``)
+    are shared by the unit's parameters and taken from the first one."""
+    inner = engine.optimizer.optimizer
+    saved_groups = engine.optimizer.state_dict()["param_groups"]
+    state: dict[int, dict[str, Any]] = {}
+    for index, unit in enumerate(units):
+        per_param = [inner.state.get(m, {}) for _, m, _ in unit.params]
+        first = next((st for st in per_param if st), None)
+        if first is None:  # not stepped yet: DeepSpeed has no state either
+            continue
+        entry: dict[str, Any] = {}
+        for key, value in first.items():
+            if isinstance(value, torch.Tensor) and value.shape == unit.params[0][1].shape:
+                tensors = [
+                    st[key] if key in st else torch.zeros_like(m)
+                    for st, (_, m, _) in zip(per_param, unit.params, strict=True)
+                ]
+                entry[key] = unit.flat(tensors, with_tail=True)
+            else:
+                _check_shared(key, value, per_param, unit)
+                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        state[index] = entry
+    groups = []
+    for gi, hyper in enumerate(saved_groups):
+        ids = [i for i, u in enumerate(units) if u.group == gi]
+        groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def _check_shared(key: str, value: Any, per_param: list[dict[str, Any]], unit: _FlatUnit) -> None:
+    # A flat partition has one value of `step` etc.; rp_engine steps all parameters together,
+    # so they agree unless a parameter never received a gradient.
+    differ = [
+        name
+        for st, (name, _, _) in zip(per_param, unit.params, strict=True)
+        if key in st and not _same(st[key], value)
+    ]
+    missing = [n for st, (n, _, _) in zip(per_param, unit.params, strict=True) if not st]
+    if differ or missing:
+        log.warning(
+            "optimizer state %r differs across the parameters of one flat group (%s) or is "
+            "missing (%s); the checkpoint keeps the first parameter's value for all of them",
+            key,
+            differ[:3],
+            missing[:3],
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))
+    return bool(a == b)
+
+
+def _deepspeed_loss_scaler(scaler: Any, *, fp16: bool) -> Any:
+    """DeepSpeed's loss-scaler object for rp_engine's ``scaler`` (its ZeRO optimizers assign the
+    pickled object as they find it). One of the classes :mod:`rp_engine.safe_load` allows."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    if not (fp16 and scaler.dynamic):
+        return LossScaler(scale=float(scaler.cur_scale) if fp16 else 1.0)
+    ds = DynamicLossScaler(
+        init_scale=float(scaler.cur_scale),
+        scale_window=int(scaler.scale_window),
+        min_scale=float(scaler.min_scale),
+        delayed_shift=int(scaler.delayed_shift),
+        consecutive_hysteresis=bool(scaler.consecutive_hysteresis),
+        raise_error_at_min_scale=True,  # as rp_engine, which raises at the minimum scale
+        dtype=torch.float16,
+    )
+    ds.cur_iter = int(scaler.cur_iter)
+    ds.last_overflow_iter = int(scaler.last_overflow_iter)
+    ds.cur_hysteresis = int(scaler.cur_hysteresis)
+    return ds
 
 
 def _buffer_names(module: nn.Module) -> list[str]:
@@ -522,15 +721,17 @@ def load(
     model_path = _find_file(folder, model_file_name(engine._config.zero.stage), "*_model_states.pt")
     checkpoint_checks.check_file(model_path)  # truncated / not torch.save: name the file
     ckpt = safe_load.load(model_path, trust=trust)
+    load_optimizer = optimizer_states and not module_only and engine.optimizer is not None
+    placeholders = _zero3_placeholders(engine.module, ckpt)
     osd = None
-    if optimizer_states and not module_only and engine.optimizer is not None:
+    if load_optimizer or placeholders:
         bf16 = bool(engine._config.bf16.enabled)
         optim_path = _find_file(folder, optim_file_name(bf16=bf16), "*_optim_states.pt")
         # Read (and vet) both files before the engine changes: a refused file leaves it as it was.
         checkpoint_checks.check_file(optim_path)
         osd = safe_load.load(optim_path, trust=trust)[_OPTIMIZER_STATE_DICT]
 
-    module_state = _fill_zero3_placeholders(engine.module, ckpt, loading_masters=osd is not None)
+    module_state = _fill_zero3_placeholders(engine.module, ckpt, placeholders, osd)
     checkpoint_checks.check_module_state(model_path, module_state, engine.module, strict=strict)
     missing, unexpected = engine.module.load_state_dict(module_state, strict=strict)
     if missing or unexpected:
@@ -538,7 +739,7 @@ def load(
     store = engine.store
     store.zero_grads()
     store.reload_masters()
-    if osd is not None:
+    if load_optimizer and osd is not None:
         _load_optimizer(engine, ckpt, osd, strict=strict)
     if scheduler_states and not module_only and engine.lr_scheduler is not None:
         if ckpt.get("lr_scheduler") is None:
@@ -648,8 +849,11 @@ def _load_optimizer(
         log.warning(msg + "; missing masters were rebuilt from the loaded weights")
 
     inner = osd.get(_BASE_OPTIMIZER_STATE, osd.get(_OPTIMIZER_STATE_DICT))
-    if inner is not None and _is_flat_state(inner, flats):
-        inner = _unflatten_state(engine, ckpt, inner, flats, osd, stage=stage)
+    if ckpt.get("optimizer") is not None:  # stage 0 fp32: per-parameter, in the model file
+        inner = ckpt["optimizer"]
+    ids = _flat_ids(inner, list(flats)) if inner is not None else None
+    if inner is not None and ids is not None:
+        inner = _unflatten_state(engine, ckpt, inner, ids, list(flats), osd, stage=stage)
     if inner is not None:
         try:
             engine.optimizer.load_state_dict(_materialize(inner))
@@ -659,7 +863,7 @@ def _load_optimizer(
                 "saved with other param groups or another optimizer type. Pass "
                 "load_optimizer_states=False to load weights only"
             ) from exc
-    scaler_state = osd.get(_LOSS_SCALER)
+    scaler_state = osd.get(_RP_LOSS_SCALER, osd.get(_LOSS_SCALER))
     if scaler_state is not None:
         engine.optimizer.loss_scaler.load_state_dict(
             _scaler_dict(scaler_state, engine.optimizer.loss_scaler)
@@ -667,63 +871,96 @@ def _load_optimizer(
     engine.optimizer.overflow = bool(osd.get("overflow", False))
 
 
-def _fill_zero3_placeholders(
-    module: nn.Module, ckpt: Mapping[str, Any], *, loading_masters: bool
-) -> Mapping[str, torch.Tensor]:
-    """``ckpt["module"]`` with DeepSpeed ZeRO-3's empty placeholders filled in.
+def _zero3_placeholders(module: nn.Module, ckpt: Mapping[str, Any]) -> list[str]:
+    """Keys of ``ckpt["module"]`` that are ZeRO-3 placeholders (0 elements where the module's
+    tensor has some): DeepSpeed's ZeRO-3 layout, which rp_engine also writes at stage 3."""
+    current = module.state_dict()
+    return [
+        k
+        for k, v in ckpt["module"].items()
+        if v.numel() == 0 and k in current and current[k].numel() > 0
+    ]
 
-    DeepSpeed's ZeRO-3 model file holds a 0-element tensor per partitioned parameter: trained
-    weights live in the optim file as fp32 partitions (loaded after this, into the masters and
-    the weights), frozen ones in ``frozen_param_fragments``. rp_engine's own files hold full
-    tensors and pass through unchanged.
+
+def _fill_zero3_placeholders(
+    module: nn.Module,
+    ckpt: Mapping[str, Any],
+    placeholders: list[str],
+    osd: Mapping[str, Any] | None,
+) -> Mapping[str, torch.Tensor]:
+    """``ckpt["module"]`` with ZeRO-3's empty placeholders filled in.
+
+    A ZeRO-3 model file holds a 0-element tensor per partitioned parameter: trained weights live
+    in the optim file as fp32 partitions (``osd``; cast to the module's dtype here, as
+    DeepSpeed's ``load_optimizer_states=False`` path does with zero_to_fp32; with optimizer
+    states the fp32 masters are then loaded exactly), frozen ones in ``frozen_param_fragments``.
+    Files with full tensors pass through unchanged.
     """
     saved = ckpt["module"]
-    current = module.state_dict()
-    empty = [k for k, v in saved.items() if v.numel() == 0 and current.get(k, v).numel() > 0]
-    if not empty:
+    if not placeholders:
         return saved
+    current = module.state_dict()
     fragments = ckpt.get("frozen_param_fragments") or {}
-    trained = {name for shapes in ckpt.get("param_shapes") or [] for name in shapes}
-    unrestorable = sorted(
-        k for k in empty if k not in fragments and not (loading_masters and k in trained)
-    )
+    trained: Mapping[str, torch.Tensor] = {}
+    if osd is not None:
+        stage = int(osd[_ZERO_STAGE])
+        flats = osd[_FP32_FLAT_GROUPS] if stage >= 3 else osd[_SINGLE_PARTITION]
+        trained = _split_flat(
+            ckpt["param_shapes"], list(flats), osd.get(_PARAM_ALIGNMENT_PADDINGS), stage=stage
+        )
+    aliases = ckpt.get("shared_params") or {}
+    filled = dict(saved)
+    unrestorable = []
+    for key in placeholders:
+        source = aliases.get(key, key)
+        if source in fragments:
+            filled[key] = fragments[source].reshape(current[key].shape)
+        elif source in trained:
+            filled[key] = trained[source].to(current[key].dtype)
+        else:
+            unrestorable.append(key)
     if unrestorable:
         raise RuntimeError(
             f"checkpoint module entries {unrestorable[:5]}{' ...' if len(unrestorable) > 5 else ''}"
-            " are DeepSpeed ZeRO-3 placeholders whose weights are in the optim-states file; load "
-            "with load_optimizer_states=True (and without load_module_only), or convert the "
-            "checkpoint with zero_to_fp32.py"
+            " are ZeRO-3 placeholders whose weights are in neither the optim-states file nor "
+            "frozen_param_fragments; convert the checkpoint with zero_to_fp32.py or load it with "
+            "load_module_strict=False"
         )
-    filled = dict(saved)
-    for key in empty:
-        if key in fragments:
-            filled[key] = fragments[key].reshape(current[key].shape)
-        else:  # overwritten from the fp32 partition by _load_optimizer
-            filled[key] = current[key]
     return filled
 
 
-def _is_flat_state(inner: Mapping[str, Any], flats: list[torch.Tensor]) -> bool:
-    """DeepSpeed's inner optimizer steps one flat fp32 partition per group (ZeRO 1-3): its
-    state_dict has one parameter per group. rp_engine's files hold one entry per parameter (a
-    file whose groups hold one parameter each reads correctly either way)."""
-    groups = inner.get("param_groups") or []
-    return len(groups) == len(flats) > 0 and all(len(g["params"]) == 1 for g in groups)
+def _flat_ids(inner: Mapping[str, Any], flats: list[torch.Tensor]) -> list[int] | None:
+    """The inner optimizer's parameter ids, one per flat fp32 partition, when its state is in
+    DeepSpeed's ZeRO form (ZeRO 1-3 step one flat partition per group or ZeRO-3 sub-group);
+    None for a per-parameter state_dict (rp_engine files written before the ZeRO form; a file
+    whose groups hold one parameter each reads correctly either way)."""
+    ids = [i for g in inner.get("param_groups") or [] for i in g["params"]]
+    if not flats or len(ids) != len(flats):
+        return None
+    for i, flat in zip(ids, flats, strict=True):
+        for value in (inner.get("state") or {}).get(i, {}).values():
+            if isinstance(value, torch.Tensor) and value.dim() > 1:
+                return None  # shaped like a parameter: per-parameter state
+            if isinstance(value, torch.Tensor) and 1 < value.numel() < flat.numel():
+                return None
+    return ids
 
 
 def _unflatten_state(
     engine: Any,
     ckpt: Mapping[str, Any],
     inner: Mapping[str, Any],
+    ids: list[int],
     flats: list[torch.Tensor],
     osd: Mapping[str, Any],
     *,
     stage: int,
 ) -> dict[str, Any]:
     """DeepSpeed's flat-partition optimizer state as a per-parameter state_dict of
-    ``engine.optimizer``: state tensors the size of a flat group (Adam's moments) are split like
-    the fp32 partitions (zero_to_fp32's layout); other entries (``step``) go to every parameter."""
-    flat_states = [inner["state"].get(g["params"][0], {}) for g in inner["param_groups"]]
+    ``engine.optimizer``: state tensors the size of a flat partition (Adam's moments; ZeRO-1/2
+    ones include the partition's tail padding) are split like the fp32 partitions (zero_to_fp32's
+    layout); other entries (``step``) go to every parameter of the partition."""
+    flat_states = [inner["state"].get(i, {}) for i in ids]
     state: dict[int, dict[str, Any]] = {}
     if not any(flat_states):  # saved before the first step
         return {"state": state, "param_groups": _groups_like(engine, inner, lambda _: None, state)}
@@ -732,24 +969,65 @@ def _unflatten_state(
             "the checkpoint's optimizer has state for some flat groups only; it cannot be split "
             "per parameter. Pass load_optimizer_states=False to load weights only"
         )
-    first, numel = flat_states[0], flats[0].numel()
-    tensors = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.numel() == numel]
-    scalars = {k: v for k, v in first.items() if k not in tensors}
+
+    def is_flat(value: Any, flat: torch.Tensor) -> bool:
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dim() == 1
+            and value.numel() >= max(flat.numel(), 2)
+        )
+
+    first = flat_states[0]
+    tensors = [k for k, v in first.items() if is_flat(v, flats[0])]
     paddings = osd.get(_PARAM_ALIGNMENT_PADDINGS)
     split = {
         k: _split_flat(
-            ckpt["param_shapes"], [st[k].reshape(-1) for st in flat_states], paddings, stage=stage
+            ckpt["param_shapes"],
+            [
+                st[k].reshape(-1).narrow(0, 0, f.numel())
+                for st, f in zip(flat_states, flats, strict=True)
+            ],
+            paddings,
+            stage=stage,
         )
         for k in tensors
     }
+    # Partition-wide scalars, per parameter name (every partition has its own `step`).
+    scalars: dict[str, dict[str, Any]] = {}
+    for shapes_index, names in enumerate(_flat_names(ckpt["param_shapes"], flats, stage=stage)):
+        st = flat_states[shapes_index]
+        for name in names:
+            scalars[name] = {k: v for k, v in st.items() if k not in tensors}
 
     def per_param(name: str) -> dict[str, Any] | None:
         if not all(name in split[k] for k in tensors):
             return None
-        return {**scalars, **{k: split[k][name] for k in tensors}}
+        return {**scalars.get(name, {}), **{k: split[k][name] for k in tensors}}
 
     groups = _groups_like(engine, inner, per_param, state)
     return {"state": state, "param_groups": groups}
+
+
+def _flat_names(
+    param_shapes: list[Mapping[str, Any]], flats: list[torch.Tensor], *, stage: int
+) -> list[list[str]]:
+    """Parameter names held by each flat partition (by element ranges when the ZeRO-3
+    param_shapes groups do not line up with the sub-groups)."""
+    if len(param_shapes) == len(flats):
+        return [list(shapes) for shapes in param_shapes]
+    ends, total = [], 0
+    for f in flats:
+        total += f.numel()
+        ends.append(total)
+    out: list[list[str]] = [[] for _ in flats]
+    offset, part = 0, 0
+    for shapes in param_shapes:
+        for name, shape in shapes.items():
+            while part < len(ends) - 1 and offset >= ends[part]:
+                part += 1
+            out[part].append(name)
+            offset += math.prod(shape)
+    return out
 
 
 def _groups_like(

@@ -26,7 +26,7 @@ BASE: dict[str, Any] = {
     "steps_per_print": 1000,
     "scheduler": {
         "type": "WarmupLR",
-        "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4},
+        "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 4},
     },
 }
 TORCH_ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}

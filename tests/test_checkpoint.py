@@ -20,6 +20,7 @@ from torch import nn
 
 from rp_engine import checkpoint as ckpt
 from rp_engine import data as data_mod
+from rp_engine import safe_load
 from rp_engine.config import load_config
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim.loss_scaler import LossScaler
@@ -81,6 +82,7 @@ class FakeEngine:
         tied: bool = False,
         lora: bool = False,
         two_groups: bool = False,
+        zero: dict[str, Any] | None = None,
     ) -> None:
         from deepspeed.runtime.lr_schedules import WarmupLR
 
@@ -88,7 +90,7 @@ class FakeEngine:
             {
                 "train_micro_batch_size_per_gpu": 2,
                 "gradient_accumulation_steps": 1,
-                "zero_optimization": {"stage": stage},
+                "zero_optimization": {"stage": stage, **(zero or {})},
                 "bf16": {"enabled": bf16},
                 "gradient_clipping": 0.0,
             }
@@ -183,7 +185,8 @@ def trained(make_engine: Any, steps: int = 3, **kw: Any) -> FakeEngine:
 
 
 def _load(path: str) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    # weights_only, plus the DeepSpeed loss-scaler classes that DeepSpeed's loaders need
+    return safe_load.load(str(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +232,11 @@ def test_layout_and_file_names(
         "mp_world_size ds_config ds_version"
     ).split():
         assert key in model_state, key
-    assert model_state["optimizer"] is None
+    if stage == 0 and not bf16:  # DeepSpeed's stage-0 fp32 place for the optimizer state
+        assert set(model_state["optimizer"]) == {"state", "param_groups"}
+        assert not optim_state["optimizer_state_dict"]["base_optimizer_state"]["state"]
+    else:
+        assert model_state["optimizer"] is None
     assert model_state["global_steps"] == 3 and model_state["global_samples"] == 6
     assert model_state["dp_world_size"] == model_state["mp_world_size"] == 1
     assert model_state["buffer_names"] == ["block.scale"]
@@ -240,7 +247,8 @@ def test_layout_and_file_names(
 
     osd = optim_state["optimizer_state_dict"]
     assert osd["zero_stage"] == stage
-    assert osd["loss_scaler"]["cur_scale"] == 1.0 and osd["overflow"] is False
+    assert osd["loss_scaler"].cur_scale == 1.0 and osd["overflow"] is False
+    assert osd["rp_loss_scaler"]["cur_scale"] == 1.0
     if stage == 3:
         assert osd["partition_count"] == 1
         assert "optimizer_state_dict" in osd and "fp32_flat_groups" in osd
@@ -279,7 +287,9 @@ def test_tied_and_frozen_metadata(tmp_path: Any, make_engine: Any) -> None:
     assert list(state["frozen_param_shapes"]) == ["block.linear.weight", "block.linear.bias"]
     # ZeRO-3 fragments are flat partitions (zero_to_fp32 concatenates them along dim 0).
     assert state["frozen_param_fragments"]["block.linear.weight"].shape == (DIM * DIM,)
-    assert "out.1.weight" in state["module"]  # the full state_dict, aliases included
+    # DeepSpeed ZeRO-3's placeholders (0 elements) for every parameter, aliases included
+    assert state["module"]["out.1.weight"].shape == (0,)
+    assert state["module"]["block.linear.weight"].shape == (0,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,10 +331,16 @@ def test_zero_to_fp32_reads_our_checkpoints(
 
 # ---------------------------------------------------------------------------------------------
 # resume
-@pytest.mark.parametrize(("stage", "bf16"), [(2, True), (3, False)])
-def test_resume_is_bit_exact(tmp_path: Any, make_engine: Any, stage: int, bf16: bool) -> None:
+@pytest.mark.parametrize(
+    ("stage", "bf16", "zero"),
+    [(0, False, {}), (2, True, {}), (3, False, {}), (3, True, {"sub_group_size": 100})],
+    ids=["stage0", "stage2-bf16", "stage3", "stage3-bf16-subgroups"],
+)
+def test_resume_is_bit_exact(
+    tmp_path: Any, make_engine: Any, stage: int, bf16: bool, zero: dict[str, Any]
+) -> None:
     data = batches(5)
-    first = make_engine(stage=stage, bf16=bf16, two_groups=True)
+    first = make_engine(stage=stage, bf16=bf16, two_groups=True, zero=zero)
     for b in data[:3]:
         first.train_step(*b)
     first.optimizer.loss_scaler.cur_iter = 7  # something to restore
@@ -335,7 +351,10 @@ def test_resume_is_bit_exact(tmp_path: Any, make_engine: Any, stage: int, bf16: 
     for b in data[3:]:
         first.train_step(*b)
 
-    second = make_engine(stage=stage, bf16=bf16, two_groups=True, seed=1)
+    if zero:  # DeepSpeed's ZeRO-3 sub-groups: several flat fp32 partitions per param group
+        osd = _load(tmp_path / "global_step3" / ckpt.optim_file_name(bf16=bf16))
+        assert len(osd["optimizer_state_dict"]["fp32_flat_groups"]) > 2
+    second = make_engine(stage=stage, bf16=bf16, two_groups=True, seed=1, zero=zero)
     path, client = second.load(tmp_path)
     assert path == str(tmp_path / "global_step3" / ckpt.model_file_name(stage))
     assert (

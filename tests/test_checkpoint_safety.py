@@ -7,8 +7,10 @@
   would have run without the guard).
 - Real DeepSpeed 0.19.8 checkpoints (written in one subprocess: ZeRO-3 with CPU offload, ZeRO-2,
   fp16 with dynamic loss scaling, bf16) load without the opt-in, restore DeepSpeed's fp32
-  weights, and training continues.
-- rp_engine's own files hold no global beyond PyTorch's weights_only set.
+  weights, Adam moments, step and loss scale, and training continues as DeepSpeed's own
+  continuation (issue 18's DeepSpeed -> rp_engine direction).
+- rp_engine's own files hold no global beyond PyTorch's weights_only set, except DeepSpeed's
+  loss-scaler class in the optim file (allowlisted; DeepSpeed's engine needs it to resume).
 """
 
 from __future__ import annotations
@@ -66,14 +68,23 @@ def saved(tmp_path: Path) -> Path:
 
 def _inject(path: Path, marker: Path) -> None:
     """Re-save ``path`` with one extra top-level entry holding the payload."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = safe_load.load(str(path))  # memory-mapped: write a new file, then replace
     state["payload"] = Payload(marker)
-    torch.save(state, path)
+    torch.save(state, path.with_suffix(".new"))
+    os.replace(path.with_suffix(".new"), path)
 
 
-def test_own_checkpoint_holds_no_global_beyond_torch(saved: Path) -> None:
-    for name in (model_file_name(0), optim_file_name(bf16=False)):
-        assert torch.serialization.get_unsafe_globals_in_checkpoint(str(saved / name)) == []
+def test_own_checkpoint_holds_no_global_beyond_the_allowlist(saved: Path) -> None:
+    # The model file is plain data; the optim file holds DeepSpeed's loss-scaler object, which
+    # DeepSpeed's ZeRO optimizers need when they resume it (nothing else beyond torch's set).
+    assert (
+        torch.serialization.get_unsafe_globals_in_checkpoint(str(saved / model_file_name(0))) == []
+    )
+    optim = torch.serialization.get_unsafe_globals_in_checkpoint(
+        str(saved / optim_file_name(bf16=False))
+    )
+    assert optim == ["deepspeed.runtime.fp16.loss_scaler.LossScaler"]
+    assert set(optim) <= set(DEEPSPEED_GLOBALS)
 
 
 @pytest.mark.parametrize("target", ["model", "optim"])
@@ -126,10 +137,12 @@ def test_legacy_format_file_is_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # checkpoints written by DeepSpeed itself
 DS_CONFIGS = ("zero3_offload", "zero2", "fp16_dynamic", "bf16")
-CONTINUE_SEEDS = [60, 61]
-# Loss agreement of the resumed run with DeepSpeed's own continuation (16-bit compute differs
-# in rounding between the two engines).
-LOSS_RTOL = {"zero3_offload": 1e-5, "zero2": 1e-5, "fp16_dynamic": 2e-3, "bf16": 2e-2}
+# Three continuation steps, all with a nonzero learning rate (ds_checkpoints' warmup_min_lr > 0):
+# the later losses depend on the loaded Adam moments.
+CONTINUE_SEEDS = [60, 61, 62]
+# Loss agreement of the resumed run with DeepSpeed's own continuation. fp16 and bf16 met 1e-4
+# too on this CPU (issue 18 asks it of fp16); bf16 keeps a margin for rounding elsewhere.
+LOSS_RTOL = {"zero3_offload": 1e-5, "zero2": 1e-5, "fp16_dynamic": 1e-4, "bf16": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -156,11 +169,20 @@ def test_deepspeed_checkpoint_loads_without_opt_in(
 
     cfg = {
         **ds_checkpoints.config(name),
-        "roundpipe": {"devices": "cpu:1", "fwd_cuts": [LAYERS], "bwd_cuts": [0, LAYERS]},
-    }
+        # synchronous optimizer: DeepSpeed's step-for-step semantics (no stale weights)
+        "roundpipe": {"devices": "cpu:1", "fwd_cuts": [LAYERS], "bwd_cuts": [0, LAYERS],
+                      "async_optimizer": False},
+    }  # fmt: skip
     engine = engine_for(tiny_qwen3(1, layers=LAYERS, hidden=HIDDEN, vocab=VOCAB), cfg)
     try:
         path, client = engine.load_checkpoint(str(out / name))
+        # the loss scale (fp16: DeepSpeed's DynamicLossScaler after one step) carries over
+        ds_scaler = _deepspeed_osd(out / name / "global_step1")["loss_scaler"]
+        ours = engine.optimizer.loss_scaler
+        for key in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"):
+            if hasattr(ds_scaler, key):
+                assert getattr(ours, key) == getattr(ds_scaler, key), key
+        assert ours.dynamic == ds_scaler.dynamic == (name == "fp16_dynamic")
         assert path is not None and client == {"epoch": 3}
         assert engine.global_steps == report[name]["global_steps"] == 1
         # fp32 weights and Adam moments are DeepSpeed's, split per parameter
@@ -190,20 +212,27 @@ def test_deepspeed_checkpoint_loads_without_opt_in(
         engine.destroy()
 
 
+def _deepspeed_osd(tag: Path) -> dict[str, Any]:
+    (optim,) = tag.glob("*optim_states.pt")
+    return safe_load.load(str(optim))["optimizer_state_dict"]
+
+
 def _deepspeed_flat_state(tag: Path) -> dict[str, torch.Tensor]:
     """DeepSpeed's Adam moments of the one flat fp32 group, read directly."""
-    (optim,) = tag.glob("*optim_states.pt")
-    osd = safe_load.load(str(optim))["optimizer_state_dict"]
+    osd = _deepspeed_osd(tag)
     inner = osd.get("base_optimizer_state") or osd["optimizer_state_dict"]
     (group,) = inner["param_groups"]
     return inner["state"][group["params"][0]]
 
 
-def test_deepspeed_zero3_weights_need_the_optim_file(
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_deepspeed_zero3_module_only_reads_weights_from_the_optim_file(
     deepspeed_checkpoints: tuple[Path, dict],
 ) -> None:
-    # DeepSpeed's ZeRO-3 model file holds empty placeholders; its weights are in the optim file.
+    # DeepSpeed's ZeRO-3 model file holds empty placeholders; its weights are in the optim file,
+    # which a module-only load reads for them (DeepSpeed: zero_to_fp32), leaving the counters.
     import ds_checkpoints
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     out, _ = deepspeed_checkpoints
     cfg = {
@@ -212,7 +241,11 @@ def test_deepspeed_zero3_weights_need_the_optim_file(
     }
     engine = engine_for(tiny_qwen3(1, layers=LAYERS, hidden=HIDDEN, vocab=VOCAB), cfg)
     try:
-        with pytest.raises(RuntimeError, match="ZeRO-3 placeholders.*load_optimizer_states=True"):
-            engine.load_checkpoint(str(out / "zero3_offload"), load_module_only=True)
+        path, _ = engine.load_checkpoint(str(out / "zero3_offload"), load_module_only=True)
+        assert path is not None and engine.global_steps == 0
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(str(out / "zero3_offload"))
+        for pname, p in engine.module.named_parameters():
+            torch.testing.assert_close(p.detach(), fp32[pname], rtol=0, atol=0, msg=pname)
+        assert all(not st for st in engine.optimizer.state.values())  # no moments loaded
     finally:
         engine.destroy()
