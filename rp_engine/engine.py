@@ -171,6 +171,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         )  # fmt: skip
         self._counters.whole_step(applied=self._apply_boundary(None))
         self._guard.raise_failed()
+        self.planner.fit_round_size(result.boundary_bytes)
         if profile and self.planner.observe(result.layer_ms, result.bwd_ms):
             self._executor = self._make_executor()
         loss = torch.tensor(sum(result.losses) / len(result.losses))
@@ -293,4 +294,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         # does (engine.generate(...), engine.config attributes of HF models...).
         if name == "module" or name.startswith("__") or "_finalizer" not in self.__dict__:
             raise AttributeError(name)  # (also while __init__ runs: hasattr must not recurse)
-        return getattr(self.module, name)
+        value = getattr(self.__dict__["_module"], name)
+        # What reads weights (methods: save_pretrained, state_dict, generate...; tensors) sees
+        # the newest ones; plain attributes (config, dtype...) do not drain the optimizer.
+        return getattr(self.module, name) if callable(value) or torch.is_tensor(value) else value

@@ -99,6 +99,16 @@ class DeepSpeedAccessors:
             "state_dict, evaluation)."
         )
 
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The module's Parameter objects, without draining the optimizer (training loops such
+        as Hugging Face Trainer's ask for them every step; their values are the last published
+        ones: read ``engine.module`` for the newest)."""
+        return self._module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As :meth:`parameters`, with names."""
+        return self._module.named_parameters(*args, **kwargs)
+
     # --- counters and the boundary -------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
         return self._counters.is_boundary()

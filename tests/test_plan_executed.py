@@ -7,14 +7,20 @@ parity with plain PyTorch (fp32) and with per-micro-batch rounds (fp16 loss scal
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import config, engine_for, reference_losses
 from models import mlp_batch, random_batch, tiny_mlp, tiny_qwen3
 
+from rp_engine.plan import schedules
 from rp_engine.plan.actions import Op
+from rp_engine.plan.costs import LayerCosts
 from rp_engine.plan.simulate import Machine, simulate
+from rp_engine.plan.traffic import activation_traffic
+from rp_engine.runtime.planning import ModelShape, Planner
 
 GAS = 8
 
@@ -26,6 +32,26 @@ def _lm_batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 def _model_bytes(model: torch.nn.Module) -> int:
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _tensor_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def _activation_costs(costs: LayerCosts, model: torch.nn.Module) -> LayerCosts:
+    """The costs with one micro-batch's sizes: the batch, a boundary state (the prefix's output:
+    hidden, rotary tables, labels...) and an upstream gradient (the hidden state)."""
+    from rp_engine.model.layers import to_layers
+
+    batch = _lm_batches(1)[0]
+    with torch.no_grad():
+        state = to_layers(model).prefix(dict(batch))
+    return dataclasses.replace(
+        costs,
+        batch_bytes=_tensor_bytes(batch),
+        boundary_bytes=_tensor_bytes(state),
+        boundary_grad_bytes=_tensor_bytes({"hidden": state["hidden"]}),
+    )
 
 
 @pytest.mark.parametrize("round_size", [8, 4, 1])
@@ -53,9 +79,10 @@ def test_measured_traffic_is_the_plans(round_size: int) -> None:
     assert stats["weight_h2d_bytes"] == simulated["weights_h2d"]
     assert stats["uploads"] == sum(1 for a in plan.actions if a.op is Op.UPLOAD)
     assert stats["downloads"] == sum(1 for a in plan.actions if a.op is Op.DOWNLOAD)
-    assert stats["h2d_bytes"] == stats["weight_h2d_bytes"] + (
-        stats["h2d_bytes"] - stats["weight_h2d_bytes"]
-    )
+    # and every activation byte is one the plan's traffic rules count (plan/traffic.py)
+    traffic = activation_traffic(plan, _activation_costs(costs, model))
+    assert stats["h2d_bytes"] == simulated["weights_h2d"] + traffic["act_h2d"]
+    assert stats["d2h_bytes"] - stats["grad_d2h_bytes"] == traffic["act_d2h"]
     # one upload per slot and round: at most (2 + 0.5) x the model's weights per round
     rounds = GAS // round_size
     assert stats["weight_h2d_bytes"] <= 2.5 * _model_bytes(model) * rounds
@@ -151,3 +178,45 @@ def test_fp16_rounds_match_per_microbatch_accumulation(devices: int) -> None:
 def test_round_size_must_divide_the_accumulation_steps() -> None:
     with pytest.raises(ValueError, match=r"roundpipe\.round_size 3 .*divisor.*8"):
         engine_for(tiny_qwen3(0, layers=2), config(devices=2, gas=8, roundpipe={"round_size": 3}))
+
+
+def test_round_size_fits_the_device_budget() -> None:
+    """With a budget and no round size the planner starts with rounds of one micro-batch; once
+    a boundary state is measured, M_R is the largest divisor of GAS whose 2 x M_R states fit
+    beside the weights and gradients the plan validates. A given size that cannot fit is an
+    error naming roundpipe.round_size."""
+    shape = ModelShape(4, True, (100_000,) * 4, 50_000, 40_000)
+    kw = {"num_devices": 2, "num_microbatches": 8, "fwd_cuts": (2, 2), "bwd_cuts": (0, 2, 2)}
+    state = 200_000  # activations dominate: the round size is what the budget limits
+
+    def weights(size: int) -> int:  # what the plan of rounds of ``size`` validates
+        probe = Planner(shape, **kw, round_size=size, memory_budget_bytes=2**30)
+        plan = schedules.lower(
+            probe.compute_plan(), offload=True, optimizer="", prefetch_depth=probe.prefetch_depth
+        )
+        return max(schedules.validate(plan, costs=probe.byte_costs()))
+
+    # room for rounds of 2 (and 1), not of 4 or 8 (the validated weights change with M_R too)
+    budget = max(weights(1) + 2 * state, weights(2) + 4 * state) + state // 2
+    assert weights(4) + 8 * state > budget and weights(8) + 16 * state > budget
+    planner = Planner(shape, **kw, memory_budget_bytes=budget)
+    assert planner.round_size == 1  # safe until a state has been measured
+    planner.fit_round_size(state)
+    assert planner.round_size == 2
+    ample = Planner(shape, **kw, memory_budget_bytes=2**30)
+    ample.fit_round_size(state)
+    assert ample.round_size == 8  # one upload per slot and step
+    given = Planner(shape, **kw, round_size=8, memory_budget_bytes=budget)
+    with pytest.raises(ValueError, match=r"roundpipe\.round_size 8 does not fit .* use 2"):
+        given.fit_round_size(state)
+
+
+def test_engine_fits_its_round_after_the_first_step() -> None:
+    cfg = config(devices=2, gas=4, roundpipe={"device_memory_gb": 1.0})
+    engine = engine_for(tiny_qwen3(0, layers=2), cfg)
+    try:
+        assert engine.planner.round_size == 1
+        engine.train_batch(iter(_lm_batches(4)))
+        assert engine.planner.round_size == 4  # a 1 GiB budget holds every round
+    finally:
+        engine.destroy()

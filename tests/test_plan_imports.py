@@ -30,6 +30,7 @@ CHAIN = (
     "actions",
     "costs",
     "memory",
+    "traffic",
     "lower",
     "validate",
     "schedules",

@@ -75,6 +75,10 @@ class LayerCosts:
     head_act_bytes: int = 0
     boundary_bytes: int = 0
     comm_ms: float = 0.0
+    # activation traffic of the runtime (plan/traffic.py): one micro-batch's input tensors and
+    # one upstream gradient crossing a backward boundary (0: the size of a boundary state)
+    batch_bytes: int = 0
+    boundary_grad_bytes: int = 0
     # the prefix (embeddings, rotary): uploaded with forward slot 0 and the last backward slot
     prefix_param_bytes: int = 0
 
@@ -126,6 +130,8 @@ class LayerCosts:
             "head_param_bytes",
             "head_act_bytes",
             "boundary_bytes",
+            "batch_bytes",
+            "boundary_grad_bytes",
             "comm_ms",
             "prefix_param_bytes",
         }
@@ -157,6 +163,8 @@ class LayerCosts:
             head_param_bytes=int(data.get("head_param_bytes", 0)),
             head_act_bytes=int(data.get("head_act_bytes", 0)),
             boundary_bytes=int(data.get("boundary_bytes", 0)),
+            batch_bytes=int(data.get("batch_bytes", 0)),
+            boundary_grad_bytes=int(data.get("boundary_grad_bytes", 0)),
             prefix_param_bytes=int(data.get("prefix_param_bytes", 0)),
         )
 

@@ -168,6 +168,7 @@ class RunResult:
     bwd_ms: dict[int, list[float]] = field(default_factory=dict)  # backward ms per bwd stage
     carry: Carry | None = None
     stats: RunStats = field(default_factory=RunStats)
+    boundary_bytes: int = 0  # the largest state a forward stage handed on (one micro-batch)
 
 
 class Countdown:
@@ -289,8 +290,10 @@ class _Ctx:
         self.groups: dict[_GroupKey, _Group] = {}
         self.freed: dict[_GroupKey, Event] = {}
         self.upload_of: dict[Action, _GroupKey] = {}  # compute action -> its group
+        self.computed: dict[int, list[Event]] = {}  # per device: compute ends, in issue order
         self.stats = RunStats()
         self.head_out: _HeadOut | None = None
+        self.boundary_bytes = 0
         self.t0 = time.perf_counter()
 
 
@@ -369,6 +372,7 @@ class Executor:
             layer_ms=layer_ms,
             bwd_ms=bwd_ms,
             stats=ctx.stats,
+            boundary_bytes=ctx.boundary_bytes,
         )
 
     @staticmethod
@@ -530,6 +534,7 @@ class Executor:
                 _free(device, x_in)
                 _track(device, state)
             ctx.acts[out_key] = state
+            ctx.boundary_bytes = max(ctx.boundary_bytes, _state_bytes(state))
 
         done = self._launch(ctx, a, layers, [in_key], body)
         ctx.act_where[out_key] = (a.device, done)
@@ -656,6 +661,7 @@ class Executor:
         compute.submit(run, label=str(a))
         done = compute.record()
         group.last_compute = done
+        ctx.computed.setdefault(a.device, []).append(done)
         return done
 
     # --- building blocks ----------------------------------------------------------------------
@@ -682,6 +688,11 @@ class Executor:
         if src_index == device.index:
             return event
         label = str(a)
+        # As the plan's SEND rule: an input arrives while the action before its consumer runs,
+        # never earlier, so a device holds the inputs of two actions at most (not of a round).
+        earlier = ctx.computed.get(device.index, [])
+        if len(earlier) >= 2:
+            device.stream(StreamRole.H2D_ACT).wait(earlier[-2])
         if src_index >= 0:  # on another device: through the host (consumer GPUs have no P2P)
             src = self.devices[src_index]
             host: dict[str, State] = {}
@@ -848,6 +859,10 @@ def _with_grad_input(state: State) -> State:
     if hidden is not None and hidden.is_floating_point():
         hidden.requires_grad_(True)
     return out
+
+
+def _state_bytes(state: State) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _track(device: Device, state: State) -> None:

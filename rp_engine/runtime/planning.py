@@ -75,7 +75,12 @@ class Planner:
         round_size: int | None = None,
     ) -> None:
         self.shape = shape
-        self.round_size = _round_size(round_size, num_microbatches)
+        # With a budget and no round size given, start safe (rounds of one micro-batch) and fit
+        # the round to the budget once the first step has measured a boundary state.
+        given = round_size if round_size is not None or memory_budget_bytes is None else 1
+        self.round_size = _round_size(given, num_microbatches)
+        self._round_size_given = round_size is not None
+        self._round_fitted = False
         self.num_devices = num_devices
         self.num_microbatches = num_microbatches
         self.schedule = schedule
@@ -204,9 +209,11 @@ class Planner:
         (not lowered; does not move the rolling start device)."""
         return self._schedule(self.num_microbatches, start_device)
 
-    def _schedule(self, num_microbatches: int, start_device: int) -> Plan:
+    def _schedule(
+        self, num_microbatches: int, start_device: int, *, round_size: int | None = None
+    ) -> Plan:
         rounds = (
-            {"round_size": min(self.round_size, num_microbatches)}
+            {"round_size": min(round_size or self.round_size, num_microbatches)}
             if self.spec.cuts == "fwd_bwd"  # separate cuts: RoundPipe's rounds of M_R
             else {}
         )
@@ -257,6 +264,43 @@ class Planner:
         return self._estimate()
 
     # --- profiling ----------------------------------------------------------------------------
+    def fit_round_size(self, boundary_bytes: int) -> None:
+        """Choose M_R from the device budget once a boundary state's size is measured: a slot
+        holds up to M_R micro-batches' inputs and outputs (2 x M_R states) besides the weights
+        and gradients its plan validates; the largest divisor of GAS that fits wins. A given
+        ``roundpipe.round_size`` that does not fit is an error naming it."""
+        budget = self.memory_budget_bytes
+        if budget is None or boundary_bytes <= 0 or self._round_fitted:
+            return
+        self._round_fitted = True
+        costs = self._estimate()
+        gas = self.num_microbatches
+
+        def need(size: int) -> int:  # the plan's groups change with M_R: validate each size
+            plan = schedules.lower(
+                self._schedule(gas, 0, round_size=size), offload=True, optimizer="",
+                prefetch_depth=self.prefetch_depth,
+            )  # fmt: skip
+            return max(schedules.validate(plan, costs=costs)) + 2 * size * boundary_bytes
+
+        sizes = [d for d in range(gas, 0, -1) if not gas % d]
+        fits = [d for d in sizes if need(d) <= budget] or [1]
+        if self._round_size_given:
+            if self.round_size not in fits and self.round_size > 1:
+                raise ValueError(
+                    f"roundpipe.round_size {self.round_size} does not fit the device budget of "
+                    f"{budget} bytes: it needs {need(self.round_size)} (weights, gradients and "
+                    f"2 x {self.round_size} activation states of {boundary_bytes} bytes); use "
+                    f"{fits[0]} (or leave it out to let the planner choose)"
+                )
+            return
+        if fits[0] != self.round_size:
+            log.info(
+                "round size %d micro-batches (activations %d bytes per state, budget %d bytes)",
+                fits[0], boundary_bytes, budget,
+            )  # fmt: skip
+            self.round_size = fits[0]
+
     def observe(self, fwd_ms: dict[int, list[float]], bwd_ms: dict[int, list[float]]) -> bool:
         """Feed one profiled iteration; re-plans once after ``profile_iterations``.
 
