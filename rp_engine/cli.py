@@ -192,6 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     a("--out", help="run folder (default ./rp-runs/<time>-<model>)")
     a("--no-wandb", action="store_true", help="no W&B run (default: on, offline without a key)")
+    a("--tensorboard", action="store_true", help="TensorBoard events in <run folder>/tensorboard")
     a("--no-preflight", action="store_true", help="skip the host-memory check")
     a(
         "--plan",
@@ -258,6 +259,9 @@ class _Job:
         raw, cfg = self._config(shape.hidden_size, len(train_set))
         mbs, gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
         self.run_dir = self._run_dir(shape.name, make_run_dir)
+        if args.tensorboard:  # the engine's monitor writes it, as for a config's section
+            tb = {"enabled": True, "output_path": str(self.run_dir), "job_name": "tensorboard"}
+            raw = {**raw, "tensorboard": tb}
         write_json(self.run_dir / "ds_config.json", raw)
         counts = preflight.model_counts(shape.model)
         host = preflight.estimate_host(
@@ -365,7 +369,10 @@ class _Job:
         from rp_engine.config import load_config
 
         args = self.args
-        wandb_cfg = load_config(raw).wandb
+        parsed = load_config(raw)
+        wandb_cfg = parsed.wandb
+        tb = parsed.tensorboard  # written by the engine's monitor, where DeepSpeed puts it
+        self._tensorboard_dir = os.path.join(tb.output_path, tb.job_name) if tb.enabled else None
         # The CLI owns the W&B run (its folder, its metrics); the engine's own monitor keeps the
         # config's csv_monitor but must not start a second W&B run.
         engine_raw = {**raw, "wandb": {"enabled": False}}
@@ -549,6 +556,7 @@ class _Job:
             "checkpoints": str(self._ckpt_dir()) if self._ckpt_dir().exists() else None,
             "adapter": str(self.run_dir / "adapter") if self.args.lora else None,
             "wandb": self._wandb_dir,
+            "tensorboard": self._tensorboard_dir,
         }
 
     def _finish_wandb(self, status: int) -> None:
@@ -557,6 +565,7 @@ class _Job:
             run.finish(exit_code=status)
 
     _wandb_dir: str | None = None
+    _tensorboard_dir: str | None = None
 
     def _print(self, s: dict[str, Any]) -> None:
         if self.args.json:
@@ -573,7 +582,7 @@ class _Job:
             )
         )
         print(f"run folder: {s['run_dir']}")
-        for key in ("checkpoints", "adapter", "wandb"):
+        for key in ("checkpoints", "adapter", "wandb", "tensorboard"):
             if s.get(key):
                 print(f"  {key}: {s[key]}")
         for name in ("loss.png", "timeline.png", "timeline.json", "summary.json", "ds_config.json"):

@@ -313,7 +313,8 @@ def test_deepspeed_config_auto_values_are_filled_and_written(tmp_path: Path, cap
     }
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     argv = [*TINY, "--deepspeed", str(tmp_path / "ds.json"), "--steps", "1", "--no-wandb",
-            "--micro-batch", "2", "--grad-accum", "3", "--lr", "1e-3", "--out", str(tmp_path / "r")]  # fmt: skip
+            "--micro-batch", "2", "--grad-accum", "3", "--lr", "1e-3", "--out", str(tmp_path / "r"),
+            "--tensorboard"]  # fmt: skip
     rc, out, _ = _run(argv, capsys)
     assert rc == 0, out
     resolved = json.loads((tmp_path / "r" / "ds_config.json").read_text())
@@ -322,3 +323,7 @@ def test_deepspeed_config_auto_values_are_filled_and_written(tmp_path: Path, cap
     assert resolved["optimizer"]["params"]["lr"] == 1e-3
     assert resolved["scheduler"]["params"]["warmup_max_lr"] == 1e-3
     assert _summary(tmp_path / "r")["data_position"] == 3
+    # --tensorboard: the engine's monitor writes events into the run folder
+    assert resolved["tensorboard"]["output_path"] == str(tmp_path / "r")
+    assert _summary(tmp_path / "r")["tensorboard"] == str(tmp_path / "r" / "tensorboard")
+    assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,4 +1,5 @@
-"""Monitors: DeepSpeed-style CSV files and W&B's offline fallback, written by a real run."""
+"""Monitors: DeepSpeed-style CSV files, TensorBoard events and W&B's offline fallback, written
+by a real run."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import csv
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from engine_helpers import config, engine_for
 from models import random_batch, tiny_qwen3
@@ -30,6 +32,46 @@ def test_csv_monitor_records_loss_and_lr(tmp_path) -> None:
     assert [int(r[0]) for r in rows[1:]] == [4, 8, 12]  # global_samples, as DeepSpeed logs
     assert [float(r[1]) for r in rows[1:]] == losses
     assert (tmp_path / "run1" / "Train_Samples_lr.csv").exists()
+
+
+def test_tensorboard_monitor_records_loss_where_deepspeed_writes(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = config(
+        devices=1, fwd_cuts=[2], bwd_cuts=[0, 2],
+        tensorboard={"enabled": True, "output_path": str(tmp_path), "job_name": "run1"},
+    )  # fmt: skip
+    engine = engine_for(tiny_qwen3(0, layers=2), cfg)
+    try:
+        data = iter([random_batch(128, batch=2, seq=8, seed=i) for i in range(6)])
+        losses = [float(engine.train_batch(data)) for _ in range(3)]
+    finally:
+        engine.destroy()
+    log_dir = tmp_path / "run1"  # DeepSpeed's os.path.join(output_path, job_name)
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    assert {"Train/Samples/train_loss", "Train/Samples/lr"} <= set(acc.Tags()["scalars"])
+    scalars = acc.Scalars("Train/Samples/train_loss")
+    assert [s.step for s in scalars] == [4, 8, 12]  # global_samples, as DeepSpeed logs
+    # event files store float32
+    assert [s.value for s in scalars] == pytest.approx(losses, rel=1e-6)
+
+
+def test_tensorboard_default_output_path_is_the_job_name_under_cwd(tmp_path, monkeypatch) -> None:
+    from rp_engine.config import load_config
+    from rp_engine.monitor import Monitor
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        {"train_micro_batch_size_per_gpu": 1, "tensorboard": {"enabled": True, "job_name": "j"}}
+    )
+    monitor = Monitor.from_config(cfg)
+    try:
+        monitor.write_events([("Train/Samples/train_loss", 1.5, 2)])
+    finally:
+        monitor.close()
+    assert list((tmp_path / "j").glob("events.out.tfevents.*"))  # DeepSpeed: join("", job_name)
 
 
 def test_wandb_goes_offline_without_a_key(tmp_path, monkeypatch) -> None:
