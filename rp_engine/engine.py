@@ -50,9 +50,8 @@ log = logging.getLogger("rp_engine")
 
 
 class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
-    """Drop-in for ``deepspeed.DeepSpeedEngine``; build it with ``rp_engine.initialize``.
-    DeepSpeed's imperative loop (forward / backward / step) lives in engine_loop.py, the one-line
-    accessors, ``module`` and the checkpoint doors in engine_api.py."""
+    """Drop-in for ``deepspeed.DeepSpeedEngine`` (build it with ``rp_engine.initialize``); the
+    imperative loop is in engine_loop.py, accessors and checkpoint doors in engine_api.py."""
 
     def __init__(
         self,
