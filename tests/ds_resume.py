@@ -53,12 +53,10 @@ def _zero_state(engine: Any) -> dict[str, Any]:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(spec.get("port", 29531)))
     sys.path.insert(0, os.path.dirname(__file__))
+    from subprocess_helpers import single_process_group_env
+
+    single_process_group_env()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from ds_checkpoints import config

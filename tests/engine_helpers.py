@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,25 +82,66 @@ def reference_losses(
     steps: int,
     gas: int,
     lr: float = 1e-3,
+    staleness: int = 0,
     loss_of: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     set_position: Callable[[int, int], None] | None = None,
 ) -> list[float]:
-    """Plain PyTorch on one device: GAS micro-batches per step, AdamW(weight_decay=0)."""
+    """Plain PyTorch on one device: GAS micro-batches per step, AdamW(weight_decay=0); the
+    per-step mean losses, ``model`` left with the final weights.
+
+    With ``staleness`` s > 0 the gradients of step t are taken at the weights of step
+    max(t-1-s, 0): w_t = AdamW(w_{t-1}, grad at w_{max(t-1-s, 0)}); s = 1 is the asynchronous
+    optimizer's semantics.
+    """
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     loss_of = loss_of or (lambda m, b: m(**b).loss)
+    compute = copy.deepcopy(model) if staleness else model
+    history = [copy.deepcopy(model.state_dict())] if staleness else []
     out = []
     it = iter(batches)
     mb = 0
     for step in range(1, steps + 1):
+        if staleness:
+            compute.load_state_dict(history[max(step - 1 - staleness, 0)])
+            compute.zero_grad()
         total = 0.0
         for _ in range(gas):
             if set_position is not None:
                 set_position(step, mb)
-            loss = loss_of(model, next(it))
+            loss = loss_of(compute, next(it))
             (loss / gas).backward()
             total += float(loss.detach())
             mb += 1
+        if staleness:
+            for p, q in zip(model.parameters(), compute.parameters(), strict=True):
+                p.grad = q.grad.clone()
         opt.step()
         opt.zero_grad()
+        if staleness:
+            history.append(copy.deepcopy(model.state_dict()))
         out.append(total / gas)
     return out
+
+
+def run_losses(
+    model: nn.Module, cfg: dict[str, Any], batches: Sequence[Any], *, steps: int
+) -> list[float]:
+    """Train an engine over ``model`` with ``cfg`` for ``steps`` steps of ``batches``; the
+    per-step losses. The engine is synchronized (``model`` holds the final weights) and
+    destroyed, also when training fails."""
+    engine = engine_for(model, cfg)
+    try:
+        it = iter(batches)
+        losses = [float(engine.train_batch(it)) for _ in range(steps)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    return losses
+
+
+def assert_same_weights(
+    a: nn.Module, b: nn.Module, *, rtol: float = 1e-4, atol: float = 1e-5
+) -> None:
+    """Every parameter of ``a`` close to ``b``'s, in order (fp32 tolerances by default)."""
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)

@@ -22,10 +22,9 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
     if spec["backend"] == "deepspeed":
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(spec.get("port", 29571)),
-        )  # fmt: skip
+        from subprocess_helpers import single_process_group_env
+
+        single_process_group_env()
     else:
         from rp_engine.integrations import hf
 

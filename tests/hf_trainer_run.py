@@ -35,10 +35,9 @@ def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if spec["backend"] == "deepspeed":
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(spec.get("port", 29541)),
-        )  # fmt: skip
+        from subprocess_helpers import single_process_group_env
+
+        single_process_group_env()
     else:
         from rp_engine.integrations import hf
 

@@ -6,12 +6,10 @@ iteration t runs on the host while iteration t+1 computes.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import config, engine_for
+from engine_helpers import assert_same_weights, config, engine_for, reference_losses, run_losses
 from models import mlp_batch, random_batch, tiny_mlp, tiny_qwen3
 
 STEPS, GAS = 6, 2
@@ -22,54 +20,18 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return [random_batch(128, batch=2, seq=12, seed=200 + i) for i in range(n)]
 
 
-def _staleness_one_reference(
-    model: torch.nn.Module, batches, *, steps: int, lr: float
-) -> list[float]:
-    """By hand: w_t = AdamW(w_{t-1}, grad at w_{max(t-2,0)}); returns per-iteration mean loss."""
-    master = model
-    opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.0)
-    history = [copy.deepcopy(master.state_dict())]
-    compute = copy.deepcopy(model)
-    losses, it = [], iter(batches)
-    for t in range(1, steps + 1):
-        compute.load_state_dict(history[max(t - 2, 0)])
-        compute.zero_grad()
-        total = 0.0
-        for _ in range(GAS):
-            loss = compute(**next(it)).loss
-            (loss / GAS).backward()
-            total += float(loss.detach())
-        losses.append(total / GAS)
-        for p, q in zip(master.parameters(), compute.parameters(), strict=True):
-            p.grad = q.grad.clone()
-        opt.step()
-        history.append(copy.deepcopy(master.state_dict()))
-    return losses
-
-
 def test_async_matches_staleness_one_reference() -> None:
     model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
     batches = _batches(STEPS * GAS)
-    expected = _staleness_one_reference(ref, batches, steps=STEPS, lr=1e-2)
-    engine = engine_for(model, config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, **CUTS))
-    try:
-        it = iter(batches)
-        got = [float(engine.train_batch(it)) for _ in range(STEPS)]
-        engine.synchronize()
-    finally:
-        engine.destroy()
+    expected = reference_losses(ref, batches, steps=STEPS, gas=GAS, lr=1e-2, staleness=1)
+    cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, **CUTS)
+    got = run_losses(model, cfg, batches, steps=STEPS)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
-    # and it really is stale: sync mode gives different losses from step 2 on
-    sync_model = tiny_qwen3(0, layers=4)
-    sync = engine_for(sync_model, config(devices=2, gas=GAS, lr=1e-2, **CUTS))
-    try:
-        it = iter(batches)
-        sync_losses = [float(sync.train_batch(it)) for _ in range(STEPS)]
-    finally:
-        sync.destroy()
-    assert sync_losses[0] == pytest.approx(got[0]) and sync_losses[2] != pytest.approx(got[2])
+    assert_same_weights(model, ref)
+    # and it really is stale: the synchronous losses (which the sync engine meets, see
+    # test_runtime_parity.py) differ from step 2 on
+    sync = reference_losses(tiny_qwen3(0, layers=4), batches, steps=STEPS, gas=GAS, lr=1e-2)
+    assert sync[0] == pytest.approx(got[0]) and sync[2] != pytest.approx(got[2])
 
 
 def test_layers_step_as_their_gradients_land() -> None:
@@ -199,44 +161,19 @@ def test_sync_optimizer_error_never_hangs_the_next_call() -> None:
         engine.destroy()
 
 
-def _three_async_steps():
-    model = tiny_qwen3(0, layers=4)
-    engine = engine_for(model, config(devices=2, async_optimizer=True, lr=1e-2, **CUTS))
-    it = iter(_batches(3 * GAS))
-    for _ in range(3):
-        engine.train_batch(it)
-    return model, engine
-
-
 def test_synchronize_publishes_latest_weights() -> None:
-    _, engine = _three_async_steps()
+    """(That save_checkpoint waits for the steps in flight is checked in test_resume.py.)"""
+    engine = engine_for(tiny_qwen3(0, layers=4), config(devices=2, async_optimizer=True, **CUTS))
     try:
+        it = iter(_batches(3 * GAS))
+        for _ in range(3):
+            engine.train_batch(it)
         engine.synchronize()
         for hp in engine.store.owned_params():
             torch.testing.assert_close(hp.param.detach(), hp.master, rtol=0, atol=0)
         assert all(engine.store.version(i) == 3 for i in range(len(engine.store.layers)))
     finally:
         engine.destroy()
-
-
-def test_save_checkpoint_waits_for_in_flight_steps(tmp_path) -> None:
-    """In async mode the saved weights are the newest step's, not the stale compute copy."""
-    from rp_engine.checkpoint import model_file_name
-
-    model, engine = _three_async_steps()
-    try:
-        stale = {n: p.detach().clone() for n, p in model.named_parameters()}
-        engine.save_checkpoint(str(tmp_path), tag="t")
-        masters = {n: engine.store.master_of(p).clone() for n, p in model.named_parameters()}
-    finally:
-        engine.destroy()
-    saved = torch.load(tmp_path / "t" / model_file_name(0), weights_only=True)["module"]
-    changed = 0
-    for name, value in saved.items():
-        if name in masters:
-            torch.testing.assert_close(value, masters[name], rtol=0, atol=0, msg=name)
-            changed += not torch.equal(value, stale[name])
-    assert changed > 0  # before the save the module still held the older weights
 
 
 def test_tied_embedding_waits_for_its_owner_step() -> None:
@@ -248,7 +185,7 @@ def test_tied_embedding_waits_for_its_owner_step() -> None:
     model, ref = tiny_qwen3(0, layers=4, tie=True), tiny_qwen3(0, layers=4, tie=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     batches = _batches(4 * GAS)
-    expected = _staleness_one_reference(ref, batches, steps=4, lr=1e-2)
+    expected = reference_losses(ref, batches, steps=4, gas=GAS, lr=1e-2, staleness=1)
     engine = engine_for(model, config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, **CUTS))
     assert engine.store.owner_layer(model.lm_head.weight) == 0
     real = engine.optimizer.step_params

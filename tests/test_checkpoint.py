@@ -4,7 +4,7 @@ resume, atomic writes, 16-bit export and the training data loader helpers.
 The engine here is a small stand-in exposing exactly what checkpoint.py reads (module, a real
 HostStore, a real HostOptimizer over torch AdamW, a DeepSpeed LR scheduler, a real synchronous
 OptimizerStepper, counters, a parsed DSConfig), so the tests stay fast and independent of the
-runtime.
+runtime. The real engine's save, zero_to_fp32 and resume are in test_resume.py.
 """
 
 from __future__ import annotations
@@ -575,69 +575,3 @@ def test_interrupted_swap_is_recovered(tmp_path: Any, make_engine: Any) -> None:
     assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".py")) == [
         "latest", "t", "u", "v",
     ]  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# the real engine
-@pytest.mark.parametrize(
-    ("factory", "torch_adam", "extra"),
-    [
-        # DeepSpeed CPU Adam (the default; bit-exact only because HostOptimizer.load_state_dict resyncs its beta^t cache). Slow: loading
-        # the JIT-built kernel takes seconds even when it is cached.
-        pytest.param(
-            "tiny_qwen3",
-            False,
-            {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}},
-            marks=pytest.mark.slow,
-        ),  # fmt: skip
-        ("lora_qwen3", True, {"zero_optimization": {"stage": 3}}),
-    ],
-)
-@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-def test_real_engine_save_load_resume(
-    tmp_path: Any, factory: str, torch_adam: bool, extra: dict[str, Any]
-) -> None:
-    import engine_helpers
-    import models
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    cfg = engine_helpers.config(
-        devices=2,
-        gas=2,
-        lr=1e-2,
-        fwd_cuts=[2, 2],
-        bwd_cuts=[0, 2, 2],
-        async_optimizer=True,
-        **extra,
-    )
-    if torch_adam:
-        cfg["optimizer"]["params"]["torch_adam"] = True
-    data = [models.random_batch(128, batch=2, seq=8, seed=100 + i) for i in range(6)]
-    make = getattr(models, factory)
-    first = engine_helpers.engine_for(make(0, layers=4), cfg)
-    second = engine_helpers.engine_for(make(1, layers=4), cfg)
-    try:
-        it = iter(data)
-        first.train_batch(it)
-        first.train_batch(it)
-        first.save_checkpoint(str(tmp_path), client_state={"epoch": 1})
-        fp32 = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
-        names = {id(p): n for n, p in first.module.named_parameters()}
-        for hp in first.store.owned_params():
-            assert torch.equal(fp32[names[id(hp.param)]], hp.master)
-        first.train_batch(it)
-        first.synchronize()
-
-        path, client = second.load_checkpoint(str(tmp_path))
-        assert path is not None and client == {"epoch": 1} and second.global_steps == 2
-        second.train_batch(iter(data[4:]))
-        second.synchronize()
-        for (name, a), b in zip(
-            first.module.state_dict().items(), second.module.state_dict().values(), strict=True
-        ):
-            assert torch.equal(a, b), name
-        for a, b in zip(first.store.owned_params(), second.store.owned_params(), strict=True):
-            assert torch.equal(a.master, b.master), a.name
-    finally:
-        first.destroy()
-        second.destroy()

@@ -28,26 +28,32 @@ from models import random_batch, tiny_qwen3
 
 _ROOT = Path(__file__).resolve().parents[1]
 
-# Two async steps of a tiny model, then the script just ends (no destroy()). Small on purpose:
-# the abort came from the optimizer thread still stepping at exit, not from the model's size.
-_EXIT_SCRIPT = """
+# A script's opening: an async engine over an MLP of `blocks` Linear+GELU blocks of `width`.
+_ENGINE_SETUP = """
 import sys
 import torch
 from torch import nn
 import rp_engine
 
-mode = sys.argv[1]
 torch.manual_seed(0)
-blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)]
-model = nn.Sequential(*blocks, nn.Linear(64, 8))
+blocks = [nn.Sequential(nn.Linear({width}, {width}), nn.GELU()) for _ in range({blocks})]
+model = nn.Sequential(*blocks, nn.Linear({width}, 8))
 model.loss_fn = nn.functional.cross_entropy
-engine, *_ = rp_engine.initialize(model=model, config={
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 2,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-    "roundpipe": {"devices": "cpu:2", "async_optimizer": True},
-})
-batch = (torch.randn(2, 64), torch.randint(0, 8, (2,)))
+engine, *_ = rp_engine.initialize(model=model, config={{
+    "train_micro_batch_size_per_gpu": {mbs},
+    "gradient_accumulation_steps": {gas},
+    "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+    "roundpipe": {{"devices": "cpu:2", "async_optimizer": True}},
+}})
+batch = (torch.randn({mbs}, {width}), torch.randint(0, 8, ({mbs},)))
+"""
+
+# Two async steps of a tiny model, then the script just ends (no destroy()). Small on purpose:
+# the abort came from the optimizer thread still stepping at exit, not from the model's size.
+_EXIT_SCRIPT = (
+    _ENGINE_SETUP.format(width=64, blocks=3, mbs=2, gas=2)
+    + """
+mode = sys.argv[1]
 for _ in range(2):
     if mode == "train_batch":
         loss = engine.train_batch(iter([batch, batch]))
@@ -58,29 +64,18 @@ for _ in range(2):
             engine.step()
 print("LAST LINE", float(loss.detach()), flush=True)
 """
+)
 
 # Trains until interrupted; announces the first finished step so the test knows it is running.
-_SIGINT_SCRIPT = """
-import torch
-from torch import nn
-import rp_engine
-
-torch.manual_seed(0)
-blocks = [nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(6)]
-model = nn.Sequential(*blocks, nn.Linear(128, 8))
-model.loss_fn = nn.functional.cross_entropy
-engine, *_ = rp_engine.initialize(model=model, config={
-    "train_micro_batch_size_per_gpu": 16,
-    "gradient_accumulation_steps": 4,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-    "roundpipe": {"devices": "cpu:2", "async_optimizer": True},
-})
-batch = (torch.randn(16, 128), torch.randint(0, 8, (16,)))
+_SIGINT_SCRIPT = (
+    _ENGINE_SETUP.format(width=128, blocks=6, mbs=16, gas=4)
+    + """
 engine.train_batch(iter([batch] * 4))
 print("TRAINING", flush=True)
 while True:  # the loop body is train_batch only, so the signal lands inside it
     engine.train_batch(iter([batch] * 4))
 """
+)
 
 
 def _env() -> dict[str, str]:

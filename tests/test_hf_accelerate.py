@@ -53,7 +53,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def deepspeed_run(root: Path) -> dict[str, Any]:
     # With zero_force_ds_cpu_optimizer false DeepSpeed steps the loop's own torch AdamW.
-    return run("deepspeed", root, False, port=29581)
+    return run("deepspeed", root, False)
 
 
 # False: rp_engine rebuilds the torch AdamW over its masters (the `decoupled_weight_decay`

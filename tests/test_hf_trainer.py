@@ -64,7 +64,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def deepspeed_run(root: Path) -> dict[str, Any]:
-    return run(spec("deepspeed", root, port=29561))
+    return run(spec("deepspeed", root))
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_zero2_offload_without_optimizer_or_scheduler_section(root: Path) -> Non
         "gradient_clipping": "auto",
     }
     common = {"config": cfg, "save_steps": None, "evaluate": False, "save_model": None}
-    theirs = run({**spec("deepspeed", root / "z2", port=29562), **common})
+    theirs = run({**spec("deepspeed", root / "z2"), **common})
     ours = run({**spec("rp_engine", root / "z2"), **common})
     assert len(ours["log"]) == STEPS
     assert_logs_match(ours["log"], theirs["log"])
@@ -157,36 +157,18 @@ def test_fast_path_trainer_matches_deepspeed(deepspeed_run: dict, root: Path) ->
 
 
 def _stale_losses(steps: int, *, gas: int, lr: float, staleness: int) -> list[float]:
-    """By hand: w_t = AdamW(w_{t-1}, grad at w_{max(t-1-staleness,0)}), the data in order;
-    per-step mean losses."""
-    import copy
-
+    """By hand (AdamW on gradients ``staleness`` steps old), the data in order, two samples a
+    micro-batch; per-step mean losses."""
+    from engine_helpers import reference_losses
     from hf_trainer_run import TokenData
     from models import tiny_qwen3
 
     data = TokenData(64, 16, 128)
-    master = tiny_qwen3(0, layers=2)
-    compute = copy.deepcopy(master)
-    opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.0)
-    history = [copy.deepcopy(master.state_dict())]
-    losses, sample = [], 0
-    for t in range(1, steps + 1):
-        compute.load_state_dict(history[max(t - 1 - staleness, 0)])
-        compute.zero_grad()
-        total = 0.0
-        for _ in range(gas):
-            items = [data[sample], data[sample + 1]]
-            sample += 2
-            batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
-            loss = compute(**batch).loss
-            (loss / gas).backward()
-            total += float(loss.detach())
-        losses.append(total / gas)
-        for p, q in zip(master.parameters(), compute.parameters(), strict=True):
-            p.grad = q.grad.clone()
-        opt.step()
-        history.append(copy.deepcopy(master.state_dict()))
-    return losses
+    pairs = [(data[i], data[i + 1]) for i in range(0, 2 * steps * gas, 2)]
+    batches = [{k: torch.stack([a[k], b[k]]) for k in a} for a, b in pairs]
+    return reference_losses(
+        tiny_qwen3(0, layers=2), batches, steps=steps, gas=gas, lr=lr, staleness=staleness
+    )
 
 
 def test_async_optimizer_trainer_follows_staleness_one(root: Path) -> None:

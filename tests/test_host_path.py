@@ -310,10 +310,10 @@ def _longest_pause_during_steps(
 
 def test_a_python_thread_keeps_running_during_a_large_adam_step() -> None:
     """Four steps of 32M elements in 512K-element slices: the heartbeat thread gets the GIL
-    between slices, so its longest pause is a small part of a step. Unsliced, each kernel call
-    freezes it for a whole step: gap == duration / 4 and a beat only between the steps, in every
-    attempt. The best of three attempts counts: on a loaded host the OS may not schedule the
-    heartbeat thread for a while, which no slicing can help."""
+    between slices and keeps beating during the steps. Unsliced, each kernel call freezes it for
+    a whole step, so it beats only between the steps, in every attempt. The best of three
+    attempts counts: on a loaded host the OS may not schedule the heartbeat thread for a while,
+    which no slicing can help."""
     n = 1 << 25
     p = torch.zeros(n)
     p.grad = torch.ones(n)
@@ -326,11 +326,13 @@ def test_a_python_thread_keeps_running_during_a_large_adam_step() -> None:
         for _ in range(3):
             gap, duration, inside = _longest_pause_during_steps(opt, p, steps=4)
             attempts.append((gap, duration, inside))
-            if inside >= 16 and gap < duration / 8:
+            if inside >= 12:
                 break
     finally:
         sys.setswitchinterval(interval)
-    assert inside >= 16 and gap < duration / 8, attempts
+    # Counted, not timed: unsliced, the heartbeat can only beat between the 4 kernel calls
+    # (3 beats at most inside the window); sliced, it beats between slices too.
+    assert inside >= 12, attempts
 
 
 # --- pinned memory (CUDA only) ----------------------------------------------------------------

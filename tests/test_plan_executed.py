@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import config, engine_for, reference_losses
+from engine_helpers import assert_same_weights, config, engine_for, reference_losses, run_losses
 from models import mlp_batch, random_batch, tiny_mlp, tiny_qwen3
 
 from rp_engine.plan import schedules
@@ -128,16 +128,9 @@ def test_rounds_keep_parity_with_pytorch(devices: int, fwd, bwd, round_size: int
     cfg = config(
         devices=devices, gas=gas, fwd_cuts=fwd, bwd_cuts=bwd, roundpipe={"round_size": round_size}
     )
-    engine = engine_for(model, cfg)
-    try:
-        it = iter(batches)
-        got = [float(engine.train_batch(it)) for _ in range(steps)]
-        engine.synchronize()
-    finally:
-        engine.destroy()
+    got = run_losses(model, cfg, batches, steps=steps)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+    assert_same_weights(model, ref)
 
 
 def _fp16_losses(devices: int, round_size: int) -> tuple[list[float], list[torch.Tensor]]:

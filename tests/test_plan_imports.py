@@ -1,10 +1,11 @@
 """The plan package imports one way, imports no torch, and has one registry of schedules.
 
-Each module of ``rp_engine/plan`` may import only modules earlier in ``CHAIN`` (parsed with ast,
-so a function-level or ``TYPE_CHECKING`` import that dodges a cycle fails as well); the only
-exception is a ``if __name__ == "__main__":`` block, which runs only as a script. Every schedule
-is reachable by name from ``schedules.SCHEDULES``, and the config, the planner, the engine's
-optimizer mode and both command lines read that registry.
+Each module of ``rp_engine/plan`` may import only modules earlier in ``CHAIN``, the order the
+package declares in ``_SUBMODULES`` (parsed with ast, so a function-level or ``TYPE_CHECKING``
+import that dodges a cycle fails as well); the only exception is a ``if __name__ == "__main__":``
+block, which runs only as a script. Every schedule is reachable by name from
+``schedules.SCHEDULES``, and the config, the planner, the engine's optimizer mode and both
+command lines read that registry.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 from rp_engine import cli as train_cli
 from rp_engine import config as rp_config
+from rp_engine import plan as plan_pkg
 from rp_engine.plan import cli as plan_cli
 from rp_engine.plan import schedules
 from rp_engine.plan.actions import Op, Plan
@@ -25,20 +27,8 @@ from rp_engine.plan.schedules import SCHEDULES, ScheduleSpec
 from rp_engine.runtime.planning import ModelShape, Planner
 
 PLAN_DIR = Path(__file__).resolve().parents[1] / "rp_engine" / "plan"
-# the import order: a module may import only modules before it
-CHAIN = (
-    "actions",
-    "costs",
-    "memory",
-    "traffic",
-    "lower",
-    "validate",
-    "schedules",
-    "simulate",
-    "partition",
-    "render",
-    "cli",
-)
+# the import order the package declares: a module may import only modules before it
+CHAIN: tuple[str, ...] = plan_pkg._SUBMODULES
 
 
 def _is_main_guard(node: ast.stmt) -> bool:
@@ -89,7 +79,9 @@ def _package_module(name: str) -> str | None:
 
 def test_the_chain_lists_every_module() -> None:
     on_disk = {p.stem for p in PLAN_DIR.glob("*.py")} - {"__init__"}
-    assert on_disk == set(CHAIN), "add a new plan module to CHAIN, in its import order"
+    assert on_disk == set(CHAIN), (
+        "add a new plan module to rp_engine/plan/__init__.py _SUBMODULES, in its import order"
+    )
 
 
 @pytest.mark.parametrize("module", CHAIN)

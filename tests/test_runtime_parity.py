@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import config, engine_for, reference_losses, seeded_layers
+from engine_helpers import (
+    assert_same_weights,
+    config,
+    engine_for,
+    reference_losses,
+    run_losses,
+    seeded_layers,
+)
 from models import lora_qwen3, mlp_batch, random_batch, tiny_llama, tiny_mlp, tiny_qwen3
 
 STEPS, GAS = 5, 2
@@ -29,21 +36,10 @@ def _lm_batches(vocab: int, n: int) -> list[dict[str, torch.Tensor]]:
     return [random_batch(vocab, batch=2, seq=12, seed=100 + i) for i in range(n)]
 
 
-def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
-
-
 def _run_engine(model, batches, *, devices: int, dropout: bool, **kw) -> list[float]:
     fwd, bwd = CUTS[devices]
-    engine = engine_for(model, config(devices=devices, gas=GAS, fwd_cuts=fwd, bwd_cuts=bwd, **kw))
-    try:
-        it = iter(batches)
-        losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
-        engine.synchronize()
-    finally:
-        engine.destroy()
-    return losses
+    cfg = config(devices=devices, gas=GAS, fwd_cuts=fwd, bwd_cuts=bwd, **kw)
+    return run_losses(model, cfg, batches, steps=STEPS)
 
 
 LM_FACTORIES = {"qwen3": tiny_qwen3, "llama": tiny_llama, "lora-qwen3": lora_qwen3}
@@ -66,7 +62,7 @@ def test_causal_lm_matches_pytorch(family: str, devices: int, dropout: float) ->
     expected = reference_losses(ref, batches, steps=STEPS, gas=GAS, set_position=set_position)
     got = _run_engine(model, batches, devices=devices, dropout=dropout > 0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    _assert_same_weights(model, ref)
+    assert_same_weights(model, ref)
 
 
 @pytest.mark.parametrize("devices", [1, 2, 3, 4])
@@ -83,7 +79,7 @@ def test_sequential_mlp_matches_pytorch(devices: int, dropout: float) -> None:
     )  # fmt: skip
     got = _run_engine(model, batches, devices=devices, dropout=dropout > 0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    _assert_same_weights(model, ref)
+    assert_same_weights(model, ref)
 
 
 def test_lora_frozen_base_gets_no_state() -> None:
@@ -128,7 +124,7 @@ def test_imperative_loop_matches_train_batch(devices: int) -> None:
         fast.synchronize()
         slow.synchronize()
         torch.testing.assert_close(slow_losses, fast_losses, rtol=1e-5, atol=1e-6)
-        _assert_same_weights(a, b)
+        assert_same_weights(a, b)
     finally:
         fast.destroy()
         slow.destroy()
@@ -151,7 +147,7 @@ def test_mobius_schedule_runs_on_the_same_executor(devices: int) -> None:
     finally:
         engine.destroy()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    _assert_same_weights(model, ref)
+    assert_same_weights(model, ref)
     # bound: each forward stage always runs on the same device as its backward twin
     k = len(engine.planner.fwd_cuts)
     for s in range(k):
@@ -176,4 +172,4 @@ def test_partitioner_and_replan_keep_parity() -> None:
     finally:
         engine.destroy()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    _assert_same_weights(model, ref)
+    assert_same_weights(model, ref)

@@ -50,6 +50,7 @@ _SUBMODULES = (
     "actions",
     "costs",
     "memory",
+    "traffic",
     "lower",
     "validate",
     "schedules",
