@@ -255,7 +255,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         self.optimizer.overflow = overflow
         self.optimizer.loss_scaler.update(overflow)
         if not overflow and self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.optimizer.step_scheduler(self.lr_scheduler, **(lr_kwargs or {}))
         self._note_stale_model()
         step, samples = self.global_steps + 1, self.global_samples + self.train_batch_size()
         every = self._config.steps_per_print

@@ -189,6 +189,20 @@ class HostOptimizer:
         self.loss_scaler = scaler
         self.overflow = False
         self._group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
+        # A torch optimizer steps all groups with the hyper-parameters frozen when the step was
+        # issued, swapped into the live groups for the call: the LR scheduler (main thread) and
+        # the snapshot of the next step must not see or overwrite the swapped-in values.
+        self.hyperparams_lock = threading.Lock()
+
+    def step_scheduler(self, scheduler: Any, **kwargs: Any) -> None:
+        """Step an LR scheduler, never while a torch step has swapped its groups in."""
+        with self.hyperparams_lock:
+            scheduler.step(**kwargs)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The hyper-parameters of every group now (frozen into a step when it is issued)."""
+        with self.hyperparams_lock:
+            return snapshot_groups(self.optimizer)
 
     # --- DeepSpeed / torch surface -------------------------------------------------------------
     @property
@@ -273,15 +287,16 @@ class HostOptimizer:
     def _torch_step(self, groups: list[dict[str, Any]]) -> None:
         # Step with the snapshot, then put back whatever the LR scheduler has set since: torch's
         # chainable schedulers read the current group lr, so it must not be rewound.
-        live_groups = self.optimizer.param_groups
-        current = snapshot_groups(self.optimizer)
-        for live, frozen in zip(live_groups, groups, strict=True):
-            live.update(frozen)
-        try:
-            self.optimizer.step()
-        finally:
-            for live, now in zip(live_groups, current, strict=True):
-                live.update(now)
+        with self.hyperparams_lock:  # see __init__: the scheduler waits for this step
+            live_groups = self.optimizer.param_groups
+            current = snapshot_groups(self.optimizer)
+            for live, frozen in zip(live_groups, groups, strict=True):
+                live.update(frozen)
+            try:
+                self.optimizer.step()
+            finally:
+                for live, now in zip(live_groups, current, strict=True):
+                    live.update(now)
 
 
 def _slices(tensors: tuple[torch.Tensor, ...], size: int) -> Iterator[tuple[torch.Tensor, ...]]:

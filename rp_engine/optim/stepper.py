@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rp_engine.model.host_store import HostStore
-from rp_engine.optim.optimizer import HostOptimizer, snapshot_groups
+from rp_engine.optim.optimizer import HostOptimizer
 
 __all__ = ["OptimizerStepper", "StepResult"]
 
@@ -95,9 +95,7 @@ class OptimizerStepper:
     def open_step(self, step: int) -> None:
         """Begin accumulating step ``step``; hyper-parameters are frozen now (same LR as sync)."""
         self.check()
-        self._open = _OpenStep(
-            step, snapshot_groups(self.optimizer.optimizer), self.optimizer.cur_scale, set()
-        )
+        self._open = _OpenStep(step, self.optimizer.snapshot(), self.optimizer.cur_scale, set())
 
     def wait_grads_free(self, layer: int, step: int) -> None:
         """Block until ``layer``'s gradient buffer may receive step ``step``'s contributions.
