@@ -15,17 +15,20 @@ from models import random_batch, tiny_qwen3
 from rp_engine.monitor import _start_wandb
 
 
-def test_csv_monitor_records_loss_and_lr(tmp_path) -> None:
-    cfg = config(
-        devices=1, fwd_cuts=[2], bwd_cuts=[0, 2],
-        csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "run1"},
-    )  # fmt: skip
+def _three_steps(monitor: str, out: Path) -> list[float]:
+    """Train 3 steps with one monitor section written to ``out/run1``; the losses."""
+    section = {"enabled": True, "output_path": str(out), "job_name": "run1"}
+    cfg = config(devices=1, fwd_cuts=[2], bwd_cuts=[0, 2], **{monitor: section})
     engine = engine_for(tiny_qwen3(0, layers=2), cfg)
     try:
         data = iter([random_batch(128, batch=2, seq=8, seed=i) for i in range(6)])
-        losses = [float(engine.train_batch(data)) for _ in range(3)]
+        return [float(engine.train_batch(data)) for _ in range(3)]
     finally:
         engine.destroy()
+
+
+def test_csv_monitor_records_loss_and_lr(tmp_path) -> None:
+    losses = _three_steps("csv_monitor", tmp_path)
     with open(tmp_path / "run1" / "Train_Samples_train_loss.csv") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "Train/Samples/train_loss"]
@@ -37,16 +40,7 @@ def test_csv_monitor_records_loss_and_lr(tmp_path) -> None:
 def test_tensorboard_monitor_records_loss_where_deepspeed_writes(tmp_path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = config(
-        devices=1, fwd_cuts=[2], bwd_cuts=[0, 2],
-        tensorboard={"enabled": True, "output_path": str(tmp_path), "job_name": "run1"},
-    )  # fmt: skip
-    engine = engine_for(tiny_qwen3(0, layers=2), cfg)
-    try:
-        data = iter([random_batch(128, batch=2, seq=8, seed=i) for i in range(6)])
-        losses = [float(engine.train_batch(data)) for _ in range(3)]
-    finally:
-        engine.destroy()
+    losses = _three_steps("tensorboard", tmp_path)
     log_dir = tmp_path / "run1"  # DeepSpeed's os.path.join(output_path, job_name)
     assert list(log_dir.glob("events.out.tfevents.*"))
     acc = EventAccumulator(str(log_dir))
