@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from engine_helpers import assert_same_weights, config, engine_for, reference_losses, run_losses
 from models import mlp_batch, random_batch, tiny_mlp, tiny_qwen3
 
-from rp_engine.plan import schedules
 from rp_engine.plan.actions import Op
 from rp_engine.plan.costs import LayerCosts
 from rp_engine.plan.simulate import Machine, simulate
@@ -183,11 +182,7 @@ def test_round_size_fits_the_device_budget() -> None:
     state = 200_000  # activations dominate: the round size is what the budget limits
 
     def weights(size: int) -> int:  # what the plan of rounds of ``size`` validates
-        probe = Planner(shape, **kw, round_size=size, memory_budget_bytes=2**30)
-        plan = schedules.lower(
-            probe.compute_plan(), offload=True, optimizer="", prefetch_depth=probe.prefetch_depth
-        )
-        return max(schedules.validate(plan, costs=probe.byte_costs()))
+        return Planner(shape, **kw, round_size=size, memory_budget_bytes=2**30).validated_peak()
 
     # room for rounds of 2 (and 1), not of 4 or 8 (the validated weights change with M_R too)
     budget = max(weights(1) + 2 * state, weights(2) + 4 * state) + state // 2

@@ -11,7 +11,6 @@ from engine_helpers import config, engine_for
 from models import random_batch, tiny_qwen3
 
 from rp_engine.device.base import DeviceError
-from rp_engine.plan import schedules
 from rp_engine.runtime.planning import ModelShape, Planner
 
 
@@ -43,13 +42,6 @@ def test_timeline_dispatches_round_robin_over_all_devices() -> None:
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
 
 
-def _validated_peak(planner: Planner) -> int:
-    plan = schedules.lower(
-        planner.compute_plan(), offload=True, optimizer="", prefetch_depth=planner.prefetch_depth
-    )
-    return max(schedules.validate(plan, costs=planner.byte_costs()))
-
-
 def test_device_memory_does_not_grow_with_depth() -> None:
     """The plan's validated peak (weights and gradients of the groups a device holds at once,
     prefetch included) is the same for 16 and 32 blocks of the same stage shapes; a measured
@@ -62,7 +54,7 @@ def test_device_memory_does_not_grow_with_depth() -> None:
             shape, num_devices=2, num_microbatches=2, fwd_cuts=(2,) * (blocks // 2),
             bwd_cuts=(0,) + (1,) * blocks, memory_budget_bytes=2**30,
         )  # fmt: skip
-        peaks[blocks] = _validated_peak(planner)
+        peaks[blocks] = planner.validated_peak()
     assert peaks[16] == peaks[32] > 0
     engine = engine_for(
         tiny_qwen3(0, layers=16),
@@ -72,7 +64,7 @@ def test_device_memory_does_not_grow_with_depth() -> None:
     try:
         engine.train_batch(iter(_batches(2)))
         measured = max(d.memory_stats()["peak"] for d in engine.pool)
-        validated = _validated_peak(engine.planner)
+        validated = engine.planner.validated_peak()
     finally:
         engine.destroy()
     assert validated <= measured <= 1.25 * validated, (validated, measured)

@@ -57,6 +57,5 @@ def activation_traffic(plan: Plan, costs: LayerCosts, *, prefix: bool = True) ->
 def _get(
     compute: Mapping[tuple[Op, int, int, int], Action], op: Op, stage: int, a: Action
 ) -> Action | None:
-    if op is Op.HEAD:
-        stage = 0
+    """The compute action ``op`` of ``stage`` for ``a``'s micro-batch and iteration."""
     return compute.get((op, stage, a.microbatch, a.iteration))

@@ -365,6 +365,9 @@ class Executor:
             carry = Carry(ctx.saved, out.device, out.grads, out.grad_in, out.microbatch)
         self._measure(ctx, before)
         timeline, layer_ms, bwd_ms = self._timeline(ctx)
+        for r in timeline:  # busy time: the compute spans, on the device's own clock
+            if r.stream == "compute":
+                ctx.stats.busy_s[r.device] += r.end - r.start
         return RunResult(
             carry=carry,
             losses=[float(ctx.losses[m]) for m in sorted(ctx.losses)],
@@ -401,9 +404,6 @@ class Executor:
             stats.h2d_bytes += now.get("h2d_bytes", 0) - b.get("h2d_bytes", 0)
             stats.d2h_bytes += now.get("d2h_bytes", 0) - b.get("d2h_bytes", 0)
             stats.busy_s.setdefault(device.index, 0.0)
-        for index, stream, _, timer in ctx.spans:
-            if stream == "compute":
-                stats.busy_s[index] += timer.seconds()
 
     def _slot_layers(self, plan: Plan, slot: int) -> tuple[int, ...]:
         """Host layer indices a plan slot runs (forward stage s, or backward stage slot - S_f)."""
@@ -505,10 +505,8 @@ class Executor:
         if downloads and group.last_compute is not None:
             stream.wait(group.last_compute)
 
-        def release() -> None:  # deferred head gradients (keep) live on in the carry
-            group.weights.release(device)
-
-        stream.submit(release, label=str(a))
+        # (a deferred head's gradients were handed to the carry before: they live on there)
+        stream.submit(functools.partial(group.weights.release, device), label=str(a))
         ctx.freed[key] = stream.record()
 
     # --- handlers -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rp_engine.plan import schedules
-from rp_engine.plan.actions import Op, Plan, PlanError, format_grid
+from rp_engine.plan.actions import Op, Plan, format_grid
 from rp_engine.plan.partition import CutsError, LayerCosts, Partition, partition
 from rp_engine.runtime.stages import StageMap
 
@@ -145,21 +145,27 @@ class Planner:
         (two groups' weights at most); with one, the deepest of 2, 1 whose memory walk fits,
         else 0 (a stage that cannot fit at all is reported by the partitioner's check, which
         names the layer or the user's cut key)."""
-        compute = self.compute_plan()
         budget = self.memory_budget_bytes
         if budget is None:
-            schedules.validate(schedules.lower(compute, offload=True, optimizer=""))
+            self.validated_peak(prefetch_depth=1)
             return 1
-        costs = self._estimate()
         for depth in (2, 1):
-            plan = schedules.lower(compute, offload=True, optimizer="", prefetch_depth=depth)
-            try:
-                schedules.validate(plan, costs=costs, memory_budget_bytes=budget)
-            except PlanError:
-                continue
-            return depth
-        schedules.validate(schedules.lower(compute, offload=True, optimizer="", prefetch_depth=0))
+            if self.validated_peak(prefetch_depth=depth) <= budget:
+                return depth
+        self.validated_peak(prefetch_depth=0)
         return 0
+
+    def validated_peak(
+        self, *, round_size: int | None = None, prefetch_depth: int | None = None
+    ) -> int:
+        """Validate the lowered plan of one iteration with these cuts (issue order, every
+        upload freed, no compute without its upload; PlanError otherwise) and return its
+        largest per-device memory peak: weights and gradients, byte sizes of the model.
+        Defaults: the planner's round size and prefetch depth."""
+        compute = self._schedule(self.num_microbatches, 0, round_size=round_size)
+        depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
+        plan = schedules.lower(compute, offload=True, optimizer="", prefetch_depth=depth)
+        return max(schedules.validate(plan, costs=self._estimate()))
 
     def _blocks(self) -> tuple[int, ...]:
         """A block schedule (Mobius) binds one block of layers per GPU, forward and backward
@@ -273,15 +279,10 @@ class Planner:
         if budget is None or boundary_bytes <= 0 or self._round_fitted:
             return
         self._round_fitted = True
-        costs = self._estimate()
         gas = self.num_microbatches
 
         def need(size: int) -> int:  # the plan's groups change with M_R: validate each size
-            plan = schedules.lower(
-                self._schedule(gas, 0, round_size=size), offload=True, optimizer="",
-                prefetch_depth=self.prefetch_depth,
-            )  # fmt: skip
-            return max(schedules.validate(plan, costs=costs)) + 2 * size * boundary_bytes
+            return self.validated_peak(round_size=size) + 2 * size * boundary_bytes
 
         sizes = [d for d in range(gas, 0, -1) if not gas % d]
         fits = [d for d in sizes if need(d) <= budget] or [1]
