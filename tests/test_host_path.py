@@ -286,6 +286,9 @@ def _longest_pause_during_steps(
     window: list[float] = []
 
     def step() -> None:
+        # One kernel thread: the test is about the GIL, so a core must stay free for the
+        # heartbeat (with every core in the kernel's OpenMP team the OS, not the GIL, starves it).
+        torch.set_num_threads(1)
         # grad_coef 1: only the kernel runs in the window (a torch mul_ would release the GIL)
         window.append(time.perf_counter())
         for _ in range(steps):
