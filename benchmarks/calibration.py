@@ -12,6 +12,7 @@ an H200 (shared/reference/gpu_measurements.md).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -22,7 +23,7 @@ from rp_engine.plan import schedules
 from rp_engine.plan.partition import LayerCosts
 from rp_engine.plan.simulate import Machine, simulate
 
-__all__ = ["layer_costs", "cpu_adam_rate", "predict_ms", "cpu_machine"]
+__all__ = ["layer_costs", "in_run_costs", "cpu_adam_rate", "predict_ms", "cpu_machine"]
 
 NO_LINK_GBPS = 1e6  # "no emulated link": copies are memcpy-fast next to compute
 
@@ -101,6 +102,60 @@ def _layer_costs(model: Any, mbs: int, seq: int, reps: int) -> LayerCosts:
         boundary_bytes=mbs * seq * model.config.hidden_size * torch.finfo(dtype).bits // 8,
         prefix_param_bytes=prefix,
     )
+
+
+def in_run_costs(
+    costs: LayerCosts,
+    fwd_cuts: Sequence[int],
+    bwd_cuts: Sequence[int],
+    spans: Sequence[tuple[str, float]],
+) -> tuple[LayerCosts, dict[str, float]]:
+    """``costs`` rescaled to the compute spans the engine itself measured during the run.
+
+    ``spans`` are (action text, seconds) of the run's compute stream (FWD, HEAD and BWD
+    actions, any iterations). Isolated layer timing (``layer_costs``) runs at another moment,
+    without the run's host threads competing for the same cores, so on a shared machine it
+    misjudges the level of compute; the run's own spans do not. Three factors keep the isolated
+    per-layer shape and take the level from the run: ``k_f`` scales forward (and recompute)
+    time so the forward slots' mean spans match; ``k_b`` scales backward time so the backward
+    slots' spans match given the scaled recompute; ``k_h`` scales the LM head so the HEAD slot
+    matches given its scaled blocks. What remains between prediction and measurement is the
+    schedule, the link and the host overheads: the part of the model a projection relies on.
+    Returns the rescaled costs and the factors.
+    """
+    from rp_engine.plan.actions import Op, parse_action
+
+    stages = costs.stages(fwd_cuts, bwd_cuts)
+    num_fwd = len(fwd_cuts)
+    per_slot: dict[int, list[float]] = {}
+    for text, seconds in spans:
+        a = parse_action(text)
+        if a.op in (Op.FWD, Op.HEAD, Op.BWD):
+            per_slot.setdefault(a.stage, []).append(seconds * 1e3)
+    measured = {slot: statistics.fmean(v) for slot, v in per_slot.items()}
+    fwd_slots = [s for s in measured if s < num_fwd and stages.busy_ms(s) > 0]
+    bwd_slots = [s for s in measured if s > num_fwd]
+
+    def ratio(num: float, den: float) -> float:
+        return max(num, 0.0) / den if den > 0 else 1.0
+
+    k_f = ratio(sum(measured[s] for s in fwd_slots), sum(stages.busy_ms(s) for s in fwd_slots))
+    pre = sum(stages.pre_ms[s] for s in bwd_slots)
+    post = sum(stages.post_ms[s] for s in bwd_slots)
+    k_b = ratio(sum(measured[s] for s in bwd_slots) - k_f * pre, post) if bwd_slots else k_f
+    head_layers = range(costs.num_layers - bwd_cuts[0], costs.num_layers)
+    blocks = sum(k_f * costs.fwd_ms[i] + k_b * costs.bwd_ms[i] for i in head_layers)
+    head = costs.head_fwd_ms + costs.head_bwd_ms
+    k_h = ratio(measured[num_fwd] - blocks, head) if num_fwd in measured else k_f
+    scaled = dataclasses.replace(
+        costs,
+        fwd_ms=tuple(k_f * v for v in costs.fwd_ms),
+        recompute_ms=tuple(k_f * v for v in costs.recompute_ms),
+        bwd_ms=tuple(k_b * v for v in costs.bwd_ms),
+        head_fwd_ms=k_h * costs.head_fwd_ms,
+        head_bwd_ms=k_h * costs.head_bwd_ms,
+    )
+    return scaled, {"k_f": k_f, "k_b": k_b, "k_h": k_h}
 
 
 def cpu_adam_rate(num_params: int, reps: int = 3) -> float:

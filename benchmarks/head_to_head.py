@@ -249,6 +249,18 @@ def _roundpipe(async_optimizer: bool, schedule: str) -> Any:
         model = build_model(preset)
         engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
         it = iter(data)
+        spans: list[list[tuple[str, float]]] = []  # per step: the compute spans it ran
+
+        def step() -> Any:
+            loss = engine.train_batch(it)
+            spans.append(
+                [
+                    (r.action, r.end - r.start)
+                    for r in engine.last_timeline()
+                    if r.stream == "compute"
+                ]
+            )
+            return loss
 
         def extra() -> dict[str, Any]:
             stats = engine.last_step_stats()
@@ -267,18 +279,28 @@ def _roundpipe(async_optimizer: bool, schedule: str) -> Any:
                 out["peak_device_gb"] = max(peaks) / 1e9
             out["timeline"] = [[r.device, r.action, r.start, r.end] for r in engine.last_timeline()]
             if args.calibrate and not cuda:  # the link model and layer timing are CPU-only
-                out["calibration"] = _calibrate(engine, model, preset, args, async_optimizer)
+                window = [x for step_spans in spans[-args.steps :] for x in step_spans]
+                out["calibration"] = _calibrate(
+                    engine, model, preset, args, async_optimizer, window
+                )
             return out
 
-        return (lambda: engine.train_batch(it)), engine.synchronize, extra
+        return step, engine.synchronize, extra
 
     return setup
 
 
 def _calibrate(
-    engine: Any, model: Any, preset: dict, args: argparse.Namespace, async_optimizer: bool
+    engine: Any,
+    model: Any,
+    preset: dict,
+    args: argparse.Namespace,
+    async_optimizer: bool,
+    window: list[tuple[str, float]],
 ) -> dict[str, Any]:
-    """Predict this run's iteration from directly timed layers and the link model."""
+    """Predict this run's iteration with the link model, twice: from directly timed layers
+    (isolated), and from the same layer shape rescaled to the compute spans the run measured
+    (``calibration.in_run_costs``: the schedule and link model alone)."""
     from benchmarks import calibration as cal
 
     engine.synchronize()
@@ -287,18 +309,26 @@ def _calibrate(
     costs = cal.layer_costs(model, preset["mbs"], preset["seq"], threads=cal.default_threads(n))
     rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
     machine = cal.cpu_machine(n, args.pcie_gbps, rate)
-    pred = cal.predict_ms(
-        costs,
-        machine,
-        schedule=plan.schedule,
-        fwd_cuts=plan.fwd_cuts,
-        bwd_cuts=plan.bwd_cuts,
-        num_microbatches=plan.num_microbatches,
-        round_size=plan.round_size,
-        async_optimizer=async_optimizer,
-    )
+
+    def predict(c: Any) -> dict[str, Any]:
+        return cal.predict_ms(
+            c,
+            machine,
+            schedule=plan.schedule,
+            fwd_cuts=plan.fwd_cuts,
+            bwd_cuts=plan.bwd_cuts,
+            num_microbatches=plan.num_microbatches,
+            round_size=plan.round_size,
+            async_optimizer=async_optimizer,
+        )
+
+    isolated = predict(costs)
+    in_run, factors = cal.in_run_costs(costs, plan.fwd_cuts, plan.bwd_cuts, window)
+    pred = predict(in_run)
     return {
         "predicted_ms": pred["iteration_ms"],
+        "predicted_isolated_ms": isolated["iteration_ms"],
+        "in_run_factors": factors,
         "predicted_compute_ms": pred["compute_ms_per_iteration"],
         "predicted_bubble": pred["bubble_ratio"],
         "predicted_bytes": pred["bytes_moved_per_iteration"],
@@ -367,9 +397,11 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         cal = [r["calibration"] for r in ok if "calibration" in r]
         if cal:
             pred = statistics.median(c["predicted_ms"] for c in cal)
+            iso = statistics.median(c["predicted_isolated_ms"] for c in cal)
             meas = last["s_per_step"] * 1e3
             last["calibration"] = {**cal[-1], "predicted_ms": pred, "measured_ms": meas,
-                                   "error": (pred - meas) / meas}  # fmt: skip
+                                   "error": (pred - meas) / meas, "predicted_isolated_ms": iso,
+                                   "error_isolated": (iso - meas) / meas}  # fmt: skip
         systems[name] = last
     return systems
 
@@ -401,8 +433,8 @@ def machine_info() -> dict[str, Any]:
 def format_table(result: dict[str, Any]) -> str:
     """The report as a Markdown table."""
     head = "| system | tokens/s | vs DeepSpeed | s/step | final loss | peak host GB | "
-    head += "peak device GB | MB moved/step | predicted ms | error |\n"
-    head += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    head += "peak device GB | MB moved/step | predicted ms | error | isolated-cost error |\n"
+    head += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     rows = []
     for name in SYSTEMS:
         s = result["systems"].get(name)
@@ -418,12 +450,13 @@ def format_table(result: dict[str, Any]) -> str:
         mb_text = f"{mb:,.1f}" + (" (model)" if s.get("bytes_modelled") else "")
         pred_text = f"{cal['predicted_ms']:.0f}" if cal else ""
         err_text = f"{100 * cal['error']:+.0f} %" if cal else ""
+        iso_text = f"{100 * cal['error_isolated']:+.0f} %" if cal else ""
         rows.append(
             f"| {name} | {s['tokens_per_s']:,.0f} | "
             f"{'' if ratio is None else f'{ratio:.2f}x'} | {s['s_per_step']:.3f} | "
             f"{s['final_loss']:.4f} | {s['peak_host_gb']:.2f} | "
             f"{'(host)' if dev is None else f'{dev:.3f}'} | {mb_text} | "
-            f"{pred_text} | {err_text} |"
+            f"{pred_text} | {err_text} | {iso_text} |"
         )
     return head + "\n".join(rows) + "\n"
 

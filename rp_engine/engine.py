@@ -140,7 +140,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             round_size=rp.round_size,
         )
         self._executor = self._make_executor()
-        self._batches = BatchAdapter(self.seq, compute_dtype(cfg))
+        self._batches = BatchAdapter(self.seq, compute_dtype(cfg), pin=self.pool.kind == "cuda")
 
     def _make_executor(self) -> Executor:
         return Executor(

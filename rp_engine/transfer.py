@@ -87,7 +87,7 @@ class WeightUpload:
                 self._grads[key] = g
                 device.track(g)
             elif acc.dtype != torch.float32:
-                device.free(acc)
+                device.free(acc, used_by=())  # allocated and last read on the compute stream
                 self._grads[key] = acc.float().add_(g)
                 device.track(self._grads[key])
             else:
@@ -100,7 +100,7 @@ class WeightUpload:
     def release(self, device: Device) -> None:
         """Drop the weights and the accumulated gradients (after their download)."""
         for t in self.tensors.values():
-            device.free(t)
+            device.free(t, used_by=(StreamRole.COMPUTE,))  # uploaded on H2D_PARAM, read there
         self.tensors = {}
         self.params = {}
         self._grads = {}
@@ -182,8 +182,8 @@ def download_state(
         timer = device.timer()
         state = get_state()
         put({k: device.to_host(v) for k, v in state.items()})
-        for v in state.values():
-            device.free(v)  # the device copy is dropped once it is on the host
+        for v in state.values():  # the device copy is dropped once it is on the host
+            device.free(v, used_by=(StreamRole.D2H_ACT,))
         _done(timer, trace)
 
     stream.submit(run, label=label)

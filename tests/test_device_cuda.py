@@ -193,3 +193,25 @@ def test_close_is_idempotent_and_threads_exit() -> None:
     assert not any(t.is_alive() for t in threads)
     with pytest.raises(DeviceError, match="closed"):
         dev.stream(COMPUTE).submit(lambda: None)
+
+
+def test_free_records_only_the_streams_that_used_the_tensor(
+    pool: DevicePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev = pool.devices[0]
+    assert isinstance(dev, CUDADevice)
+    recorded: list[torch.cuda.Stream] = []
+    original = torch.Tensor.record_stream
+
+    def spy(self: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        recorded.append(stream)
+        original(self, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", spy)
+    t = dev.to_device(torch.ones(16))
+    dev.free(t, used_by=(COMPUTE,))
+    assert [s.stream_id for s in recorded] == [dev.raw_stream(COMPUTE).stream_id]
+    recorded.clear()
+    u = dev.to_device(torch.ones(16))
+    dev.free(u)  # None: every stream, the conservative default
+    assert len(recorded) == len(StreamRole)

@@ -60,3 +60,12 @@ def test_cuda_imperative_loop_and_bf16() -> None:
         assert next(model.parameters()).dtype == torch.bfloat16
     finally:
         engine.destroy()
+
+
+def test_cuda_batches_are_pinned_so_their_uploads_are_asynchronous() -> None:
+    engine = engine_for(tiny_qwen3(0, layers=4), _cuda_config())
+    try:
+        batch = engine._batches.to_dict((random_batch(128, batch=2, seq=16, seed=0),), {})
+        assert batch and all(t.is_pinned() for t in batch.values())
+    finally:
+        engine.destroy()

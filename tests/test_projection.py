@@ -68,3 +68,35 @@ def test_gpu_calibration_point_rows_compare_prediction_and_measurement() -> None
         assert r["error"] == pytest.approx(
             (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
         )
+
+
+def test_in_run_costs_recover_the_run_level_of_each_kind_of_slot() -> None:
+    # a run whose forward is 2x, backward 3x and head 0.5x the isolated timing: the rescaled
+    # costs must reproduce every slot's measured span, and the factors must be found
+    costs = LayerCosts(
+        fwd_ms=(1.0, 2.0, 1.0, 2.0, 1.0, 2.0),
+        bwd_ms=(2.0, 3.0, 2.0, 3.0, 2.0, 3.0),
+        head_fwd_ms=4.0,
+        head_bwd_ms=8.0,
+    )
+    fwd_cuts, bwd_cuts = (2, 2, 2), (1, 2, 3)
+    k_f, k_b, k_h = 2.0, 3.0, 0.5
+    truth = dataclasses.replace(
+        costs,
+        fwd_ms=tuple(k_f * v for v in costs.fwd_ms),
+        recompute_ms=tuple(k_f * v for v in costs.recompute_ms),
+        bwd_ms=tuple(k_b * v for v in costs.bwd_ms),
+        head_fwd_ms=k_h * costs.head_fwd_ms,
+        head_bwd_ms=k_h * costs.head_bwd_ms,
+    )
+    st = truth.stages(fwd_cuts, bwd_cuts)
+    ops = ["F"] * 3 + ["H"] + ["B"] * 2
+    spans = [
+        (f"{op}{slot}.{m}@0", st.busy_ms(slot) / 1e3)
+        for slot, op in enumerate(ops)
+        for m in range(2)
+    ]
+    scaled, factors = calibration.in_run_costs(costs, fwd_cuts, bwd_cuts, spans)
+    assert factors == pytest.approx({"k_f": k_f, "k_b": k_b, "k_h": k_h})
+    again = scaled.stages(fwd_cuts, bwd_cuts)
+    assert [again.busy_ms(s) for s in range(6)] == pytest.approx([st.busy_ms(s) for s in range(6)])

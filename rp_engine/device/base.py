@@ -14,7 +14,7 @@ closures on that stream are skipped until ``Device.reset()``. Nothing ever calls
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -132,8 +132,12 @@ class Device(Protocol):
         whose copies are synchronous."""
         ...
 
-    def free(self, dev: torch.Tensor) -> None:
-        """Stop counting ``dev`` against the memory budget (the runtime drops its reference)."""
+    def free(self, dev: torch.Tensor, used_by: Collection[StreamRole] | None = None) -> None:
+        """Stop counting ``dev`` against the memory budget (the runtime drops its reference).
+
+        ``used_by``: the streams other than the one that allocated ``dev`` that may still have
+        queued work reading it (None: any stream). On CUDA the memory is not reused before that
+        work is done; naming only the streams that used it lets it be reused sooner."""
         ...
 
     def memory_stats(self) -> dict[str, int]:

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NoReturn
@@ -392,7 +392,8 @@ class ThreadedDevice:
     def track(self, dev: torch.Tensor) -> None:
         self._ledger.track(dev)
 
-    def free(self, dev: torch.Tensor) -> None:
+    def free(self, dev: torch.Tensor, used_by: Collection[StreamRole] | None = None) -> None:
+        """Stop counting ``dev``; ``used_by`` matters only to backends with real streams."""
         self._ledger.free(dev)
 
     def host_sync(self) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mmap
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -239,12 +239,16 @@ class CUDADevice(ThreadedDevice):
         self._ledger.count_copy(dev.numel() * dev.element_size(), h2d=False)
         return out
 
-    def free(self, dev: torch.Tensor) -> None:
-        """Stop counting ``dev``; mark it used by every stream of this device first, so the
-        caching allocator does not hand its memory out while a queued kernel or copy on another
-        stream may still read it (the runtime frees tensors right after queueing their use)."""
+    def free(self, dev: torch.Tensor, used_by: Collection[StreamRole] | None = None) -> None:
+        """Stop counting ``dev``; first mark it used by the streams in ``used_by`` (every stream
+        when None), so the caching allocator does not hand its memory out while a queued kernel
+        or copy there may still read it (the runtime frees tensors right after queueing their
+        use). Recording only the streams that used it keeps the others' queues from holding the
+        memory back."""
         if dev.is_cuda:
-            for stream in self._streams.values():
+            roles = self._streams.keys() if used_by is None else used_by
+            for role in roles:
+                stream = self._streams[role]
                 assert isinstance(stream, CUDAStream)
                 dev.record_stream(stream.raw)
         super().free(dev)

@@ -25,9 +25,12 @@ __all__ = ["BatchAdapter", "compute_dtype"]
 class BatchAdapter:
     """Batches in, losses out, for one layer sequence and compute dtype."""
 
-    def __init__(self, seq: LayerSequence, dtype: torch.dtype) -> None:
+    def __init__(self, seq: LayerSequence, dtype: torch.dtype, *, pin: bool = False) -> None:
+        """``pin``: hand out page-locked copies (CUDA pools), so the pipeline's batch uploads
+        are truly asynchronous instead of staging through a pageable bounce buffer."""
         self.seq = seq
         self.dtype = dtype
+        self.pin = pin
 
     def to_dict(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The micro-batch as ``{name: tensor}``; ValueError when it has no labels."""
@@ -45,11 +48,15 @@ class BatchAdapter:
                 "causal-LM training pass labels=input_ids"
             )
         check_batch(batch, self.seq)  # before any device work: name the bad tensor
-        return {
+        out = {
             k: v.to(self.dtype) if v.is_floating_point() and not k.startswith("labels") else v
             for k, v in batch.items()
             if isinstance(v, torch.Tensor)
         }
+        if self.pin:
+            # batches are small (token ids): torch's caching pinned allocator suits them
+            out = {k: v if v.is_pinned() else v.pin_memory() for k, v in out.items()}
+        return out
 
     def token_share(self, batch: dict[str, Any], num_items: Any) -> float:
         """This micro-batch's share of ``num_items`` loss tokens (1 when not given): the

@@ -787,8 +787,8 @@ class Executor:
             host.update({k: device.to_host(g) for k, g in grads.items() if k in params})
             stats.grad_d2h_bytes += sum(g.numel() * g.element_size() for g in host.values())
             stats.downloads += 1
-            for grad in grads.values():
-                device.free(grad)
+            for grad in grads.values():  # made on the compute stream, read by this copy
+                device.free(grad, used_by=(StreamRole.D2H,))
             timer.stop()
             ctx.spans.append((device.index, "d2h", action, timer))
 
