@@ -3,6 +3,8 @@
     python benchmarks/host_path_bench.py accumulate   # bf16 -> fp32 GB/s: old add_ vs arena
     python benchmarks/host_path_bench.py tail         # sync step tail, old vs new, N-param store
     python benchmarks/host_path_bench.py all          # both, then the 1.7B projection
+    python benchmarks/host_path_bench.py gil          # a Python thread's longest pause during
+                                                      # CPU Adam: sliced vs one kernel call
 
 Old and new run interleaved in one process (A B A B ...), so machine noise hits both alike.
 "tail" is what a synchronous step does after the last gradient has landed: squared norms,
@@ -176,6 +178,73 @@ def bench_tail(params: int, layers: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def _longest_pause(opt: HostOptimizer, p: torch.Tensor, steps: int) -> tuple[float, float, int]:
+    """A heartbeat thread beats every 0.5 ms while another thread runs ``steps`` Adam steps:
+    the longest gap between beats inside the window (s), the window (s), beats inside it."""
+    import threading
+
+    beats: list[float] = []
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(0.0005):
+            beats.append(time.perf_counter())
+
+    window: list[float] = []
+
+    def step() -> None:
+        torch.set_num_threads(1)  # a core stays free for the heartbeat: the GIL is measured
+        window.append(time.perf_counter())
+        for _ in range(steps):
+            opt.step_params([p], groups=snapshot_groups(opt.optimizer), grad_coef=1.0)
+        window.append(time.perf_counter())
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
+    time.sleep(0.02)
+    worker = threading.Thread(target=step)
+    worker.start()
+    worker.join()
+    stop.set()
+    beat.join()
+    start, end = window
+    marks = [start, *(t for t in beats if start < t < end), end]
+    return max(b - a for a, b in zip(marks, marks[1:], strict=False)), end - start, len(marks) - 2
+
+
+def bench_gil(elements: int, repeats: int) -> dict[str, Any]:
+    """Longest pause of a plain Python thread while CPU Adam steps ``elements`` parameters, in
+    2M-element slices (the engine's default) and in one kernel call (DeepSpeedCPUAdam.step),
+    interleaved. The kernel binding holds the GIL for the whole call: the pause is one call."""
+    import sys
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from rp_engine.optim.optimizer import ADAM_SLICE
+
+    p = torch.zeros(elements)
+    p.grad = torch.full_like(p, 1e-3)
+    inner = DeepSpeedCPUAdam([p], lr=1e-4)
+    sliced = HostOptimizer(inner, per_layer=True, scaler=LossScaler(), slice_elems=ADAM_SLICE)
+    whole = HostOptimizer(inner, per_layer=True, scaler=LossScaler(), slice_elems=elements)
+    sliced.step_params([p], groups=snapshot_groups(inner), grad_coef=1.0)  # Adam state
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # a waiting thread asks for the GIL after 0.5 ms
+    rows: dict[str, list[tuple[float, float, int]]] = {"sliced": [], "whole": []}
+    try:
+        for _ in range(repeats):
+            rows["sliced"].append(_longest_pause(sliced, p, steps=2))
+            rows["whole"].append(_longest_pause(whole, p, steps=2))
+    finally:
+        sys.setswitchinterval(interval)
+    out: dict[str, Any] = {"bench": "gil", "elements": elements, "slice": ADAM_SLICE}
+    for name, got in rows.items():
+        out[f"{name}_max_pause_ms"] = round(statistics.median(g for g, _, _ in got) * 1e3, 1)
+        out[f"{name}_step_ms"] = round(statistics.median(d for _, d, _ in got) * 1e3 / 2, 1)
+        out[f"{name}_beats"] = statistics.median(n for _, _, n in got)
+    return out
+
+
 def project(acc: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-1.7B (1.72 B parameters) sync step tail and gradient accumulation time, next to the
     H200's 0.80 s of compute per step: from this machine's measured tail time per parameter, from
@@ -202,7 +271,7 @@ def project(acc: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("what", choices=["accumulate", "tail", "all"])
+    ap.add_argument("what", choices=["accumulate", "tail", "all", "gil"])
     ap.add_argument(
         "--elements", type=int, default=12_582_912, help="accumulate: 12.6M (6144x2048)"
     )
@@ -220,6 +289,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     acc = tail = None
+    if args.what == "gil":
+        print(json.dumps(bench_gil(args.params, args.repeats)), flush=True)
+        return
     if args.what in ("accumulate", "all"):
         acc = bench_accumulate(args.elements, args.repeats)
         print(json.dumps(acc), flush=True)
