@@ -110,7 +110,10 @@ def test_enable_disable_are_idempotent_and_restore() -> None:
 
     from rp_engine.integrations import hf
 
+    from transformers import Trainer
+
     original, original_set = deepspeed.initialize, hf_ds.set_hf_deepspeed_config
+    trainer_methods = (Trainer._wrap_model, Trainer.prediction_step)
     had_group = torch.distributed.is_initialized()
     try:
         hf.enable()
@@ -120,11 +123,13 @@ def test_enable_disable_are_idempotent_and_restore() -> None:
         assert torch.distributed.get_world_size() == 1
         keep = hf_ds.HfDeepSpeedConfig({"zero_optimization": {"stage": 3}})
         assert keep.is_zero3() and not is_deepspeed_zero3_enabled()
+        assert (Trainer._wrap_model, Trainer.prediction_step) != trainer_methods
     finally:
         hf.disable()
         hf.disable()
     assert deepspeed.initialize is original
     assert hf_ds.set_hf_deepspeed_config is original_set
+    assert (Trainer._wrap_model, Trainer.prediction_step) == trainer_methods
     assert torch.distributed.is_initialized() is had_group
 
 

@@ -84,8 +84,8 @@ def disable() -> None:
     hf_ds.set_hf_deepspeed_config = _originals.pop("set_hf_deepspeed_config")
     from transformers import Trainer
 
-    Trainer._wrap_model = _originals.pop("Trainer._wrap_model")
-    Trainer.prediction_step = _originals.pop("Trainer.prediction_step")
+    Trainer._wrap_model = _originals.pop("Trainer._wrap_model")  # type: ignore[method-assign]
+    Trainer.prediction_step = _originals.pop("Trainer.prediction_step")  # type: ignore[method-assign]
     _roundpipe.clear()
     if _owned_group and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -154,8 +154,8 @@ def _patch_trainer_eval() -> None:
             model = model.module  # logits wanted: the host module, newest weights
         return predict(self, model, inputs, prediction_loss_only, ignore_keys)
 
-    Trainer._wrap_model = _wrap_model
-    Trainer.prediction_step = prediction_step
+    Trainer._wrap_model = _wrap_model  # type: ignore[method-assign]
+    Trainer.prediction_step = prediction_step  # type: ignore[method-assign]
 
 
 def _no_zero3_weakref(_config: Any) -> None:
