@@ -61,14 +61,15 @@ def main() -> None:
 
     # As in hf_trainer_run.py: DeepSpeed's side builds the model before the arguments (outside
     # zero.Init), so both sides start from the same weights.
-    model = tiny_qwen3(0, layers=2) if spec["backend"] == "deepspeed" else None
+    shape = {"layers": spec.get("layers", 2), "hidden": spec.get("hidden", 64)}
+    model = tiny_qwen3(0, **shape) if spec["backend"] == "deepspeed" else None
     args = SFTConfig(
         output_dir=spec["output_dir"],
         deepspeed=spec["config"],
         loss_type="chunked_nll",
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        gradient_accumulation_steps=2,
+        per_device_train_batch_size=spec.get("mbs", 2),
+        per_device_eval_batch_size=spec.get("mbs", 2),
+        gradient_accumulation_steps=spec.get("gas", 2),
         max_steps=spec["steps"],
         learning_rate=3e-3,
         warmup_steps=1,
@@ -82,12 +83,12 @@ def main() -> None:
         max_length=32,
     )
     if model is None:
-        model = tiny_qwen3(0, layers=2)
+        model = tiny_qwen3(0, **shape)
     trainer = SFTTrainer(
         model=model,
         args=args,
-        train_dataset=arithmetic(32),
-        eval_dataset=arithmetic(4, offset=1),
+        train_dataset=arithmetic(spec.get("train_rows", 32)),
+        eval_dataset=arithmetic(spec.get("eval_rows", 4), offset=1),
         processing_class=char_tokenizer(),
     )
     trainer.train()
@@ -97,7 +98,8 @@ def main() -> None:
             {k: row[k] for k in (*keys, "num_tokens") if k in row}
             for row in trainer.state.log_history
             if "loss" in row
-        ]
+        ],
+        "train_runtime": trainer.state.log_history[-1].get("train_runtime"),
     }
     engine = getattr(trainer.model_wrapped, "roundpipe_engine", None)
     engine_calls: list[int] = []
@@ -108,11 +110,9 @@ def main() -> None:
         host_forward = model.forward  # TRL's fused forward, patched onto the instance
         model.forward = lambda *a, **kw: host_calls.append(1) or host_forward(*a, **kw)
     metrics = trainer.evaluate()
-    result["eval"] = {
-        k: v
-        for k, v in metrics.items()
-        if k.startswith("eval_") and "runtime" not in k and "per_second" not in k
-    }
+    timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    result["eval"] = {k: v for k, v in metrics.items() if k not in timing}
+    result["eval_runtime"] = metrics["eval_runtime"]
     result["eval_through_engine"] = len(engine_calls)
     result["eval_host_forwards"] = len(host_calls)
     print("JSON:" + json.dumps(result), flush=True)

@@ -105,12 +105,11 @@ def test_zero3_16bit_state_dict(gather: bool) -> None:
 
 def test_enable_disable_are_idempotent_and_restore() -> None:
     import deepspeed
+    from transformers import Trainer
     from transformers.integrations import deepspeed as hf_ds
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     from rp_engine.integrations import hf
-
-    from transformers import Trainer
 
     original, original_set = deepspeed.initialize, hf_ds.set_hf_deepspeed_config
     trainer_methods = (Trainer._wrap_model, Trainer.prediction_step)

@@ -17,7 +17,13 @@ Those libraries build the DeepSpeed engine themselves: Accelerate's ``_prepare_d
 - stops Transformers from registering its ZeRO-3 config weakref, so ``from_pretrained`` does not
   build the model inside ``deepspeed.zero.Init``: rp_engine wants the whole model in host memory;
 - creates a one-rank gloo process group when no launcher did (Trainer and Accelerate call
-  ``torch.distributed`` when DeepSpeed is on).
+  ``torch.distributed`` when DeepSpeed is on);
+- makes ``Trainer`` evaluate through the engine (devices + fused head) instead of the
+  host-resident module; calls that need logits still get the host module
+  (:func:`_patch_trainer_eval`).
+
+TRL's ``SFTTrainer`` calls the engine with ``fused_lm_head=True``: the engine returns TRL's
+``FusedCausalLMOutput`` computed by its own chunked head (``fused_lm_head.py``).
 
 The engine handed back is a :class:`DeepSpeedEngineAdapter`: a real subclass of DeepSpeed's
 ``DeepSpeedEngine`` (so Accelerate's ``isinstance(model, DeepSpeedEngine)`` unwrapping holds) whose
