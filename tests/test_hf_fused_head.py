@@ -18,6 +18,7 @@ FIELDS = ("log_probs", "entropy", "is_top1", "label_mask")
 
 
 def _trl_reference(model: torch.nn.Module) -> torch.nn.Module:
+    pytest.importorskip("trl")  # the hf extra (make install, CI) installs it
     from trl.trainer.utils import add_fused_lm_head
 
     ref = copy.deepcopy(model)
