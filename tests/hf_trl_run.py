@@ -115,6 +115,11 @@ def main() -> None:
     result["eval_runtime"] = metrics["eval_runtime"]
     result["eval_through_engine"] = len(engine_calls)
     result["eval_host_forwards"] = len(host_calls)
+    # predict() wants logits: the loss from the engine's fused head, the logits from the host
+    predicted = trainer.predict(trainer.eval_dataset)
+    result["predict_loss"] = predicted.metrics["test_loss"]
+    result["predict_logits_shape"] = list(predicted.predictions.shape)
+    result["predict_host_forwards"] = len(host_calls) - result["eval_host_forwards"]
     print("JSON:" + json.dumps(result), flush=True)
 
 

@@ -41,3 +41,7 @@ def test_sft_trainer_matches_deepspeed(tmp_path: Path) -> None:
         assert ours["eval"][key] == pytest.approx(value, rel=1e-4, abs=1e-12), key
     # evaluation (TRL asks for the fused head's statistics) ran on the engine
     assert ours["eval_through_engine"] > 0 and ours["eval_host_forwards"] == 0
+    # predict() needs logits: they come from the host module, the loss still matches
+    assert ours["predict_host_forwards"] > 0
+    assert ours["predict_logits_shape"] == theirs["predict_logits_shape"]
+    assert ours["predict_loss"] == pytest.approx(theirs["predict_loss"], rel=1e-4)
