@@ -6,7 +6,11 @@ Trainer's own ``train_runtime`` (the training loop, not process start or model b
 as a side-by-side ratio. rp_engine runs plain ``Trainer`` and ``RoundPipeTrainer`` (the
 ``train_batch`` fast path), sync optimizer (DeepSpeed's numbers) and async.
 
-    .venv/bin/python benchmarks/hf_trainer_bench.py [--devices cpu:2] [--steps 8]
+``--trl``: TRL's ``SFTTrainer`` instead (``tests/hf_trl_run.py``: prompt/completion rows, the
+fused LM head), plain SFTTrainer on both sides; also Trainer's ``eval_runtime`` (rp_engine:
+evaluation through the engine).
+
+    .venv/bin/python benchmarks/hf_trainer_bench.py [--devices cpu:2] [--steps 8] [--trl]
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ SHARED = Path(os.environ.get("RP_SHARED_DIR", ROOT.parent / "shared"))
 FIXTURE = SHARED / "fixtures" / "ds_configs" / "hf_zero3_offload_auto.json"
 
 
-def run(spec: dict) -> dict:
+def run(spec: dict, script: str = "hf_trainer_run.py") -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
     proc = subprocess.run(
-        [sys.executable, str(TESTS / "hf_trainer_run.py"), json.dumps(spec)],
+        [sys.executable, str(TESTS / script), json.dumps(spec)],
         capture_output=True, text=True, env=env, cwd=TESTS, timeout=3600,
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
@@ -44,8 +48,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--trl", action="store_true", help="TRL SFTTrainer instead of Trainer")
     a = ap.parse_args()
     config = json.loads(FIXTURE.read_text())
+    if a.trl:
+        trl_bench(a, config)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         base = {
             "config": config, "steps": a.steps, "layers": a.layers, "hidden": a.hidden,
@@ -69,6 +77,29 @@ def main() -> None:
     print("|---|---:|---:|")
     for name, t in times.items():
         print(f"| {name} | {t:.2f} | {ds / t:.2f}x |")
+
+
+def trl_bench(a: argparse.Namespace, config: dict) -> None:
+    base = {
+        "config": config, "steps": a.steps, "layers": a.layers, "hidden": a.hidden, "mbs": 2,
+        "gas": 4, "train_rows": a.steps * 8, "eval_rows": 16,
+    }  # fmt: skip
+    rows = [("DeepSpeed ZeRO-Infinity", {"backend": "deepspeed"})]
+    for async_opt in (False, True):
+        rp = {"devices": a.devices, "async_optimizer": async_opt}
+        name = f"rp_engine SFTTrainer, {'async' if async_opt else 'sync'}"
+        rows.append((name, {"backend": "rp_engine", "roundpipe": rp}))
+    times = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, extra) in enumerate(rows):
+            out = run({**base, **extra, "output_dir": f"{tmp}/o{i}"}, "hf_trl_run.py")
+            times[name] = (out["train_runtime"], out["eval_runtime"])
+    ds_train, ds_eval = times["DeepSpeed ZeRO-Infinity"]
+    print(f"SFTTrainer, Qwen3 {a.layers} layers hidden {a.hidden}, mbs 2, GAS 4, {a.steps} steps")
+    print("| system | train_runtime s | ratio | eval_runtime s | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (t, e) in times.items():
+        print(f"| {name} | {t:.2f} | {ds_train / t:.2f}x | {e:.2f} | {ds_eval / e:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         was_training = self._module.training
         self.eval()
         try:
-            losses = self._eval_losses(batches)
+            losses = self._eval_run(batches).losses
         finally:
             self.train(was_training)
         if reduce_output is None:
@@ -265,14 +265,14 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         self._guard.conclude(step, result)
         return not overflow
 
-    def _eval_losses(self, batches: list[Any]) -> list[float]:
+    def _eval_run(self, batches: list[Any], **kw: Any) -> Any:
         step = self.global_steps + 1
         spec = RunSpec(
             plan=self.planner.plan(len(batches), ops=FORWARD_OPS), batches=batches,
-            version=self.stepper.required_version(step), step=step, train=False,
+            version=self.stepper.required_version(step), step=step, train=False, **kw,
         )  # fmt: skip
         self.stepper.synchronize()
-        return self._executor.run(spec).losses
+        return self._executor.run(spec)
 
     def _batch_of(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         return self._batches.to_dict(inputs, kwargs)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rp_engine.integrations.fused_lm_head import fused_output
 from rp_engine.plan.actions import Op
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class ImperativeLoop:
         def _run(
             self, plan: Any, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
         ) -> Any: ...
-        def _eval_losses(self, batches: list[Any]) -> list[float]: ...
+        def _eval_run(self, batches: list[Any], **kw: Any) -> Any: ...
         def _apply_boundary(self, lr_kwargs: dict[str, Any] | None) -> bool: ...
         def gradient_accumulation_steps(self) -> int: ...
         def is_gradient_accumulation_boundary(self) -> bool: ...
@@ -64,16 +65,24 @@ class ImperativeLoop:
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the forward stages and the fused head of one micro-batch; returns the loss
-        (a Hugging Face ``CausalLMOutput`` for HF models, else the loss tensor)."""
+        (a Hugging Face ``CausalLMOutput`` for HF models, else the loss tensor).
+
+        ``fused_lm_head=True`` (TRL's fused LM head) returns TRL's ``FusedCausalLMOutput``
+        instead: per-token log-probs, entropy, top-1 hits, label mask (integrations/
+        fused_lm_head.py)."""
         self.stepper.check()
         # Transformers' Trainer passes the token count of the whole optimizer step; the model
         # then returns sum / count instead of the micro-batch mean (as HF's ForCausalLMLoss).
         num_items = kwargs.pop("num_items_in_batch", None)
+        fused = _fused_request(kwargs.pop("fused_lm_head", False), self._batches.seq.head)
         batch = self._batch_of(inputs, kwargs)
         share = self._batches.token_share(batch, num_items)
         if not (self._module.training and torch.is_grad_enabled()):
-            loss = torch.tensor(self._eval_losses([batch])[0], device=self.device)
-            return self._batches.wrap_loss(loss * share)
+            result = self._eval_run([batch], token_stats=fused)
+            loss = torch.tensor(result.losses[0], device=self.device) * share
+            if fused:
+                return fused_output(loss, result.token_stats[0], leaf=None)
+            return self._batches.wrap_loss(loss)
         if self._carry is not None:
             raise RuntimeError(
                 "engine.forward() called twice without engine.backward(): rp_engine computes the "
@@ -86,11 +95,15 @@ class ImperativeLoop:
             step=step,
             defer_head=True,
             closes_step=False,
+            token_stats=fused,
         )
         self._carry, self._carry_batch = result.carry, batch
         self._loss_leaf = torch.tensor(result.losses[0], device=self.device, requires_grad=True)
         # Not the leaf itself: callers scale the loss in place (Trainer's `loss *= ...`), which
         # autograd refuses on a leaf; backward differentiates through this product.
+        if fused:
+            stats = result.token_stats[0]
+            return fused_output(self._loss_leaf * share, stats, leaf=self._loss_leaf)
         return self._batches.wrap_loss(self._loss_leaf * share)
 
     def backward(
@@ -126,6 +139,17 @@ class ImperativeLoop:
         else:
             self._counters.step(applied=None)
         self._guard.raise_failed()  # after the counters: the engine is consistent when it raises
+
+
+def _fused_request(flag: Any, head: Any) -> bool:
+    """Whether the caller asked for TRL's fused-LM-head output; an error if the head can't."""
+    if flag and not getattr(head, "token_stats", False):
+        raise NotImplementedError(
+            f"fused_lm_head=True needs per-token statistics from the model's head, which "
+            f"{type(head).__name__} does not compute (only Hugging Face causal LMs' "
+            "CausalLMHead does); call the engine without fused_lm_head"
+        )
+    return bool(flag)
 
 
 def _derivative(scaled: Any, leaf: torch.Tensor) -> float:

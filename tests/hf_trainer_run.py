@@ -97,12 +97,21 @@ def main() -> None:
     }
     if spec.get("evaluate"):
         engine = getattr(trainer.model_wrapped, "roundpipe_engine", None)
-        calls = []
-        if engine is not None:  # count the evaluation runs that go through the engine
-            eval_losses = engine._eval_losses
-            engine._eval_losses = lambda b: calls.append(1) or eval_losses(b)
+        calls: list[int] = []
+        host_calls: list[int] = []
+        if engine is not None:  # count evaluation forwards: through the engine vs the host module
+            eval_run = engine._eval_run
+            engine._eval_run = lambda b, **kw: calls.append(1) or eval_run(b, **kw)
+            host_forward = model.forward
+            model.forward = lambda *a, **kw: host_calls.append(1) or host_forward(*a, **kw)
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
         result["eval_through_engine"] = len(calls)
+        result["eval_host_forwards"] = len(host_calls)
+        # predict() wants logits (prediction_loss_only False): the host module answers
+        predicted = trainer.predict(trainer.eval_dataset)
+        result["predict_loss"] = predicted.metrics["test_loss"]
+        result["predict_logits_shape"] = list(predicted.predictions.shape)
+        result["predict_host_forwards"] = len(host_calls) - result["eval_host_forwards"]
     if spec.get("save_model"):
         trainer.save_model(spec["save_model"])
         result["saved"] = sorted(os.listdir(spec["save_model"]))

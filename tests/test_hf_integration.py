@@ -105,12 +105,14 @@ def test_zero3_16bit_state_dict(gather: bool) -> None:
 
 def test_enable_disable_are_idempotent_and_restore() -> None:
     import deepspeed
+    from transformers import Trainer
     from transformers.integrations import deepspeed as hf_ds
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     from rp_engine.integrations import hf
 
     original, original_set = deepspeed.initialize, hf_ds.set_hf_deepspeed_config
+    trainer_methods = (Trainer._wrap_model, Trainer.prediction_step)
     had_group = torch.distributed.is_initialized()
     try:
         hf.enable()
@@ -120,11 +122,13 @@ def test_enable_disable_are_idempotent_and_restore() -> None:
         assert torch.distributed.get_world_size() == 1
         keep = hf_ds.HfDeepSpeedConfig({"zero_optimization": {"stage": 3}})
         assert keep.is_zero3() and not is_deepspeed_zero3_enabled()
+        assert (Trainer._wrap_model, Trainer.prediction_step) != trainer_methods
     finally:
         hf.disable()
         hf.disable()
     assert deepspeed.initialize is original
     assert hf_ds.set_hf_deepspeed_config is original_set
+    assert (Trainer._wrap_model, Trainer.prediction_step) == trainer_methods
     assert torch.distributed.is_initialized() is had_group
 
 
@@ -143,8 +147,6 @@ def test_adapter_is_a_deepspeed_engine_serving_rp_engine() -> None:
         adapter.backward(loss)
         adapter.step()
         assert adapter.global_steps == 1 and engine.global_steps == 1
-        with pytest.raises(NotImplementedError, match="fused_lm_head"):
-            adapter(**random_batch(128, batch=2, seq=8, seed=3), fused_lm_head=True)
         adapter.some_flag = 3
         assert engine.some_flag == 3
         # Accelerate's unwrap_model: the HF model, with the async step already applied.
@@ -152,5 +154,11 @@ def test_adapter_is_a_deepspeed_engine_serving_rp_engine() -> None:
         assert unwrapped is model
         for p in model.parameters():  # the async step was drained and published
             torch.testing.assert_close(p.detach(), engine.store.master_of(p), rtol=0, atol=0)
+        # evaluation without labels wants logits: the host module answers (newest weights)
+        adapter.eval()
+        ids = random_batch(128, batch=2, seq=8, seed=3)["input_ids"]
+        logits = adapter(input_ids=ids).logits
+        assert logits.shape == (2, 8, 128)
+        adapter.train()
     finally:
         engine.destroy()

@@ -83,6 +83,13 @@ def test_trainer_matches_deepspeed(deepspeed_run: dict, rp_run: dict, root: Path
     assert len(rp_run["log"]) == STEPS
     assert_logs_match(rp_run["log"], deepspeed_run["log"])
     assert rp_run["eval_loss"] == pytest.approx(deepspeed_run["eval_loss"], rel=1e-4)
+    # a plain Trainer's loss-only evaluation ran through the engine (devices + fused head), the
+    # host-resident module's forward was never called
+    assert rp_run["eval_through_engine"] > 0 and rp_run["eval_host_forwards"] == 0
+    # predict() needs logits: the host module gives them, the loss is the same
+    assert rp_run["predict_host_forwards"] > 0
+    assert rp_run["predict_logits_shape"] == deepspeed_run["predict_logits_shape"]
+    assert rp_run["predict_loss"] == pytest.approx(deepspeed_run["predict_loss"], rel=1e-4)
     # enable() keeps zero.Init away: the model was built whole although TrainingArguments
     # (with a ZeRO-3 config) existed first.
     assert rp_run["partitioned_at_load"] is False

@@ -17,7 +17,13 @@ Those libraries build the DeepSpeed engine themselves: Accelerate's ``_prepare_d
 - stops Transformers from registering its ZeRO-3 config weakref, so ``from_pretrained`` does not
   build the model inside ``deepspeed.zero.Init``: rp_engine wants the whole model in host memory;
 - creates a one-rank gloo process group when no launcher did (Trainer and Accelerate call
-  ``torch.distributed`` when DeepSpeed is on).
+  ``torch.distributed`` when DeepSpeed is on);
+- makes ``Trainer`` evaluate through the engine (devices + fused head) instead of the
+  host-resident module; calls that need logits still get the host module
+  (:func:`_patch_trainer_eval`).
+
+TRL's ``SFTTrainer`` calls the engine with ``fused_lm_head=True``: the engine returns TRL's
+``FusedCausalLMOutput`` computed by its own chunked head (``fused_lm_head.py``).
 
 The engine handed back is a :class:`DeepSpeedEngineAdapter`: a real subclass of DeepSpeed's
 ``DeepSpeedEngine`` (so Accelerate's ``isinstance(model, DeepSpeedEngine)`` unwrapping holds) whose
@@ -69,6 +75,7 @@ def enable(**roundpipe: Any) -> None:
     hf_ds.set_hf_deepspeed_config = _no_zero3_weakref
     hf_ds.unset_hf_deepspeed_config()
     _owned_group = _ensure_process_group()
+    _patch_trainer_eval()
 
 
 def disable() -> None:
@@ -81,6 +88,10 @@ def disable() -> None:
 
     deepspeed.initialize = _originals.pop("initialize")
     hf_ds.set_hf_deepspeed_config = _originals.pop("set_hf_deepspeed_config")
+    from transformers import Trainer
+
+    Trainer._wrap_model = _originals.pop("Trainer._wrap_model")  # type: ignore[method-assign]
+    Trainer.prediction_step = _originals.pop("Trainer.prediction_step")  # type: ignore[method-assign]
     _roundpipe.clear()
     if _owned_group and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -115,6 +126,42 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
         )
     engine, optimizer, loader, scheduler = rp_engine.initialize(config=config, **kwargs)
     return DeepSpeedEngineAdapter(engine), optimizer, loader, scheduler
+
+
+def _patch_trainer_eval() -> None:
+    """Evaluation through the engine: Trainer evaluates ``self.model`` (the host-resident
+    module) even under DeepSpeed. While enabled, a Trainer holding a RoundPipe engine evaluates
+    the engine instead (its forward stages on the devices and the fused head's loss), and only
+    the calls that need logits go to the host module:
+
+    - ``_wrap_model(model, training=False)`` returns the adapter;
+    - ``prediction_step`` with ``prediction_loss_only=False`` (``compute_metrics``, ``predict``)
+      gets the host module: logits are never built by the engine;
+    - the adapter itself sends a label-less evaluation call (label smoothing,
+      ``compute_loss_func``, TRL's logits pass) to the host module.
+    """
+    from transformers import Trainer
+
+    wrap, predict = Trainer._wrap_model, Trainer.prediction_step
+    _originals["Trainer._wrap_model"] = wrap
+    _originals["Trainer.prediction_step"] = predict
+
+    def _wrap_model(self: Any, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        out = wrap(self, model, training, dataloader)
+        adapter = getattr(self, "model_wrapped", None)
+        if not training and out is self.model and isinstance(adapter, DeepSpeedEngineAdapter):
+            return adapter
+        return out
+
+    def prediction_step(
+        self: Any, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> Any:
+        if isinstance(model, DeepSpeedEngineAdapter) and not prediction_loss_only:
+            model = model.module  # logits wanted: the host module, newest weights
+        return predict(self, model, inputs, prediction_loss_only, ignore_keys)
+
+    Trainer._wrap_model = _wrap_model  # type: ignore[method-assign]
+    Trainer.prediction_step = prediction_step  # type: ignore[method-assign]
 
 
 def _no_zero3_weakref(_config: Any) -> None:
@@ -177,14 +224,13 @@ class DeepSpeedEngineAdapter(_deepspeed_engine_class()):  # type: ignore[misc]
         delattr(self.roundpipe_engine, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("fused_lm_head"):
-            raise NotImplementedError(
-                "fused_lm_head=True (TRL's SFTTrainer asks for per-token log_probs, entropy and "
-                "is_top1) is not supported yet: rp_engine's fused head returns the mean loss "
-                "only. Use transformers.Trainer (or hf.RoundPipeTrainer) for supervised "
-                "fine-tuning on rp_engine"
-            )
-        return self.roundpipe_engine(*args, **kwargs)
+        engine = self.roundpipe_engine
+        if not engine.training and not args and kwargs.get("labels") is None:
+            # Evaluation asking for logits (no labels: label smoothing, compute_loss_func,
+            # TRL's logits pass): the engine's fused head never builds logits, so the host
+            # module (newest weights) answers, on the host.
+            return self.module(**kwargs)
+        return engine(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"DeepSpeedEngineAdapter({type(self.roundpipe_engine).__name__})"
@@ -248,30 +294,6 @@ def _roundpipe_trainer() -> type:
                 # the rest of a step train_batch already ran: its loss was reported once
                 return torch.zeros((), device=self.args.device)
             return super().training_step(model, inputs, num_items_in_batch)
-
-        def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-            """Drain in-flight asynchronous optimizer steps first, so evaluation (through the
-            engine or, for logits, the host module) sees the newest weights."""
-            engine = getattr(self.model_wrapped, "roundpipe_engine", None)
-            if engine is not None:
-                engine.synchronize()
-            return super().evaluate(*args, **kwargs)
-
-        def prediction_step(
-            self,
-            model: Any,
-            inputs: dict[str, Any],
-            prediction_loss_only: bool,
-            ignore_keys: list[str] | None = None,
-        ) -> Any:
-            """Loss-only evaluation runs through the engine (devices + fused LM head) instead
-            of the host-resident module; logits (for ``compute_metrics``) need the module."""
-            engine: Any = getattr(self.model_wrapped, "roundpipe_engine", None)
-            if engine is None or not prediction_loss_only or "labels" not in inputs:
-                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-            batch = self._prepare_inputs(inputs)
-            loss = engine.eval_batch(iter([batch]), num_micro_batches=1)
-            return loss.detach().to(self.args.device), None, None
 
         def _fast_path_ok(self, engine: Any, batches: list[Any]) -> bool:
             if len(batches) != engine.gradient_accumulation_steps():

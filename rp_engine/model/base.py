@@ -28,7 +28,12 @@ class HeadModule(nn.Module):
     gradients (scaled by ``grad_scale``) accumulate into this module's parameters' ``.grad`` and
     the gradient with respect to ``state["hidden"]`` is returned, so the head stage never needs a
     recomputation. The returned loss is detached and unscaled.
+
+    A head with ``token_stats = True`` also accepts ``stats=<dict>`` in both methods and fills it
+    with per-token statistics (see ``CausalLMHead``); the executor asks only such heads.
     """
+
+    token_stats = False
 
     def forward(self, state: State) -> torch.Tensor:
         raise NotImplementedError

@@ -231,7 +231,19 @@ class CausalLMHead(HeadModule):
     upcast to fp32, ``ignore_index=-100``, summed and divided by the number of valid labels (or by
     ``state["num_items_in_batch"]`` when present). As in HF, a batch with no valid label gives NaN.
     The norm is per token, so chunking over tokens is exact up to summation order.
+
+    Token statistics (``token_stats = True``): given a dict as ``stats``, ``forward`` and
+    ``forward_backward`` also fill it, from the same chunks' logits (never the whole
+    ``(tokens, vocab)`` logits), with per-token tensors shaped like ``state["labels"]``, position
+    ``t`` scoring label ``t + 1`` (the last position is always masked):
+    ``log_probs`` (fp32, log-probability of the label; 0 where masked), ``entropy`` (fp32, of
+    the next-token distribution; 0 where masked), ``is_top1`` (bool, label is the arg-max) and
+    ``label_mask`` (bool, label != -100). They carry no gradient: the loss's gradient is the
+    only one the head computes. This is what TRL's fused LM head returns (``log_probs``,
+    ``entropy``, ``is_top1``, ``label_mask``).
     """
+
+    token_stats = True
 
     def __init__(
         self,
@@ -249,15 +261,31 @@ class CausalLMHead(HeadModule):
         self.softcap = softcap
         self.logits_divisor = logits_divisor
 
-    def _loss_sum(self, hidden_ND: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
+    def _loss_sum(
+        self, hidden_ND: torch.Tensor, labels_N: torch.Tensor, stats: list[torch.Tensor] | None
+    ) -> torch.Tensor:
         logits_NV = self.lm_head(self.norm(hidden_ND))
         if self.logits_divisor != 1.0:
             logits_NV = logits_NV / self.logits_divisor
         if self.softcap is not None:  # Gemma2-style final logit soft-capping
             logits_NV = torch.tanh(logits_NV / self.softcap) * self.softcap
-        return nn.functional.cross_entropy(
-            logits_NV.float(), labels_N, ignore_index=IGNORE_INDEX, reduction="sum"
+        logits_NV = logits_NV.float()
+        if stats is None:
+            return nn.functional.cross_entropy(
+                logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        nll_N = nn.functional.cross_entropy(
+            logits_NV, labels_N, ignore_index=IGNORE_INDEX, reduction="none"
         )
+        with torch.no_grad():  # from this chunk's logits, while they exist
+            mask_N = labels_N != IGNORE_INDEX
+            logp_NV = torch.log_softmax(logits_NV.detach(), dim=-1)
+            entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
+            top1_N = logits_NV.detach().argmax(-1) == labels_N
+            stats.append(
+                torch.stack([-nll_N.detach(), entropy_N * mask_N, (top1_N & mask_N).float()])
+            )
+        return nll_N.sum()
 
     def _flatten(self, state: State) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> hidden (N, D), shifted labels (N,), loss denominator (0-dim tensor)."""
@@ -273,35 +301,61 @@ class CausalLMHead(HeadModule):
         # A tensor denominator keeps the head free of host-device synchronisation.
         return hidden.reshape(-1, hidden.shape[-1]), labels_N, denom.to(hidden.device)
 
-    def forward(self, state: State) -> torch.Tensor:
+    def forward(
+        self, state: State, *, stats: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         hidden_ND, labels_N, denom = self._flatten(state)
+        chunks: list[torch.Tensor] | None = None if stats is None else []
         total = sum(
             self._loss_sum(
-                hidden_ND[s : s + self.chunk_tokens], labels_N[s : s + self.chunk_tokens]
+                hidden_ND[s : s + self.chunk_tokens], labels_N[s : s + self.chunk_tokens], chunks
             )
             for s in range(0, hidden_ND.shape[0], self.chunk_tokens)
         )
+        if stats is not None and chunks is not None:
+            _fill_stats(stats, chunks, labels_N, state["labels"].shape)
         return torch.as_tensor(total) / denom
 
     def forward_backward(
-        self, state: State, *, grad_scale: float = 1.0
+        self,
+        state: State,
+        *,
+        grad_scale: float = 1.0,
+        stats: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden_ND, labels_N, denom = self._flatten(state)
         hidden_ND = hidden_ND.detach()
         grad_ND = torch.empty_like(hidden_ND)
         total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
         scale = grad_scale / denom
+        chunks: list[torch.Tensor] | None = None if stats is None else []
         with torch.enable_grad():
             for s in range(0, hidden_ND.shape[0], self.chunk_tokens):
                 # Each chunk is its own leaf so its backward touches only (chunk, D) of hidden
                 # and its (chunk, vocab) logits are freed before the next chunk.
                 chunk = hidden_ND[s : s + self.chunk_tokens].requires_grad_()
-                loss = self._loss_sum(chunk, labels_N[s : s + self.chunk_tokens])
+                loss = self._loss_sum(chunk, labels_N[s : s + self.chunk_tokens], chunks)
                 torch.autograd.backward(loss * scale)
                 assert chunk.grad is not None
                 grad_ND[s : s + self.chunk_tokens] = chunk.grad
                 total += loss.detach()
+        if stats is not None and chunks is not None:
+            _fill_stats(stats, chunks, labels_N, state["labels"].shape)
         return total / denom, grad_ND.view(state["hidden"].shape)
+
+
+def _fill_stats(
+    stats: dict[str, torch.Tensor],
+    chunks: list[torch.Tensor],
+    labels_N: torch.Tensor,
+    shape: torch.Size,
+) -> None:
+    """Per-chunk (3, chunk) rows [log_prob, entropy, top1] -> per-token tensors of ``shape``."""
+    log_probs, entropy, top1 = torch.cat(chunks, dim=1)
+    stats["log_probs"] = log_probs.view(shape)
+    stats["entropy"] = entropy.view(shape)
+    stats["is_top1"] = top1.bool().view(shape)
+    stats["label_mask"] = (labels_N != IGNORE_INDEX).view(shape)
 
 
 def build_hf_blocks(

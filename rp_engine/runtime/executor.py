@@ -116,6 +116,7 @@ class RunSpec:
     profile: bool = False
     carry: Carry | None = None  # from the forward run of the imperative loop
     head_factor: float = 1.0  # d(user loss)/d(our loss), applied to the carried head gradients
+    token_stats: bool = False  # the head also reports per-token statistics (RunResult)
 
 
 @dataclass
@@ -169,6 +170,8 @@ class RunResult:
     carry: Carry | None = None
     stats: RunStats = field(default_factory=RunStats)
     boundary_bytes: int = 0  # the largest state a forward stage handed on (one micro-batch)
+    # per micro-batch, with RunSpec.token_stats: the head's per-token statistics (host tensors)
+    token_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 class Countdown:
@@ -282,6 +285,7 @@ class _Ctx:
         self.saved_ev: dict[tuple[int, int], Event | None] = {}
         self.host_inputs: dict[_Key, Callable[[], State]] = {}  # host state, on demand
         self.losses: dict[int, torch.Tensor] = {}
+        self.token_stats: dict[int, dict[str, torch.Tensor]] = {}  # mb -> the head's statistics
         self.timeline: list[TimelineRecord] = []  # host-clock spans (HOST stream)
         self.spans: list[tuple[int, str, Action, ComputeTimer]] = []  # (device, stream, ...)
         self.base: dict[int, ComputeTimer] = {}  # per device: the run's time origin
@@ -376,6 +380,9 @@ class Executor:
             bwd_ms=bwd_ms,
             stats=ctx.stats,
             boundary_bytes=ctx.boundary_bytes,
+            token_stats=[
+                {k: v.cpu() for k, v in ctx.token_stats[m].items()} for m in sorted(ctx.token_stats)
+            ],
         )
 
     @staticmethod
@@ -576,6 +583,7 @@ class Executor:
             loss, grad_in = head_module.forward_backward(
                 {**y, "hidden": y["hidden"].detach()},
                 grad_scale=1.0 if spec.defer_head else spec.grad_scale,
+                **_stats_kw(ctx, m),
             )
             if blocks:
                 torch.autograd.backward(y["hidden"], grad_in)
@@ -593,11 +601,14 @@ class Executor:
         device: Device, weights: WeightUpload,
     ) -> None:  # fmt: skip
         """Evaluation: the head-stage blocks and the head's loss, no gradient."""
-        x = ctx.acts.pop(in_key)
+        x, layers, m = ctx.acts.pop(in_key), self.stages.bwd[0], a.microbatch
+        stats = _stats_kw(ctx, m)
         with torch.no_grad():
-            for layer in self.stages.bwd[0]:
-                x = self._call(ctx, device, layer, x, a.microbatch, weights)
-        ctx.losses[a.microbatch] = x["loss"].detach()
+            for layer in layers[:-1] if stats else layers:
+                x = self._call(ctx, device, layer, x, m, weights)
+            if stats:  # the head called with its statistics dict (no dropout in a head)
+                x = {"loss": self._load(device, layers[-1], weights).module(x, **stats)}
+        ctx.losses[m] = x["loss"].detach()
 
     def _backward(self, ctx: _Ctx, a: Action) -> None:
         layers, m = self.stages.bwd[a.stage], a.microbatch
@@ -837,6 +848,13 @@ def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
     """The RNG seed of one layer's forward (and its recomputation): dropout masks depend only on
     (seed, step, global micro-batch, layer), never on the device or thread that ran it."""
     return ((seed * 1_000_003 + step * 10_007 + microbatch) * 1_009 + layer) & 0x7FFF_FFFF
+
+
+def _stats_kw(ctx: _Ctx, microbatch: int) -> dict[str, Any]:
+    """The head's ``stats=`` keyword when the run asks for per-token statistics."""
+    if not ctx.spec.token_stats:
+        return {}
+    return {"stats": ctx.token_stats.setdefault(microbatch, {})}
 
 
 def _bookkeeping(ctx: _Ctx, a: Action) -> None:
