@@ -201,7 +201,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             self.train(was_training)
         if reduce_output is None:
             return [torch.tensor(x) for x in losses]
-        return torch.tensor(sum(losses) / len(losses))
+        return torch.tensor(self._dp_mean(sum(losses) / len(losses)))  # mean over dp ranks too
 
     # --- internals ------------------------------------------------------------------------------
     def _run(

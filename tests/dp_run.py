@@ -6,7 +6,8 @@ both see the same global batch. Spec keys: ``steps``, ``global_gas`` (micro-batc
 over all ranks), ``async``, ``clip``, ``save_dir`` / ``save_at`` (checkpoint after that step),
 ``load_dir`` (resume from its latest), ``out`` (folder for ``weights_rank{r}.pt``),
 ``timeout_s`` (process-group timeout), ``stall_rank`` (that rank stops taking part after
-initialize: the others' collectives time out). Rank 0 prints ``JSON:{...}``.
+initialize: the others' collectives time out), ``seq`` / ``hidden`` / ``layers`` (model and
+batch size, for benchmarks/dp_scaling.py). Rank 0 prints ``JSON:{...}`` (losses, step times).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ def main(spec: dict) -> None:
         devices=1, gas=gas, mbs=2, lr=1e-2, fwd_cuts=[2], bwd_cuts=[0, 2],
         async_optimizer=spec.get("async", False), clip=spec.get("clip", 0.0),
     )  # fmt: skip
+    seq, hidden, layers = spec.get("seq", 16), spec.get("hidden", 64), spec.get("layers", 2)
     dataset = [random_batch(VOCAB, seed=i)["input_ids"][0] for i in range(8)]
-    engine, _, loader, _ = rp_engine.initialize(
-        model=tiny_qwen3(0, layers=2, vocab=VOCAB), config=cfg, training_data=dataset
-    )
+    model = tiny_qwen3(0, layers=layers, hidden=hidden, vocab=VOCAB)
+    engine, _, loader, _ = rp_engine.initialize(model=model, config=cfg, training_data=dataset)
     sampler = loader.sampler
     result: dict = {
         "dp_world_size": engine.dp_world_size,
@@ -56,19 +57,26 @@ def main(spec: dict) -> None:
     if spec.get("load_dir"):
         engine.load_checkpoint(spec["load_dir"])
         start = engine.global_steps
-    losses = []
+    losses: list[float] = []
+    seconds: list[float] = []
     try:
         for step in range(start, spec["steps"]):
             first = step * spec["global_gas"] + rank * gas
             mine = range(first, first + gas)
-            batches = iter([random_batch(VOCAB, seed=1000 + i) for i in mine])
-            losses.append(float(engine.train_batch(batches)))
+            batches = iter([random_batch(VOCAB, seq=seq, seed=1000 + i) for i in mine])
+            t0 = time.perf_counter()
+            losses.append(float(engine.train_batch(batches)))  # (its loss mean syncs the ranks)
+            seconds.append(time.perf_counter() - t0)
             if spec.get("save_dir") and engine.global_steps == spec.get("save_at"):
                 engine.save_checkpoint(spec["save_dir"])
     except Exception as exc:  # the timeout test reports the message
         result["error"] = f"{type(exc).__name__}: {exc}"
     result.update(
-        losses=losses, global_steps=engine.global_steps, global_samples=engine.global_samples
+        losses=losses,
+        step_seconds=seconds,
+        tokens_per_step_per_process=gas * 2 * seq,
+        global_steps=engine.global_steps,
+        global_samples=engine.global_samples,
     )
     if "error" not in result and spec.get("out"):
         weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
@@ -82,4 +90,5 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    # the deepspeed launcher passes --local_rank=N (launch/all_gpus.sh puts it after the script)
+    main(json.loads([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
