@@ -2,10 +2,10 @@
 
     python benchmarks/dp_scaling.py [--reps 3] [--steps 6] [--hidden 256] [--layers 4] [--seq 64]
 
-Each repetition runs one process on the whole global batch (GAS 4), then ``torchrun
---nproc_per_node 2`` with GAS 2 per rank (the same global batch), alternating, both through
-``tests/dp_run.py`` (tiny Qwen3, async CPU Adam, one CPU virtual device per process,
-OMP_NUM_THREADS=1). Reported: median step time after the first two steps, tokens/s per process
+Each repetition runs one process on the whole global batch (GAS 4; with 1 and with 2 torch
+threads), then ``torchrun --nproc_per_node 2`` with GAS 2 per rank (the same global batch, 1
+thread each), alternating, all through
+``tests/dp_run.py`` (tiny Qwen3, async CPU Adam, one CPU virtual device per process). Reported: median step time after the first two steps, tokens/s per process
 and in total. The two ranks share this machine's cores, so this measures the data-parallel
 overhead (reduce + broadcast + ordering), not a multi-node speed-up.
 """
@@ -25,8 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 
 
-def run(spec: dict[str, Any], nproc: int) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+def run(spec: dict[str, Any], nproc: int, threads: int = 1) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{TESTS}{os.pathsep}{ROOT}",
+        "OMP_NUM_THREADS": str(threads),
+    }
     script = [str(TESTS / "dp_run.py"), json.dumps(spec)]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0"]  # fmt: skip
@@ -48,27 +52,31 @@ def main() -> None:
     a = p.parse_args()
     spec = {"steps": a.steps, "global_gas": 4, "async": True, "hidden": a.hidden,
             "layers": a.layers, "seq": a.seq}  # fmt: skip
-    times: dict[int, list[float]] = {1: [], 2: []}
-    tokens: dict[int, int] = {}
+    # (processes, torch threads per process): one process with one thread, one with two (all
+    # of this machine's cores), two processes with one thread each
+    arms = [(1, 1), (1, 2), (2, 1)]
+    times: dict[tuple[int, int], list[float]] = {arm: [] for arm in arms}
+    tokens: dict[tuple[int, int], int] = {}
     for rep in range(a.reps):
-        for nproc in (1, 2):
-            out = run(spec, nproc)
+        for arm in arms:
+            out = run(spec, *arm)
             step = statistics.median(out["step_seconds"][2:])
-            times[nproc].append(step)
-            tokens[nproc] = out["tokens_per_step_per_process"]
-            print(f"rep {rep} nproc {nproc}: step {step:.3f} s", file=sys.stderr)
+            times[arm].append(step)
+            tokens[arm] = out["tokens_per_step_per_process"]
+            print(f"rep {rep} {arm}: step {step:.3f} s", file=sys.stderr)
     print(
-        "| processes | global batch (tokens/step) | step time (median of reps) | tokens/s per process | tokens/s total |"
+        "| processes x threads | global tokens/step | step time (median) | tokens/s per process | tokens/s total |"
     )
     print("|---|---|---|---|---|")
-    for nproc in (1, 2):
-        step = statistics.median(times[nproc])
-        per = tokens[nproc] / step
+    for nproc, threads in arms:
+        step = statistics.median(times[nproc, threads])
+        per = tokens[nproc, threads] / step
         print(
-            f"| {nproc} | {tokens[nproc] * nproc} | {step:.3f} s | {per:.0f} | {per * nproc:.0f} |"
+            f"| {nproc} x {threads} | {tokens[nproc, threads] * nproc} | {step:.3f} s | {per:.0f} | {per * nproc:.0f} |"
         )
+    base = statistics.median(times[1, 2])
     print(
-        f"\nstep-time ratio 2 processes / 1 process: {statistics.median(times[2]) / statistics.median(times[1]):.2f}"
+        f"\nstep time, 2 processes / 1 process with 2 threads: {statistics.median(times[2, 1]) / base:.2f}"
     )
 
 

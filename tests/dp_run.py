@@ -7,7 +7,8 @@ over all ranks), ``async``, ``clip``, ``save_dir`` / ``save_at`` (checkpoint aft
 ``load_dir`` (resume from its latest), ``out`` (folder for ``weights_rank{r}.pt``),
 ``timeout_s`` (process-group timeout), ``stall_rank`` (that rank stops taking part after
 initialize: the others' collectives time out), ``seq`` / ``hidden`` / ``layers`` (model and
-batch size, for benchmarks/dp_scaling.py). Rank 0 prints ``JSON:{...}`` (losses, step times).
+batch size, for benchmarks/dp_scaling.py), ``imperative`` (DeepSpeed's forward / backward /
+step loop instead of ``train_batch``). Rank 0 prints ``JSON:{...}`` (losses, step times).
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ def main(spec: dict) -> None:
         rp_engine.init_distributed("gloo", timeout=timeout)
     rank = int(os.environ.get("RANK", "0"))
     gas = spec["global_gas"] // world
+    seq, hidden, layers = spec.get("seq", 16), spec.get("hidden", 64), spec.get("layers", 2)
     cfg = config(
-        devices=1, gas=gas, mbs=2, lr=1e-2, fwd_cuts=[2], bwd_cuts=[0, 2],
+        devices=1, gas=gas, mbs=2, lr=1e-2, fwd_cuts=[layers], bwd_cuts=[0, layers],
         async_optimizer=spec.get("async", False), clip=spec.get("clip", 0.0),
     )  # fmt: skip
-    seq, hidden, layers = spec.get("seq", 16), spec.get("hidden", 64), spec.get("layers", 2)
     dataset = [random_batch(VOCAB, seed=i)["input_ids"][0] for i in range(8)]
     model = tiny_qwen3(0, layers=layers, hidden=hidden, vocab=VOCAB)
     engine, _, loader, _ = rp_engine.initialize(model=model, config=cfg, training_data=dataset)
@@ -65,7 +66,16 @@ def main(spec: dict) -> None:
             mine = range(first, first + gas)
             batches = iter([random_batch(VOCAB, seq=seq, seed=1000 + i) for i in mine])
             t0 = time.perf_counter()
-            losses.append(float(engine.train_batch(batches)))  # (its loss mean syncs the ranks)
+            if spec.get("imperative"):  # DeepSpeed's loop; the mean of the ranks' step losses
+                step_losses = []
+                for batch in batches:
+                    loss = engine(**batch).loss
+                    engine.backward(loss)
+                    engine.step()
+                    step_losses.append(float(loss))
+                losses.append(engine._dp_mean(sum(step_losses) / len(step_losses)))
+            else:
+                losses.append(float(engine.train_batch(batches)))  # (averaged over the ranks)
             seconds.append(time.perf_counter() - t0)
             if spec.get("save_dir") and engine.global_steps == spec.get("save_at"):
                 engine.save_checkpoint(spec["save_dir"])
@@ -78,6 +88,11 @@ def main(spec: dict) -> None:
         global_steps=engine.global_steps,
         global_samples=engine.global_samples,
     )
+    inner = engine.optimizer.optimizer  # which layers' Adam state this rank holds
+    result["state_layers"] = sorted(
+        {hp.layer for hp in engine.store.owned_params() if inner.state.get(hp.master)}
+    )
+    result["owners"] = engine.stepper.dp.owners if engine.stepper.dp else None
     if "error" not in result and spec.get("out"):
         weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
         torch.save(weights, Path(spec["out"]) / f"weights_rank{rank}.pt")
