@@ -133,6 +133,14 @@ def data_parallel(store: HostStore) -> DataParallel | None:
     if dp_world() <= 1:
         return None
     init_distributed()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if local > 1 and torch.cuda.is_available():
+        log.warning(
+            "LOCAL_WORLD_SIZE=%d: several rp_engine processes on one node each drive the GPUs "
+            "of roundpipe.devices (default: all of them); launch one process per node "
+            "(--nproc_per_node 1 / deepspeed --num_gpus 1) unless each process names its own",
+            local,
+        )
     return DataParallel(store)
 
 

@@ -16,6 +16,10 @@ Global-norm clipping and fp16 overflow need every layer's gradient: the squared 
 as layers complete (no separate pass) and the clip/unscale coefficient is applied inside each
 layer's step. Without clipping, fp16 or a torch fallback optimizer, each layer steps as soon as
 its gradient is complete.
+
+Data parallel (``dp``, rp_engine/distributed.py): a layer's gradient is first reduced onto the
+rank that owns it, only the owner steps it, and the layer is done on every rank once its new
+weights have been broadcast; the global norm is summed over the ranks at ``close_step``.
 """
 
 from __future__ import annotations
