@@ -56,10 +56,12 @@ def initialize(
 
     if model is None:
         raise ValueError("initialize(model=...) is required")
-    _check_single_process()
     if mpu is not None or mesh_param is not None:
         raise ValueError("model parallelism (mpu / mesh_param) is not supported by rp_engine")
-    cfg = load_config(resolve_config_arg(args, config, config_params), auto_values=auto_values)
+    world = _data_parallel_world(distributed_port, dist_init_required)
+    cfg = load_config(
+        resolve_config_arg(args, config, config_params), world_size=world, auto_values=auto_values
+    )
     engine = RoundPipeEngine(
         model=model,
         config=cfg,
@@ -72,19 +74,25 @@ def initialize(
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _check_single_process() -> None:
-    """One rp_engine process drives every local GPU; a launcher that starts one process per GPU
-    (deepspeed --num_gpus N, torchrun --nproc_per_node N) would make each grab them all."""
+def _data_parallel_world(port: int, dist_init_required: bool | None) -> int:
+    """The data-parallel world size; with a launcher's ``WORLD_SIZE > 1`` the process group is
+    made first (``init_distributed``). One process per node: it drives every local device."""
     import os
 
+    from rp_engine import distributed
+
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
-        raise ValueError(
-            f"WORLD_SIZE={world}: rp_engine drives all local GPUs from ONE process (the RoundPipe "
-            "worker pool), so launch a single process: `deepspeed --num_gpus 1 train.py ...` or "
-            "`torchrun --nproc_per_node 1 train.py ...` (set roundpipe.devices to choose GPUs). "
-            "Multi-node data parallel is not supported yet."
+    if world > 1 or dist_init_required:
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if world > 1 and missing:
+            raise ValueError(
+                f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch every node's process "
+                "with `torchrun` or the `deepspeed` launcher (see README, Across nodes)"
+            )
+        distributed.init_distributed(
+            distributed_port=port, dist_init_required=dist_init_required, verbose=False
         )
+    return distributed.dp_world()
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -98,8 +106,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def init_distributed(*args: Any, **kwargs: Any) -> None:
-    """Single-process training needs no process group: a no-op kept for API compatibility.
-    (Multi-node data parallel arrives with its own issue.)"""
+    """``deepspeed.init_distributed`` (same arguments): see rp_engine.distributed."""
+    from rp_engine.distributed import init_distributed as init
+
+    init(*args, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -94,6 +94,10 @@ _LOSS_SCALER = "loss_scaler"
 _CLIP_GRAD = "clip_grad"
 # Not DeepSpeed's: rp_engine's full loss-scaler state, next to DeepSpeed's scaler object.
 _RP_LOSS_SCALER = "rp_loss_scaler"
+# Not DeepSpeed's: the data-parallel world that trained and its shard layout (layer owners).
+# DeepSpeed's own ``dp_world_size`` keeps its meaning for its loaders: the number of optimizer
+# partition files, always 1 here (rank 0 writes the whole state, which loads at any world size).
+_RP_DATA_PARALLEL = "rp_data_parallel"
 
 # Top-level keys of the model-states file that belong to DeepSpeed (never client state).
 _OWN_KEYS = frozenset(
@@ -116,6 +120,7 @@ _OWN_KEYS = frozenset(
         "ds_config",
         "ds_version",
         "checkpoint_parallel_dimensions",
+        _RP_DATA_PARALLEL,
     }
 )
 _RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -308,10 +313,20 @@ def _model_states(
         "global_samples": int(engine.global_samples),
         "dp_world_size": 1,
         "mp_world_size": 1,
+        _RP_DATA_PARALLEL: _dp_layout(engine),
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         "ds_config": _plain(engine._config.raw),
         "ds_version": _ds_version(),
     }
+
+
+def _dp_layout(engine: Any) -> dict[str, Any]:
+    """The data-parallel world size and the owner rank of each layer's optimizer state."""
+    dp = getattr(engine.stepper, "dp", None)
+    if dp is not None:
+        return dict(dp.layout())
+    layers = len(engine.store.layers)
+    return {"scheme": "layer_owner", "dp_world_size": 1, "owners": [0] * layers}
 
 
 def _plain_stage0(engine: Any) -> bool:
@@ -721,6 +736,11 @@ def load(
     model_path = _find_file(folder, model_file_name(engine._config.zero.stage), "*_model_states.pt")
     checkpoint_checks.check_file(model_path)  # truncated / not torch.save: name the file
     ckpt = safe_load.load(model_path, trust=trust)
+    saved = (ckpt.get(_RP_DATA_PARALLEL) or {}).get("dp_world_size", 1)
+    now = int(getattr(engine, "dp_world_size", 1))
+    if saved != now:  # the files hold the whole state: each rank keeps the layers it owns
+        log.info("resharding checkpoint %s: saved at dp world size %s, loading at %d", folder,
+                 saved, now)  # fmt: skip
     load_optimizer = optimizer_states and not module_only and engine.optimizer is not None
     placeholders = _zero3_placeholders(engine.module, ckpt)
     osd = None

@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 __all__ = ["build_dataloader", "RepeatingLoader", "repeat", "DataFeed"]
 
 
 def build_dataloader(training_data: Any, cfg: Any, collate_fn: Any = None) -> DataLoader[Any]:
-    """DeepSpeed's training loader for one process (``deepspeed_io``): micro-batch size,
-    ``dataloader_drop_last``, ``collate_fn`` and a ``DistributedSampler(num_replicas=1, rank=0)``.
+    """DeepSpeed's training loader (``deepspeed_io``): micro-batch size, ``dataloader_drop_last``,
+    ``collate_fn`` and a ``DistributedSampler`` over the data-parallel ranks (this process's
+    rank of the torch.distributed group; rank 0 of 1 without one).
 
     That sampler shuffles with seed 0 and DeepSpeed never calls ``set_epoch``, so every epoch
     repeats the same permutation; keeping it gives exactly DeepSpeed's sample order. Batches are
@@ -22,7 +24,7 @@ def build_dataloader(training_data: Any, cfg: Any, collate_fn: Any = None) -> Da
     if isinstance(training_data, IterableDataset):
         sampler = None
     elif hasattr(training_data, "__getitem__") and hasattr(training_data, "__len__"):
-        sampler = DistributedSampler(training_data, num_replicas=1, rank=0)
+        sampler = DistributedSampler(training_data, num_replicas=_world(), rank=_rank())
     else:
         raise ValueError("Training data must be a torch Dataset (map-style or iterable)")
     return DataLoader(
@@ -32,6 +34,14 @@ def build_dataloader(training_data: Any, cfg: Any, collate_fn: Any = None) -> Da
         collate_fn=collate_fn,
         drop_last=cfg.dataloader_drop_last,
     )
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class RepeatingLoader:

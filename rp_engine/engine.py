@@ -28,6 +28,7 @@ from rp_engine.config import DSConfig
 from rp_engine.data import DataFeed, build_dataloader
 from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
+from rp_engine.distributed import data_parallel
 from rp_engine.engine_api import DeepSpeedAccessors
 from rp_engine.engine_loop import FORWARD_OPS, ImperativeLoop
 from rp_engine.model.batches import BatchAdapter, compute_dtype
@@ -110,12 +111,9 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         modules = list(self.seq.modules())
         self.store = HostStore(modules, pin=cuda_pin if self.pool.kind == "cuda" else None)
         self.optimizer = build_optimizer(
-            cfg,
-            self.store,
-            model=model,
-            client_optimizer=optimizer,
+            cfg, self.store, model=model, client_optimizer=optimizer,
             model_parameters=model_parameters,
-        )
+        )  # fmt: skip
         self.lr_scheduler = build_scheduler(cfg, self.optimizer, client_scheduler=lr_scheduler)
         self.stepper = OptimizerStepper(
             self.store,
@@ -125,6 +123,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             async_mode=rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only,
             fp16=cfg.fp16.enabled,
             guard_nonfinite=rp.on_nonfinite != "ignore",
+            dp=data_parallel(self.store),  # None in one process
         )
         self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
         self.planner = Planner(
@@ -173,7 +172,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         self.planner.fit_round_size(result.boundary_bytes)
         if profile and self.planner.observe(result.layer_ms, result.bwd_ms):
             self._executor = self._make_executor()
-        loss = torch.tensor(sum(result.losses) / len(result.losses))
+        loss = torch.tensor(self._dp_mean(sum(result.losses) / len(result.losses)))
         self.monitor.write_events([("Train/Samples/train_loss", float(loss), self.global_samples)])
         return loss
 
@@ -202,7 +201,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             self.train(was_training)
         if reduce_output is None:
             return [torch.tensor(x) for x in losses]
-        return torch.tensor(sum(losses) / len(losses))
+        return torch.tensor(self._dp_mean(sum(losses) / len(losses)))  # mean over dp ranks too
 
     # --- internals ------------------------------------------------------------------------------
     def _run(

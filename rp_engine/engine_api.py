@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -58,15 +59,36 @@ class DeepSpeedAccessors:
     training: bool
     _published_step = 0  # global_steps when the newest weights were last published
     _stale_noted = False
-    # one process drives every local device: DeepSpeed's data-parallel identity of rank 0
-    local_rank = global_rank = 0
-    world_size = dp_world_size = mp_world_size = 1
+    mp_world_size = 1
     _finalizer: weakref.finalize
 
     micro_steps = _counter("micro_steps")
     global_steps = _counter("global_steps")
     global_samples = _counter("global_samples")
     skipped_steps = _counter("skipped_steps")
+
+    # --- data parallel (distributed.py; one process per node drives every local device) ------
+    @property
+    def dp_world_size(self) -> int:
+        dp = self.stepper.dp
+        return dp.world if dp is not None else 1
+
+    world_size = dp_world_size
+
+    @property
+    def global_rank(self) -> int:
+        dp = self.stepper.dp
+        return dp.rank if dp is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0") or 0) if self.stepper.dp is not None else 0
+
+    def _dp_mean(self, value: float) -> float:
+        """``value`` averaged over the data-parallel ranks (DeepSpeed's pipeline engine returns
+        the loss of ``train_batch`` so)."""
+        dp = self.stepper.dp
+        return dp.mean(value) if dp is not None else value
 
     def synchronize(self) -> None:
         """Wait for in-flight optimizer steps and publish the newest weights to the module."""
@@ -205,10 +227,22 @@ class DeepSpeedAccessors:
         save_latest: bool = True, exclude_frozen_parameters: bool = False,
     ) -> bool:  # fmt: skip
         self.synchronize()
-        _ckpt().save(
-            self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
-            exclude_frozen=exclude_frozen_parameters,
-        )  # fmt: skip
+        dp = self.stepper.dp
+        # data parallel: rank 0 writes the whole state (the one-process layout, any world size
+        # loads it), the owners' optimizer shards gathered onto it for the write
+        writes = dp is None or dp.gather_state(self.optimizer)
+        ok = False
+        try:
+            if writes:
+                _ckpt().save(
+                    self, save_dir, tag=tag, client_state=client_state or {},
+                    save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
+                )  # fmt: skip
+            ok = True
+        finally:
+            if dp is not None:
+                dp.drop_foreign_state(self.optimizer)
+                dp.all_ok(ok, "save_checkpoint")
         return True
 
     def load_checkpoint(
@@ -222,12 +256,15 @@ class DeepSpeedAccessors:
         refused unless ``trust_checkpoint=True``, which unpickles it fully (only for files you
         trust: unpickling can run code)."""
         self.synchronize()
-        return _ckpt().load(
+        loaded = _ckpt().load(
             self, load_dir, tag=tag, strict=load_module_strict,
             optimizer_states=load_optimizer_states and not load_module_only,
             scheduler_states=load_lr_scheduler_states and not load_module_only,
             module_only=load_module_only, trust=trust_checkpoint,
         )  # fmt: skip
+        if self.stepper.dp is not None:  # any world size: keep the state of the owned layers
+            self.stepper.dp.drop_foreign_state(self.optimizer)
+        return loaded
 
     def save_16bit_model(
         self,

@@ -42,6 +42,10 @@ class Monitor:
 
     @classmethod
     def from_config(cls, cfg: DSConfig) -> Monitor:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:  # as DeepSpeed: rank 0 writes
+            return cls(wandb_run=None, csv_dir=None, tb_writer=None)
         wandb_run = None
         if cfg.wandb.enabled:
             wandb_run = _start_wandb(cfg)

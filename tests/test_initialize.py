@@ -148,7 +148,13 @@ def test_failed_initialize_leaves_no_threads_behind() -> None:
     assert not {n for n in leaked if n.startswith(("rp-cpu", "rp-optimizer"))}, leaked
 
 
-def test_one_process_per_gpu_launch_is_refused_clearly(monkeypatch) -> None:
+def test_a_multi_process_launch_without_its_rendezvous_variables_is_refused_clearly(
+    monkeypatch,
+) -> None:
+    # WORLD_SIZE > 1 means data parallel (tests/test_data_parallel.py); without RANK and the
+    # master address no process group can form: say which variables and how to launch.
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match="num_gpus 1"):
+    for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="RANK, MASTER_ADDR, MASTER_PORT not set.*torchrun"):
         rp_engine.initialize(model=tiny_qwen3(0, layers=2), config=_tiny_cfg())

@@ -16,6 +16,10 @@ Global-norm clipping and fp16 overflow need every layer's gradient: the squared 
 as layers complete (no separate pass) and the clip/unscale coefficient is applied inside each
 layer's step. Without clipping, fp16 or a torch fallback optimizer, each layer steps as soon as
 its gradient is complete.
+
+Data parallel (``dp``, rp_engine/distributed.py): a layer's gradient is first reduced onto the
+rank that owns it, only the owner steps it, and the layer is done on every rank once its new
+weights have been broadcast; the global norm is summed over the ranks at ``close_step``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim.optimizer import HostOptimizer
+
+if TYPE_CHECKING:
+    from rp_engine.distributed import DataParallel
 
 __all__ = ["OptimizerStepper", "StepResult"]
 
@@ -63,6 +71,7 @@ class OptimizerStepper:
         async_mode: bool,
         fp16: bool,
         guard_nonfinite: bool = False,
+        dp: DataParallel | None = None,
     ) -> None:
         self.store = store
         self.optimizer = optimizer
@@ -80,6 +89,17 @@ class OptimizerStepper:
         self._pending = 0
         self._thread = threading.Thread(target=self._run, name="rp-optimizer", daemon=True)
         self._thread.start()
+        # Data parallel (distributed.py): gradients reduced onto each layer's owner rank, which
+        # alone steps it; the weights are broadcast back before the layer counts as done.
+        self.dp = dp
+        if dp is not None:
+            if not optimizer.per_layer:
+                self.close()
+                raise ValueError(
+                    "data parallel needs the per-layer host optimizer (Adam/AdamW on "
+                    "DeepSpeedCPUAdam); a client torch optimizer steps all layers at once"
+                )
+            dp.start(self._dp_failed, lambda: self._error is not None)
 
     # --- the protocol used by the runtime ----------------------------------------------------
     @property
@@ -120,11 +140,19 @@ class OptimizerStepper:
         """Layer's gradient for the open step is complete (called from a runtime host thread)."""
         st = self._open
         assert st is not None, "layer_ready outside an open step"
+        if self.dp is not None:  # reduce first, in backward order, on the gradient thread
+            self.dp.reduce(layer, partial(self._layer_ready, st, layer))
+            return
+        self._layer_ready(st, layer)
+
+    def _layer_ready(self, st: _OpenStep, layer: int) -> None:
         if self.async_mode:
             # Iteration st.step no longer reads this layer: expose w_{t-1} for iteration t+1.
             self._wait_done(layer, st.step - 1)
             self.store.publish(layer, st.step - 1)
-        sq = self.store.grad_sq_norm(layer)
+        # data parallel: only the owner holds the reduced gradient (close_step sums the ranks)
+        owner = self.dp is None or self.dp.owns(layer)
+        sq = self.store.grad_sq_norm(layer) if owner else 0.0
         self.store.seal_grads(layer)
         with self._cond:
             st.sq_norm += sq
@@ -140,6 +168,10 @@ class OptimizerStepper:
         reports ``overflow`` and no layer's weights change."""
         st = self._open
         assert st is not None, "close_step without open_step"
+        if self.dp is not None:  # every layer reduced; the norm and skip over all ranks
+            st.sq_norm, skip = self.dp.finish_reduce(
+                lambda layer: partial(self._layer_ready, st, layer), lambda: st.sq_norm, skip
+            )
         missing = set(range(self._num_layers)) - st.ready
         for layer in sorted(missing):  # layers that saw no gradient (frozen, unused) still step
             self.layer_ready(layer)
@@ -187,6 +219,8 @@ class OptimizerStepper:
     def abandon_step(self) -> None:
         """Forget the open step after a failed run (its gradients are discarded by the caller)."""
         self._open = None
+        if self.dp is not None:
+            self.dp.abandon()
 
     def set_step(self, step: int) -> None:
         """After loading a checkpoint: every layer has applied ``step`` and shows w_step."""
@@ -210,6 +244,8 @@ class OptimizerStepper:
             self._tasks.put(None)
             if threading.current_thread() is not self._thread:
                 self._thread.join()
+        if self.dp is not None:
+            self.dp.close()
 
     # --- internals ----------------------------------------------------------------------------
     def _wait_done(self, layer: int, step: int) -> None:
@@ -222,6 +258,9 @@ class OptimizerStepper:
                 self._cond.wait(timeout=0.1)
 
     def _enqueue(self, layer: int, st: _OpenStep, *, coef: float, skip: bool) -> None:
+        if self.dp is not None:
+            self._enqueue_dp(layer, st, coef=coef, skip=skip)
+            return
         masters = [hp.master for hp in self.store.layers[layer].owned]
 
         def task() -> None:
@@ -231,6 +270,40 @@ class OptimizerStepper:
             self._finish([layer], st.step)
 
         self._submit(task, f"layer {layer}")
+
+    def _enqueue_dp(self, layer: int, st: _OpenStep, *, coef: float, skip: bool) -> None:
+        """Data parallel: the owner rank steps the layer; then every rank receives its weights
+        (weights thread) and only then finishes the layer (done, published)."""
+        dp = self.dp
+        assert dp is not None
+        masters = [hp.master for hp in self.store.layers[layer].owned]
+        stepped = threading.Event()
+
+        def task() -> None:
+            try:
+                if not skip and masters and dp.owns(layer):
+                    self.store.attach_grads([layer])
+                    self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
+            finally:
+                stepped.set()
+
+        def done() -> None:
+            self._finish([layer], st.step)
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+        with self._cond:
+            self._pending += 1  # the broadcast: wait_all waits for it too
+        self._submit(task, f"layer {layer}")
+        dp.broadcast(layer, stepped, done)
+
+    def _dp_failed(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+        self.store.fail(exc)
 
     def _enqueue_all(self, st: _OpenStep, *, coef: float, skip: bool) -> None:
         masters = [hp.master for hp in self.store.owned_params()]
