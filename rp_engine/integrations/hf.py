@@ -175,7 +175,7 @@ def _ensure_process_group() -> bool:
     if not dist.is_available() or dist.is_initialized():
         return False
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        return False  # a launcher's job; rp_engine.initialize refuses it with the fix
+        return False  # a launcher's job: rp_engine.initialize joins its group (data parallel)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True
 
