@@ -175,14 +175,15 @@ def test_round_size_must_divide_the_accumulation_steps() -> None:
 def test_round_size_fits_the_device_budget() -> None:
     """With a budget and no round size the planner starts with rounds of one micro-batch; once
     a boundary state is measured, M_R is the largest divisor of GAS whose 2 x M_R states fit
-    beside the weights and gradients the plan validates. A given size that cannot fit is an
-    error naming roundpipe.round_size."""
+    beside the weights and gradients its leanest plan validates (no residency, no prefetch).
+    A given size that cannot fit is an error naming roundpipe.round_size."""
     shape = ModelShape(4, True, (100_000,) * 4, 50_000, 40_000)
     kw = {"num_devices": 2, "num_microbatches": 8, "fwd_cuts": (2, 2), "bwd_cuts": (0, 2, 2)}
     state = 200_000  # activations dominate: the round size is what the budget limits
 
-    def weights(size: int) -> int:  # what the plan of rounds of ``size`` validates
-        return Planner(shape, **kw, round_size=size, memory_budget_bytes=2**30).validated_peak()
+    def weights(size: int) -> int:  # what the leanest plan of rounds of ``size`` validates
+        planner = Planner(shape, **kw, memory_budget_bytes=2**30)
+        return planner.validated_peak(round_size=size, prefetch_depth=0, resident=False)
 
     # room for rounds of 2 (and 1), not of 4 or 8 (the validated weights change with M_R too)
     budget = max(weights(1) + 2 * state, weights(2) + 4 * state) + state // 2

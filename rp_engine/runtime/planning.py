@@ -81,6 +81,9 @@ class Planner:
         self.round_size = _round_size(given, num_microbatches)
         self._round_size_given = round_size is not None
         self._round_fitted = False
+        self.residency = True  # weights may stay on a device between groups of a slot
+        self.resident = False  # whether the plans in use keep them (chosen with the cuts)
+        self.boundary_bytes = 0  # one boundary state, once measured
         self.num_devices = num_devices
         self.num_microbatches = num_microbatches
         self.schedule = schedule
@@ -137,34 +140,57 @@ class Planner:
                 "automatic planner)"
             ) from e
         self.fwd_cuts, self.bwd_cuts, self.stages = fwd_cuts, bwd_cuts, stages
-        self.prefetch_depth = self._validated_prefetch()
+        self.prefetch_depth, self.resident = self._choose_lowering()
 
-    def _validated_prefetch(self) -> int:
-        """Validate the lowered plan of these cuts once (issue order, every upload freed, no
-        compute without its upload) and choose its weight prefetch depth: without a budget 1
-        (two groups' weights at most); with one, the deepest of 2, 1 whose memory walk fits,
-        else 0 (a stage that cannot fit at all is reported by the partitioner's check, which
-        names the layer or the user's cut key)."""
+    def set_residency(self, on: bool) -> None:
+        """Allow (the default) or forbid weights staying on a device between a slot's groups
+        there; the lowering is chosen again within the budget."""
+        self.residency = on
+        self.prefetch_depth, self.resident = self._choose_lowering()
+
+    def _choose_lowering(self, round_size: int | None = None) -> tuple[int, bool]:
+        """Validate the lowered plan of these cuts (issue order, every upload freed, no compute
+        without its upload) and choose how it holds weights: residency (``self.residency``) and
+        the weight prefetch depth. Without a budget (the device's size unknown): no residency,
+        depth 1, as few weights as overlap allows. With one, the first
+        that fits of: residency at depth 2, 1; none at depth 2, 1; else none at depth 0 (a
+        stage that cannot fit at all is reported by the partitioner's check, which names the
+        layer or the user's cut key). The budget left is the budget less the 2 x M_R boundary
+        states a slot holds, once a state has been measured."""
         budget = self.memory_budget_bytes
         if budget is None:
-            self.validated_peak(prefetch_depth=1)
-            return 1
-        for depth in (2, 1):
-            if self.validated_peak(prefetch_depth=depth) <= budget:
-                return depth
-        self.validated_peak(prefetch_depth=0)
-        return 0
+            self.validated_peak(prefetch_depth=1, resident=False, round_size=round_size)
+            return 1, False
+        left = budget - 2 * (round_size or self.round_size) * self.boundary_bytes
+        options = [(d, True) for d in (2, 1) if self.residency] + [(2, False), (1, False)]
+        for depth, resident in options:
+            peak = self.validated_peak(
+                prefetch_depth=depth, resident=resident, round_size=round_size
+            )
+            if peak <= left:
+                return depth, resident
+        self.validated_peak(prefetch_depth=0, resident=False, round_size=round_size)
+        return 0, False
 
     def validated_peak(
-        self, *, round_size: int | None = None, prefetch_depth: int | None = None
+        self,
+        *,
+        round_size: int | None = None,
+        prefetch_depth: int | None = None,
+        resident: bool | None = None,
     ) -> int:
         """Validate the lowered plan of one iteration with these cuts (issue order, every
         upload freed, no compute without its upload; PlanError otherwise) and return its
         largest per-device memory peak: weights and gradients, byte sizes of the model.
-        Defaults: the planner's round size and prefetch depth."""
+        Defaults: the planner's round size, prefetch depth and residency."""
         compute = self._schedule(self.num_microbatches, 0, round_size=round_size)
-        depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
-        plan = schedules.lower(compute, offload=True, optimizer="", prefetch_depth=depth)
+        plan = schedules.lower(
+            compute,
+            offload=True,
+            optimizer="",
+            prefetch_depth=self.prefetch_depth if prefetch_depth is None else prefetch_depth,
+            resident=self.resident if resident is None else resident,
+        )
         return max(schedules.validate(plan, costs=self._estimate()))
 
     def _blocks(self) -> tuple[int, ...]:
@@ -258,7 +284,11 @@ class Planner:
         if ops is not None:
             plan = dataclasses.replace(plan, actions=tuple(a for a in plan.actions if a.op in ops))
         lowered = schedules.lower(
-            plan, offload=True, optimizer="", prefetch_depth=self.prefetch_depth
+            plan,
+            offload=True,
+            optimizer="",
+            prefetch_depth=self.prefetch_depth,
+            resident=self.resident,
         )
         if ops is None:
             self.last_plan = lowered
@@ -273,16 +303,20 @@ class Planner:
     def fit_round_size(self, boundary_bytes: int) -> None:
         """Choose M_R from the device budget once a boundary state's size is measured: a slot
         holds up to M_R micro-batches' inputs and outputs (2 x M_R states) besides the weights
-        and gradients its plan validates; the largest divisor of GAS that fits wins. A given
-        ``roundpipe.round_size`` that does not fit is an error naming it."""
+        and gradients its plan validates; the largest divisor of GAS whose leanest plan (no
+        residency, no prefetch) fits wins, then residency and the prefetch depth are chosen
+        again in what is left. A given ``roundpipe.round_size`` that does not fit is an error
+        naming it."""
         budget = self.memory_budget_bytes
         if budget is None or boundary_bytes <= 0 or self._round_fitted:
             return
         self._round_fitted = True
+        self.boundary_bytes = boundary_bytes
         gas = self.num_microbatches
 
         def need(size: int) -> int:  # the plan's groups change with M_R: validate each size
-            return self.validated_peak(round_size=size) + 2 * size * boundary_bytes
+            lean = self.validated_peak(round_size=size, prefetch_depth=0, resident=False)
+            return lean + 2 * size * boundary_bytes
 
         sizes = [d for d in range(gas, 0, -1) if not gas % d]
         fits = [d for d in sizes if need(d) <= budget] or [1]
@@ -294,13 +328,13 @@ class Planner:
                     f"2 x {self.round_size} activation states of {boundary_bytes} bytes); use "
                     f"{fits[0]} (or leave it out to let the planner choose)"
                 )
-            return
-        if fits[0] != self.round_size:
+        elif fits[0] != self.round_size:
             log.info(
                 "round size %d micro-batches (activations %d bytes per state, budget %d bytes)",
                 fits[0], boundary_bytes, budget,
             )  # fmt: skip
             self.round_size = fits[0]
+        self.prefetch_depth, self.resident = self._choose_lowering()
 
     def observe(self, fwd_ms: dict[int, list[float]], bwd_ms: dict[int, list[float]]) -> bool:
         """Feed one profiled iteration; re-plans once after ``profile_iterations``.
