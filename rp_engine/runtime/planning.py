@@ -73,6 +73,7 @@ class Planner:
         profile_iterations: int = 2,
         async_optimizer: bool = True,
         round_size: int | None = None,
+        link_gbps: float | None = None,
     ) -> None:
         self.shape = shape
         # With a budget and no round size given, start safe (rounds of one micro-batch) and fit
@@ -90,6 +91,7 @@ class Planner:
         self.spec = _engine_schedule(schedule)
         self.memory_budget_bytes = memory_budget_bytes
         self.async_optimizer = async_optimizer  # the two modes want different cuts
+        self.link_gbps = link_gbps  # each device's host link: transfers enter the objective
         self.fixed = fwd_cuts is not None and bwd_cuts is not None
         self.user_cuts = self.fixed  # errors about cuts name the roundpipe keys only then
         self.profile_left = 0 if self.fixed else profile_iterations
@@ -234,6 +236,8 @@ class Planner:
             fwd_cuts=cuts[0] if cuts else None,
             bwd_cuts=cuts[1] if cuts else None,
             min_bwd_stages=StageMap.min_bwd_stages(self.shape.has_prefix),
+            link_gbps=self.link_gbps,
+            round_size=self.round_size if self._round_size_given else None,
         )
 
     def compute_plan(self, start_device: int = 0) -> Plan:
