@@ -355,7 +355,7 @@ def residency(args: argparse.Namespace) -> dict[str, Any]:
 
     tps = _interleaved({k: run_window(k) for k in engines}, args.repeats)
     stats = {k: e.last_step_stats() for k, e in engines.items()}
-    resident = {k: e.planner.resident for k, e in engines.items()}
+    resident = {k: list(e.planner.resident) for k, e in engines.items()}
     for e in engines.values():
         e.destroy()
     med = {k: statistics.median(v) for k, v in tps.items()}

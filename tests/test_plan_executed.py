@@ -183,7 +183,7 @@ def test_round_size_fits_the_device_budget() -> None:
 
     def weights(size: int) -> int:  # what the leanest plan of rounds of ``size`` validates
         planner = Planner(shape, **kw, memory_budget_bytes=2**30)
-        return planner.validated_peak(round_size=size, prefetch_depth=0, resident=False)
+        return planner.validated_peak(round_size=size, prefetch_depth=0, resident=())
 
     # room for rounds of 2 (and 1), not of 4 or 8 (the validated weights change with M_R too)
     budget = max(weights(1) + 2 * state, weights(2) + 4 * state) + state // 2
@@ -289,3 +289,24 @@ def test_measured_device_peak_is_within_the_validated_one() -> None:
         engine.destroy()
     assert planner.round_size == 1 and planner.boundary_bytes > 0
     assert measured <= claimed, (measured, claimed)
+
+
+def test_a_tight_budget_keeps_some_slots_resident() -> None:
+    """A budget that holds some slots' weights across the step but not all: the planner keeps
+    the smallest resident (the most that fit), validated, and no slot that never comes back."""
+    shape = ModelShape(4, True, (100_000,) * 4, 50_000, 40_000)
+    kw = {"num_devices": 1, "num_microbatches": 4, "fwd_cuts": (2, 2), "bwd_cuts": (1, 1, 2)}
+    ample = Planner(shape, **kw, round_size=1, memory_budget_bytes=2**30)
+    assert sorted(ample.resident) == list(range(5)) and ample.prefetch_depth == 2
+    none = ample.validated_peak(prefetch_depth=1, resident=())
+    every = ample.validated_peak(prefetch_depth=1)
+    budget = (none + every) // 2
+    tight = Planner(shape, **kw, round_size=1, memory_budget_bytes=budget)
+    assert 0 < len(tight.resident) < 5 and tight.prefetch_depth == 1
+    assert tight.validated_peak() <= budget
+    sizes = ample._estimate().stages((2, 2), (1, 1, 2)).param_bytes
+    assert max(sizes[s] for s in tight.resident) <= min(
+        sizes[s] for s in range(5) if s not in tight.resident
+    )
+    whole = Planner(shape, **kw, round_size=4, memory_budget_bytes=2**30)  # nothing comes back
+    assert whole.resident == ()

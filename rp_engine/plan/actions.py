@@ -30,7 +30,6 @@ DOWNLOAD of the gradients accumulated over all its groups, one FREE after its la
 
 from __future__ import annotations
 
-import bisect
 import enum
 import functools
 import re
@@ -464,9 +463,9 @@ class _DepContext:
     def upload_deps(self, u: Action) -> list[Action]:
         h = self._holding(u)
         deps: list[Action] = []
-        gate = h.gate if h is not None else None
-        if gate is not None and gate.free is not None:
-            deps.append(gate.free)
+        for gate in h.gates if h is not None else ():
+            if gate.free is not None:
+                deps.append(gate.free)
         lag = OPTIMIZER_LAG.get(self.plan.optimizer)
         if lag is not None and u.iteration >= lag:
             for layer in self._opt_layers(u.stage):
@@ -541,8 +540,8 @@ _compute_groups = compute_groups  # the former private name, kept for existing c
 class Holding:
     """One set of weights on one device in a lowered plan: an UPLOAD and the compute groups that
     run on it (the group that has the UPLOAD, then the resident ones joining it), its DOWNLOAD
-    (backward slots) and FREE. ``gate``: the holding whose FREE this UPLOAD waits for (the
-    prefetch depth's memory gate), or None."""
+    (backward slots) and FREE. ``gates``: the holdings whose FREEs this UPLOAD waits for (the
+    prefetch depth's memory gate)."""
 
     slot: int
     device: int
@@ -551,7 +550,7 @@ class Holding:
     upload: Action | None = None
     download: Action | None = None
     free: Action | None = None
-    gate: Holding | None = None
+    gates: list[Holding] = field(default_factory=list)
 
     def computes(self) -> list[Action]:
         return [a for g in self.groups for a in g]
@@ -572,11 +571,12 @@ def weight_holdings(plan: Plan) -> dict[int, list[Holding]]:
     """Per device, the holdings of a lowered plan in upload order (see the module docstring).
 
     A group with an UPLOAD of its own starts a holding; a group without one joins the latest
-    holding of its slot and iteration on that device (its weights stayed resident). The gate of
-    a holding whose first group is the device's group ``gi`` is the holding that ends (has its
-    last group) latest at or before group ``gi - 1 - prefetch_depth``: with every group its own
-    holding, the group ``prefetch_depth + 1`` back, as without residency. Compute-only plans:
-    one holding per group, no transfers.
+    holding of its slot and iteration on that device (its weights stayed resident). The gates of
+    a holding whose first group is the device's group ``gi`` are the holdings that end (have
+    their last group) at or before group ``gi - 1 - prefetch_depth`` and gate no earlier
+    holding: every holding gates a later upload, so none can linger unbounded; with every group
+    its own holding, the group ``prefetch_depth + 1`` back, as without residency. Compute-only
+    plans: one holding per group, no transfers.
     """
     keyed = {
         (a.op, a.stage, a.microbatch, a.device, a.iteration): a
@@ -602,13 +602,14 @@ def weight_holdings(plan: Plan) -> dict[int, list[Holding]]:
                 live[(slot, it)] = h
             h.groups.append(group)
             h.group_indices.append(gi)
-        # the gate, once every holding's last group is known: the latest-ending holding that
-        # ends at or before group first - back (never one a later group keeps alive)
+        # the gates, once every holding's last group is known (never one a later group keeps
+        # alive): in upload order, each takes the holdings ended by then that no earlier took
         by_end = sorted(held, key=lambda h: h.last)
-        ends = [h.last for h in by_end]
+        taken = 0
         for h in held:
-            k = bisect.bisect_right(ends, h.first - back)
-            h.gate = by_end[k - 1] if k else None
+            while taken < len(by_end) and by_end[taken].last <= h.first - back:
+                h.gates.append(by_end[taken])
+                taken += 1
         out[d] = held
     return out
 

@@ -26,7 +26,7 @@ streams: an UPLOAD starts as soon as the FREE it is gated on has run (possibly l
 place in the device's order), and a FREE after a gradient download may land long after its
 place (the device computes on meanwhile). So for lowered plans ``walk_peak`` counts weights and
 gradients with ``held_bound``: at each compute action, the most the holdings can occupy under
-the executor's orderings (uploads in issue order on one stream, each after its gate's FREE;
+the executor's orderings (uploads in issue order on one stream, each after its gates' FREEs;
 frees without a download on the compute stream, right after their group; frees after a
 download in issue order on the download stream).
 """
@@ -164,12 +164,12 @@ def held_bound(plan: Plan, st: StageCosts, device: int) -> dict[Action, int]:
         d2h_freed = -1  # download-stream FREEs at or before this position have run
         best = 0
         for k, h in enumerate(holdings):
-            if h.gate is not None and h.gate.last >= g:
+            if any(gate.last >= g for gate in h.gates):
                 break  # this upload (and every later one) waits for a FREE after g's compute
-            if h.gate is not None:
-                freed.add(index[id(h.gate)])
-                if h.gate.download is not None:
-                    d2h_freed = max(d2h_freed, free_pos(h.gate))
+            for gate in h.gates:
+                freed.add(index[id(gate)])
+                if gate.download is not None:
+                    d2h_freed = max(d2h_freed, free_pos(gate))
             if k < mine:
                 continue
             total = 0

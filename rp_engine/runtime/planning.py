@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rp_engine.plan import schedules
-from rp_engine.plan.actions import Op, Plan, format_grid
+from rp_engine.plan.actions import Op, Plan, compute_groups, format_grid
 from rp_engine.plan.partition import CutsError, LayerCosts, Partition, partition
 from rp_engine.runtime.stages import StageMap
 
@@ -83,7 +83,7 @@ class Planner:
         self._round_size_given = round_size is not None
         self._round_fitted = False
         self.residency = True  # weights may stay on a device between groups of a slot
-        self.resident = False  # whether the plans in use keep them (chosen with the cuts)
+        self.resident: tuple[int, ...] = ()  # slots the plans in use keep (chosen with the cuts)
         self.boundary_bytes = 0  # one boundary state, once measured
         self.num_devices = num_devices
         self.num_microbatches = num_microbatches
@@ -150,41 +150,70 @@ class Planner:
         self.residency = on
         self.prefetch_depth, self.resident = self._choose_lowering()
 
-    def _choose_lowering(self, round_size: int | None = None) -> tuple[int, bool]:
+    def _choose_lowering(self, round_size: int | None = None) -> tuple[int, tuple[int, ...]]:
         """Validate the lowered plan of these cuts (issue order, every upload freed, no compute
-        without its upload) and choose how it holds weights: residency (``self.residency``) and
-        the weight prefetch depth. Without a budget (the device's size unknown): no residency,
-        depth 1, as few weights as overlap allows. With one, the first
-        that fits of: residency at depth 2, 1; none at depth 2, 1; else none at depth 0 (a
-        stage that cannot fit at all is reported by the partitioner's check, which names the
-        layer or the user's cut key). The budget left is the budget less the 2 x M_R boundary
-        states a slot holds, once a state has been measured."""
+        without its upload) and choose how it holds weights: the prefetch depth and the slots
+        kept resident (``self.residency``: only slots that come back to a device within the
+        step). Without a budget (the device's size unknown): depth 1, nothing resident, as few
+        weights as overlap allows. With one, the first that fits of: every such slot resident
+        at depth 2, 1; the most of them (smallest first, found by bisection) at depth 1; none
+        at depth 2, 1; else none at depth 0 (a stage that cannot fit at all is reported by the
+        partitioner's check, which names the layer or the user's cut key). The budget left is
+        the budget less the 2 x M_R boundary states a slot holds, once one has been measured."""
         budget = self.memory_budget_bytes
-        if budget is None:
-            self.validated_peak(prefetch_depth=1, resident=False, round_size=round_size)
-            return 1, False
-        left = budget - 2 * (round_size or self.round_size) * self.boundary_bytes
-        options = [(d, True) for d in (2, 1) if self.residency] + [(2, False), (1, False)]
-        for depth, resident in options:
-            peak = self.validated_peak(
+
+        def peak(depth: int, resident: tuple[int, ...]) -> int:
+            return self.validated_peak(
                 prefetch_depth=depth, resident=resident, round_size=round_size
             )
-            if peak <= left:
-                return depth, resident
-        self.validated_peak(prefetch_depth=0, resident=False, round_size=round_size)
-        return 0, False
+
+        if budget is None:
+            peak(1, ())
+            return 1, ()
+        left = budget - 2 * (round_size or self.round_size) * self.boundary_bytes
+        slots = self._returning_slots(round_size) if self.residency else ()
+        if slots:
+            for depth in (2, 1):
+                if peak(depth, slots) <= left:
+                    return depth, slots
+            lo, hi = 0, len(slots) - 1  # the longest prefix that fits: slots[:lo]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if peak(1, slots[:mid]) <= left else (lo, mid - 1)
+            if lo:
+                return 1, slots[:lo]
+        for depth in (2, 1):
+            if peak(depth, ()) <= left:
+                return depth, ()
+        peak(0, ())
+        return 0, ()
+
+    def _returning_slots(self, round_size: int | None) -> tuple[int, ...]:
+        """Slots with more than one group on some device in a step (residency saves their
+        later uploads), smallest weights first."""
+        compute = self._schedule(self.num_microbatches, 0, round_size=round_size)
+        seen: set[tuple[int, int]] = set()
+        back: set[int] = set()
+        for d, groups in compute_groups(compute).items():
+            for group in groups:
+                key = (d, compute.slot(group[0]))
+                if key in seen:
+                    back.add(key[1])
+                seen.add(key)
+        size = self._estimate().stages(self.fwd_cuts, self.bwd_cuts).param_bytes
+        return tuple(sorted(back, key=lambda s: (size[s], s)))
 
     def validated_peak(
         self,
         *,
         round_size: int | None = None,
         prefetch_depth: int | None = None,
-        resident: bool | None = None,
+        resident: tuple[int, ...] | None = None,
     ) -> int:
         """Validate the lowered plan of one iteration with these cuts (issue order, every
         upload freed, no compute without its upload; PlanError otherwise) and return its
         largest per-device memory peak: weights and gradients, byte sizes of the model.
-        Defaults: the planner's round size, prefetch depth and residency."""
+        Defaults: the planner's round size, prefetch depth and resident slots."""
         compute = self._schedule(self.num_microbatches, 0, round_size=round_size)
         plan = schedules.lower(
             compute,
@@ -319,7 +348,7 @@ class Planner:
         gas = self.num_microbatches
 
         def need(size: int) -> int:  # the plan's groups change with M_R: validate each size
-            lean = self.validated_peak(round_size=size, prefetch_depth=0, resident=False)
+            lean = self.validated_peak(round_size=size, prefetch_depth=0, resident=())
             return lean + 2 * size * boundary_bytes
 
         sizes = [d for d in range(gas, 0, -1) if not gas % d]
