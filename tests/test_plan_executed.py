@@ -132,7 +132,9 @@ def test_rounds_keep_parity_with_pytorch(devices: int, fwd, bwd, round_size: int
     assert_same_weights(model, ref)
 
 
-def _fp16_losses(devices: int, round_size: int) -> tuple[list[float], list[torch.Tensor]]:
+def _fp16_losses(
+    devices: int, round_size: int, *, resident: bool = False
+) -> tuple[list[float], list[torch.Tensor]]:
     model = tiny_mlp(0, layers=4)
     model.loss_fn = F.cross_entropy
     cfg = config(
@@ -141,10 +143,11 @@ def _fp16_losses(devices: int, round_size: int) -> tuple[list[float], list[torch
         fwd_cuts=[2, 1],
         bwd_cuts=[1, 1, 1],
         fp16={"enabled": True, "initial_scale_power": 12},
-        roundpipe={"round_size": round_size},
+        roundpipe={"round_size": round_size, **({"device_memory_gb": 1.0} if resident else {})},
     )
     engine = engine_for(model, cfg)
     try:
+        assert bool(engine.planner.resident) == resident
         batches = iter([mlp_batch(seed=i) for i in range(12)])
         losses = [float(engine.train_batch(batches)) for _ in range(3)]
         engine.synchronize()
@@ -165,6 +168,17 @@ def test_fp16_rounds_match_per_microbatch_accumulation(devices: int) -> None:
         torch.testing.assert_close(losses, base_losses, rtol=1e-6, atol=0)
         for a, b in zip(weights, base_weights, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_fp16_resident_rounds_match_per_microbatch_accumulation() -> None:
+    """fp16 with loss scaling, cpu:1, rounds of one micro-batch kept resident: the gradients
+    of the step's rounds add up on the device (fp32 from the second on) and come down once,
+    equal to downloading each round's."""
+    base_losses, base_weights = _fp16_losses(1, 1)
+    losses, weights = _fp16_losses(1, 1, resident=True)
+    torch.testing.assert_close(losses, base_losses, rtol=1e-6, atol=0)
+    for a, b in zip(weights, base_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
 def test_round_size_must_divide_the_accumulation_steps() -> None:
