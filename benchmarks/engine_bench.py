@@ -7,6 +7,7 @@
     python benchmarks/engine_bench.py convergence   # sync vs async loss curves (PNG)
     python benchmarks/engine_bench.py timeline      # PNG of one 4-device iteration
     python benchmarks/engine_bench.py rounds        # one upload per round vs per micro-batch
+    python benchmarks/engine_bench.py residency     # weights kept on the device across rounds
 
 Every figure is a ratio of runs interleaved in one process (A B A B ...), so machine noise
 hits both sides alike. Results are printed as JSON lines; RESULTS.md quotes them with the command.
@@ -318,6 +319,59 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def residency(args: argparse.Namespace) -> dict[str, Any]:
+    """Tokens/s with weights kept on the device across rounds (residency: each slot uploads
+    once per step) vs uploaded for every round, cpu:1 with an emulated link, rounds of one
+    micro-batch (as a budget that holds the weights but not GAS activation states would force).
+    Windows of steps synchronised at both ends (never per step), interleaved."""
+    seq, gas, mbs, window = 16, 8, 1, 2
+    data = list(_take(batches(stdlib_corpus(), seq_len=seq, micro_batch=mbs), gas * 200))
+    engines = {}
+    for name, on in (("per_round", False), ("resident", True)):
+        engine, _, _, _ = rp_engine.initialize(
+            model=build_tiny_model(layers=args.layers, hidden=args.hidden),
+            config=_cfg("cpu:1", gas=gas, mbs=mbs, pcie_gbps=args.pcie_gbps, round_size=1,
+                        device_memory_gb=1.0, fwd_cuts=[2] * (args.layers // 2),
+                        bwd_cuts=[0] + [2] * (args.layers // 2)),
+        )  # fmt: skip
+        engine.planner.set_residency(on)
+        engines[name] = engine
+    iters = {k: iter(data) for k in engines}
+    for k, e in engines.items():
+        e.train_batch(iters[k])
+        e.synchronize()
+
+    def run_window(name: str) -> Callable[[], float]:
+        def run() -> float:
+            engine = engines[name]
+            engine.synchronize()
+            start = time.perf_counter()
+            for _ in range(window):
+                engine.train_batch(iters[name])
+            engine.synchronize()
+            return window * gas * mbs * seq / (time.perf_counter() - start)
+
+        return run
+
+    tps = _interleaved({k: run_window(k) for k in engines}, args.repeats)
+    stats = {k: e.last_step_stats() for k, e in engines.items()}
+    resident = {k: list(e.planner.resident) for k, e in engines.items()}
+    for e in engines.values():
+        e.destroy()
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    return {
+        "bench": "residency",
+        "model": f"qwen3 L{args.layers} H{args.hidden} seq{seq} mbs{mbs} gas{gas} round 1 fp32, "
+        f"cpu:1, pcie {args.pcie_gbps} GB/s",
+        "resident": resident,
+        "tokens_per_s": med,
+        "speedup_resident_over_per_round": med["resident"] / med["per_round"],
+        "weight_h2d_bytes_per_step": {k: v["weight_h2d_bytes"] for k, v in stats.items()},
+        "grad_d2h_bytes_per_step": {k: v["grad_d2h_bytes"] for k, v in stats.items()},
+        "uploads_per_step": {k: v["uploads"] for k, v in stats.items()},
+    }
+
+
 def _take(it: Any, n: int) -> Any:
     for _ in range(n):
         yield next(it)
@@ -331,6 +385,7 @@ BENCHES = {
     "convergence": convergence,
     "timeline": timeline,
     "rounds": rounds,
+    "residency": residency,
 }
 
 

@@ -15,8 +15,10 @@ from rp_engine.plan.partition import (
     Partition,
     balanced_stage_layers,
     estimate_iteration_ms,
+    fitted_round_size,
     load_costs,
     partition,
+    transfer_ms,
 )
 
 QWEN = Path(__file__).resolve().parents[1] / "benchmarks" / "costs" / "qwen3_1_7b.json"
@@ -208,3 +210,78 @@ def test_balanced_stage_layers() -> None:
     assert balanced_stage_layers(uniform, 7) == (1, 1, 1, 1, 1, 1, 0)
     with pytest.raises(ValueError, match="num_stages"):
         balanced_stage_layers(uniform, 8)
+
+
+def _link_costs() -> LayerCosts:
+    mb = 2**20
+    return LayerCosts.uniform(
+        8, fwd_ms=1.0, bwd_ms=2.0, param_bytes=20 * mb, act_bytes=4 * mb,
+        head_param_bytes=40 * mb, head_fwd_ms=1.0, head_bwd_ms=2.0, boundary_bytes=2 * mb,
+    )  # fmt: skip
+
+
+def test_the_choice_responds_to_link_bandwidth() -> None:
+    """Transfers enter the objective: on a slow link the search trades compute balance for
+    fewer bytes on the busiest link (fewer boundaries crossed, the head stage's blocks never
+    uploaded for a forward); with no link given (or a fast one) it balances compute."""
+    costs = _link_costs()
+    kw = {"num_devices": 2, "num_microbatches": 8, "min_bwd_stages": 2}
+    free = partition(costs, **kw)
+    slow = partition(costs, **kw, link_gbps=1.0)
+    assert (slow.fwd_cuts, slow.bwd_cuts) != (free.fwd_cuts, free.bwd_cuts)
+
+    def link(p: Partition) -> float:
+        return transfer_ms(costs, p.fwd_cuts, p.bwd_cuts, 2, 8, 8, 1.0)
+
+    def compute(p: Partition) -> float:
+        return estimate_iteration_ms(costs, p.fwd_cuts, p.bwd_cuts, num_devices=2,
+                                     num_microbatches=8)  # fmt: skip
+
+    assert link(slow) < link(free) and compute(slow) > compute(free)
+    assert slow.est_iteration_ms >= link(slow)  # the estimate is at least the link's time
+
+
+def test_transfer_time_counts_rounds_and_the_busiest_link() -> None:
+    """Weights once per round per slot, gradients once per round per backward slot; one
+    device carries every slot."""
+    costs = LayerCosts.uniform(2, fwd_ms=1.0, bwd_ms=1.0, param_bytes=1_000_000)
+    st = costs.stages((1, 1), (1, 1))
+    for rounds in (1, 4):
+        ms = transfer_ms(costs, (1, 1), (1, 1), 1, 4, 4 // rounds, 1.0)
+        assert ms == pytest.approx(rounds * sum(st.param_bytes) / 1e6)
+    # two devices, 4 slots: device d always gets slots d and d + 2 (F0 and H on one, F1 and
+    # B1 on the other); F1's block belongs to the head stage, so the first link is the busiest
+    assert st.param_bytes[1] == 0
+    assert transfer_ms(costs, (1, 1), (1, 1), 2, 4, 4, 1.0) == pytest.approx(
+        (st.param_bytes[0] + st.param_bytes[2]) / 1e6
+    )
+
+
+def test_round_size_follows_the_activation_memory_left() -> None:
+    costs = _link_costs()
+    st = costs.stages((4, 4), (2, 3, 3))
+    largest = max(
+        w + g + k for w, g, k in zip(st.param_bytes, st.grad_bytes, st.work_bytes, strict=True)
+    )
+    state = costs.boundary_bytes
+    assert fitted_round_size(costs, (4, 4), (2, 3, 3), 8, None) == 8
+    assert fitted_round_size(costs, (4, 4), (2, 3, 3), 8, largest + 8 * state) == 4
+    assert fitted_round_size(costs, (4, 4), (2, 3, 3), 8, largest + 2 * state) == 1
+
+
+def test_the_embedding_prefix_counts_in_the_budget() -> None:
+    """A stage holding layer 0 carries the prefix (forward stage 0, the last backward stage):
+    cuts that fit without its bytes fail with them (the search used to leave them out)."""
+    plain = LayerCosts.uniform(4, fwd_ms=1.0, bwd_ms=2.0, param_bytes=1000)
+    with_prefix = LayerCosts.uniform(4, fwd_ms=1.0, bwd_ms=2.0, param_bytes=1000,
+                                     prefix_param_bytes=5000)  # fmt: skip
+    need = with_prefix.stages((2, 2), (0, 2, 2))
+    budget = max(
+        w + g + k
+        for w, g, k in zip(need.param_bytes, need.grad_bytes, need.work_bytes, strict=True)
+    )
+    kw = {"num_devices": 2, "num_microbatches": 2, "fwd_cuts": (2, 2), "bwd_cuts": (0, 2, 2)}
+    partition(with_prefix, memory_budget_bytes=budget, **kw)
+    partition(plain, memory_budget_bytes=budget - 5000, **kw)
+    with pytest.raises(ValueError, match="exceeds the memory budget"):
+        partition(with_prefix, memory_budget_bytes=budget - 1, **kw)

@@ -50,6 +50,7 @@ def _planner_cases(draw: st.DrawFn) -> dict:
         "num_microbatches": draw(st.integers(1, 8)),
         "async_optimizer": draw(st.booleans()),
         "memory_budget_bytes": None if factor is None else int(factor * largest),
+        "link_gbps": draw(st.one_of(st.none(), st.floats(0.01, 100.0))),
         # measured times (ms) of two profiled iterations, zeros included
         "times": draw(st.lists(st.floats(0.0, 50.0), min_size=64, max_size=64)),
     }
@@ -122,6 +123,7 @@ def _partition_cases(draw: st.DrawFn) -> dict:
         head_act_bytes=draw(st.integers(0, 200)) * mib,  # the head chunk's logits
         boundary_bytes=draw(st.integers(0, 4)) * mib,
         comm_ms=draw(st.floats(0.0, 2.0)),
+        prefix_param_bytes=draw(st.integers(0, 100)) * mib,  # counts in the budget
     )
     budget_mib = draw(st.one_of(st.none(), st.integers(100, 2000)))
     return {
@@ -131,6 +133,7 @@ def _partition_cases(draw: st.DrawFn) -> dict:
         "async_optimizer": draw(st.booleans()),
         "memory_budget_bytes": None if budget_mib is None else budget_mib * mib,
         "min_bwd_stages": draw(st.integers(1, min(4, layers + 1))),
+        "link_gbps": draw(st.one_of(st.none(), st.floats(0.01, 100.0))),
     }
 
 

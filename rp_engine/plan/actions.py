@@ -18,6 +18,11 @@ Transfer actions name a *slot*: slot s < S_f is forward stage s, slot S_f + j is
                        compute actions of that slot on d starting with micro-batch m0
   FREE(slot, m0)@d     release of those weights (and gradients)
   DOWNLOAD(slot, m0)@d weight gradients of a backward group back to the host
+
+Residency: in a lowered plan, a compute group with no UPLOAD of its own runs on the weights of
+the latest earlier group of the same slot and iteration on its device (they stayed resident).
+That group and the ones joining it form one *holding* (``weight_holdings``): one UPLOAD, one
+DOWNLOAD of the gradients accumulated over all its groups, one FREE after its last group.
   SEND(slot, m)@d      the output of compute action (slot, m) moved to device d (via the host,
                        or peer to peer), for the consumers of it on d
   OPT(layer, 0)@h      CPU optimizer step of one layer (layer L = the head)
@@ -44,6 +49,8 @@ __all__ = [
     "format_grid",
     "format_bytes",
     "compute_groups",
+    "Holding",
+    "weight_holdings",
 ]
 
 HOST = -1  # device index of host-side actions (the CPU optimizer)
@@ -375,6 +382,11 @@ class _DepContext:
                 self.group_index[(d, plan.slot(first), first.microbatch, first.iteration)] = gi
                 self.slot_groups[(plan.slot(first), first.iteration)].append((d, group))
                 self.group_of.update((a, (d, gi)) for a in group)
+        self.holdings = weight_holdings(plan)
+        self.holding_of: dict[tuple[int, int], Holding] = {}  # (device, group index) -> holding
+        for d, held in self.holdings.items():
+            for h in held:
+                self.holding_of.update(((d, gi), h) for gi in h.group_indices)
         self.device_compute = {
             d: [a for a in row if a.is_compute] for d, row in plan._by_device.items()
         }
@@ -439,22 +451,21 @@ class _DepContext:
 
     # -- groups and transfers --------------------------------------------------------------------
     def _group_transfer(self, a: Action, op: Op) -> Action | None:
+        """The UPLOAD (or other transfer) of the holding ``a``'s group runs on."""
         d, gi = self.group_of[a]
-        first = self.groups[d][gi][0]
-        return self.by_key.get((op, self.plan.slot(first), first.microbatch, d, first.iteration))
+        h = self.holding_of.get((d, gi))
+        return h.transfer(op) if h is not None else None
 
-    def _group(self, t: Action) -> tuple[int, list[Action]] | None:
+    def _holding(self, t: Action) -> Holding | None:
         gi = self.group_index.get((t.device, t.stage, t.microbatch, t.iteration))
-        return None if gi is None else (gi, self.groups[t.device][gi])
+        return None if gi is None else self.holding_of.get((t.device, gi))
 
     def upload_deps(self, u: Action) -> list[Action]:
-        found = self._group(u)
+        h = self._holding(u)
         deps: list[Action] = []
-        back = self.plan.prefetch_depth + 1  # at most prefetch_depth + 1 groups' weights at once
-        if found is not None and found[0] >= back:
-            older = self.groups[u.device][found[0] - back][0]
-            key = (Op.FREE, self.plan.slot(older), older.microbatch, u.device, older.iteration)
-            deps += [self.by_key[key]] if key in self.by_key else []
+        for gate in h.gates if h is not None else ():
+            if gate.free is not None:
+                deps.append(gate.free)
         lag = OPTIMIZER_LAG.get(self.plan.optimizer)
         if lag is not None and u.iteration >= lag:
             for layer in self._opt_layers(u.stage):
@@ -467,13 +478,13 @@ class _DepContext:
         return layers + ([self.plan.num_layers] if slot == self.plan.num_fwd_stages else [])
 
     def free_deps(self, x: Action) -> list[Action]:
-        found = self._group(x)
+        h = self._holding(x)
         down = self.by_key.get((Op.DOWNLOAD, x.stage, x.microbatch, x.device, x.iteration))
-        return (list(found[1]) if found else []) + ([down] if down is not None else [])
+        return (h.computes() if h else []) + ([down] if down is not None else [])
 
     def download_deps(self, dl: Action) -> list[Action]:
-        found = self._group(dl)
-        return list(found[1]) if found is not None else []
+        h = self._holding(dl)
+        return h.computes() if h is not None else []
 
     def send_deps(self, s: Action) -> list[Action]:
         src = self.by_slot.get((s.stage, s.microbatch, s.iteration))
@@ -493,9 +504,12 @@ class _DepContext:
             slot = plan.num_fwd_stages + j
             if not (layer in plan.slot_layers(slot) or (j == 0 and layer == plan.num_layers)):
                 continue
-            for d, group in self.slot_groups.get((slot, o.iteration), []):
-                key = (Op.DOWNLOAD, slot, group[0].microbatch, d, o.iteration)
-                deps += [self.by_key[key]] if key in self.by_key else list(group)
+            for _, group in self.slot_groups.get((slot, o.iteration), []):
+                h = self.holding_of.get(self.group_of[group[0]])
+                if h is not None and h.download is not None:
+                    deps.append(h.download)  # a resident group's gradients go with its holding
+                else:
+                    deps += list(group)
         return deps
 
 
@@ -520,6 +534,84 @@ def compute_groups(plan: Plan) -> dict[int, list[list[Action]]]:
 
 
 _compute_groups = compute_groups  # the former private name, kept for existing callers
+
+
+@dataclass(eq=False)
+class Holding:
+    """One set of weights on one device in a lowered plan: an UPLOAD and the compute groups that
+    run on it (the group that has the UPLOAD, then the resident ones joining it), its DOWNLOAD
+    (backward slots) and FREE. ``gates``: the holdings whose FREEs this UPLOAD waits for (the
+    prefetch depth's memory gate)."""
+
+    slot: int
+    device: int
+    groups: list[list[Action]]
+    group_indices: list[int]  # the groups' positions in the device's compute_groups
+    upload: Action | None = None
+    download: Action | None = None
+    free: Action | None = None
+    gates: list[Holding] = field(default_factory=list)
+
+    def computes(self) -> list[Action]:
+        return [a for g in self.groups for a in g]
+
+    def transfer(self, op: Op) -> Action | None:
+        return {Op.UPLOAD: self.upload, Op.DOWNLOAD: self.download, Op.FREE: self.free}.get(op)
+
+    @property
+    def first(self) -> int:
+        return self.group_indices[0]
+
+    @property
+    def last(self) -> int:
+        return self.group_indices[-1]
+
+
+def weight_holdings(plan: Plan) -> dict[int, list[Holding]]:
+    """Per device, the holdings of a lowered plan in upload order (see the module docstring).
+
+    A group with an UPLOAD of its own starts a holding; a group without one joins the latest
+    holding of its slot and iteration on that device (its weights stayed resident). The gates of
+    a holding whose first group is the device's group ``gi`` are the holdings that end (have
+    their last group) at or before group ``gi - 1 - prefetch_depth`` and gate no earlier
+    holding: every holding gates a later upload, so none can linger unbounded; with every group
+    its own holding, the group ``prefetch_depth + 1`` back, as without residency. Compute-only
+    plans: one holding per group, no transfers.
+    """
+    keyed = {
+        (a.op, a.stage, a.microbatch, a.device, a.iteration): a
+        for a in plan.actions
+        if a.op in (Op.UPLOAD, Op.DOWNLOAD, Op.FREE)
+    }
+    lowered = any(op is Op.UPLOAD for op, *_ in keyed)
+    back = plan.prefetch_depth + 1
+    out: dict[int, list[Holding]] = {}
+    for d, groups in compute_groups(plan).items():
+        held: list[Holding] = []
+        live: dict[tuple[int, int], Holding] = {}  # (slot, iteration) -> latest holding
+        for gi, group in enumerate(groups):
+            first = group[0]
+            slot, it = plan.slot(first), first.iteration
+            key = (slot, first.microbatch, d, it)
+            upload = keyed.get((Op.UPLOAD, *key))
+            h = live.get((slot, it))
+            if h is None or upload is not None or not lowered:
+                h = Holding(slot, d, [], [], upload, keyed.get((Op.DOWNLOAD, *key)))
+                h.free = keyed.get((Op.FREE, *key))
+                held.append(h)
+                live[(slot, it)] = h
+            h.groups.append(group)
+            h.group_indices.append(gi)
+        # the gates, once every holding's last group is known (never one a later group keeps
+        # alive): in upload order, each takes the holdings ended by then that no earlier took
+        by_end = sorted(held, key=lambda h: h.last)
+        taken = 0
+        for h in held:
+            while taken < len(by_end) and by_end[taken].last <= h.first - back:
+                h.gates.append(by_end[taken])
+                taken += 1
+        out[d] = held
+    return out
 
 
 def format_bytes(n: float) -> str:

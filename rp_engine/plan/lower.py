@@ -5,6 +5,12 @@ or ``offload=True``) gets, per group of consecutive same-slot compute actions on
 slot's round), ONE UPLOAD of its weights, a DOWNLOAD of the gradients the group accumulated on
 the device (backward groups), a FREE, and an OPT per layer per iteration on the host. The
 prefetch depth (how many groups' weights a device may hold ahead) is a property of the plan.
+
+Residency (``resident``): a later group of the same slot and iteration on the same device gets
+no UPLOAD of its own; the weights of the earlier group stay on the device (no FREE in between),
+its gradients keep accumulating there, and one DOWNLOAD and one FREE follow the last of them
+(``actions.weight_holdings``). Every group of one run reads one weight version, so reuse within
+a plan is safe; a plan never reuses another plan's upload.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from .actions import HOST, Action, Op, Plan, PlanError, compute_groups, format_grid
 
@@ -20,7 +26,12 @@ __all__ = ["lower"]
 
 
 def lower(
-    plan: Plan, *, offload: bool | None = None, optimizer: str = "async", prefetch_depth: int = 1
+    plan: Plan,
+    *,
+    offload: bool | None = None,
+    optimizer: str = "async",
+    prefetch_depth: int = 1,
+    resident: bool | Collection[int] = False,
 ) -> Plan:
     """Add transfer and optimizer actions to a compute-only plan.
 
@@ -33,6 +44,9 @@ def lower(
     groups), a FREE after it, and each layer an OPT per iteration on the host (``optimizer``
     "sync" or "async", "" for none). This is the plan the executor runs; it is ``offloaded``
     exactly when it was lowered with ``offload``.
+
+    ``resident``: True, or the slots, whose weights stay on a device between the groups of the
+    slot there (see the module docstring); the memory this holds is ``validate``'s to check.
     """
     plan = dataclasses.replace(plan, prefetch_depth=prefetch_depth)
     if any(not a.is_compute for a in plan.actions):
@@ -41,7 +55,8 @@ def lower(
     key = {a: float(i) for i, a in enumerate(plan.actions)}
     key.update(_send_keys(plan, key))
     if offload:
-        key.update(_weight_keys(plan, key))
+        slots = range(plan.num_slots) if resident is True else (resident or ())
+        key.update(_weight_keys(plan, key, frozenset(slots)))
         key.update({o: float("inf") for o in _opt_actions(plan) if optimizer})
     draft = dataclasses.replace(
         plan,
@@ -69,14 +84,27 @@ def _send_keys(plan: Plan, key: Mapping[Action, float]) -> dict[Action, float]:
     return sends
 
 
-def _weight_keys(plan: Plan, key: Mapping[Action, float]) -> dict[Action, float]:
+def _weight_keys(
+    plan: Plan, key: Mapping[Action, float], resident: frozenset[int]
+) -> dict[Action, float]:
     out: dict[Action, float] = {}
     for d, groups in compute_groups(plan).items():
+        holdings: list[list[list[Action]]] = []  # per holding, its groups
+        starts: list[int] = []  # the group index each holding starts at
+        live: dict[tuple[int, int], list[list[Action]]] = {}
         for gi, group in enumerate(groups):
-            first, last = group[0], group[-1]
+            slot_it = (plan.slot(group[0]), group[0].iteration)
+            held = live.get(slot_it) if slot_it[0] in resident else None
+            if held is None:
+                held = live[slot_it] = []
+                holdings.append(held)
+                starts.append(gi)
+            held.append(group)
+        back = plan.prefetch_depth
+        for gi, held in zip(starts, holdings, strict=True):
+            first, last = held[0][0], held[-1][-1]
             slot, m0, it = plan.slot(first), first.microbatch, first.iteration
             # issued when the device starts the group prefetch_depth back (its memory gate)
-            back = plan.prefetch_depth
             out[Action(Op.UPLOAD, slot, m0, d, it)] = (
                 key[groups[gi - back][0]] + 0.25 if back and gi >= back else key[first] - 0.5
             )

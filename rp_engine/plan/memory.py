@@ -4,11 +4,13 @@
 anything runs); the simulator places the same events at simulated start and end times. Both
 count exactly what this module says a device holds:
 
-  weights     an UPLOAD's bytes from its start to the end of its FREE (lowered plans); in a
+  weights     an UPLOAD's bytes from its start to the end of its FREE (lowered plans; one
+              holding, ``actions.weight_holdings``, may serve several resident groups); in a
               compute-only offloaded plan, the slot's weights while its group computes; a
               bound (not offloaded) device keeps all of its stages from the start
   gradients   a backward group's gradient buffers (``costs.slot_memory``), from the group's
-              first action to its FREE (lowered) or its last action; bound: from the start
+              first action to its FREE (lowered: the holding's first group to its FREE) or
+              its last action; bound: from the start
   working set each compute action's, while it runs
   stash       bound schedules keep one boundary activation from a forward's end to the end of
               the backward that consumes it
@@ -17,6 +19,16 @@ count exactly what this module says a device holds:
 
 A slot's sizes come from ``StageCosts`` (built with ``costs.slot_memory``), so the partitioner,
 validate and the simulator share one definition of what a slot holds.
+
+The simulator places these events at simulated times: one timing. ``validate``'s walk must
+bound every timing the executor may take, and in a lowered plan weights move on their own
+streams: an UPLOAD starts as soon as the FREE it is gated on has run (possibly long before its
+place in the device's order), and a FREE after a gradient download may land long after its
+place (the device computes on meanwhile). So for lowered plans ``walk_peak`` counts weights and
+gradients with ``held_bound``: at each compute action, the most the holdings can occupy under
+the executor's orderings (uploads in issue order on one stream, each after its gates' FREEs;
+frees without a download on the compute stream, right after their group; frees after a
+download in issue order on the download stream).
 """
 
 from __future__ import annotations
@@ -24,10 +36,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .actions import Action, Op, Plan, compute_groups
+from .actions import Action, Holding, Op, Plan, compute_groups, weight_holdings
 from .costs import StageCosts
 
-__all__ = ["MemoryEvent", "memory_events", "static_bytes", "walk_peak"]
+__all__ = ["MemoryEvent", "memory_events", "static_bytes", "walk_peak", "held_bound"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,7 @@ class MemoryEvent:
     action: Action
     at_end: bool
     delta: int
+    held: bool = False  # weights or gradients of a lowered plan's holding (see held_bound)
 
 
 def static_bytes(plan: Plan, st: StageCosts, device: int) -> int:
@@ -52,20 +65,22 @@ def memory_events(plan: Plan, st: StageCosts) -> dict[int, list[MemoryEvent]]:
     """Per device, every change of held bytes (see the module docstring), in no set order."""
     lowered = _lowered(plan)
     offloaded = plan.offloaded or lowered
-    frees = {
-        (a.stage, a.microbatch, a.device, a.iteration): a for a in plan.actions if a.op is Op.FREE
-    }
     events: dict[int, list[MemoryEvent]] = defaultdict(list)
+    if lowered:
+        for d, holdings in weight_holdings(plan).items():
+            for h in holdings:
+                grads = st.grad_bytes[h.slot]
+                if grads and h.free is not None:  # a holding without a FREE keeps its bytes
+                    events[d] += [
+                        MemoryEvent(h.groups[0][0], False, grads, True),
+                        MemoryEvent(h.free, True, -grads, True),
+                    ]
     for d, groups in compute_groups(plan).items():
         for g in groups:
             slot = plan.slot(g[0])
-            if offloaded:
-                held = st.grad_bytes[slot] + (0 if lowered else st.param_bytes[slot])
-                events[d].append(MemoryEvent(g[0], False, held))
-                key = (slot, g[0].microbatch, d, g[0].iteration)
-                release = frees.get(key) if lowered else g[-1]
-                if release is not None:  # a lowered group without a FREE keeps its bytes
-                    events[d].append(MemoryEvent(release, True, -held))
+            if offloaded and not lowered:
+                held = st.grad_bytes[slot] + st.param_bytes[slot]
+                events[d] += [MemoryEvent(g[0], False, held), MemoryEvent(g[-1], True, -held)]
             for a in g:
                 events[d] += [
                     MemoryEvent(a, False, st.work_bytes[slot]),
@@ -82,9 +97,9 @@ def memory_events(plan: Plan, st: StageCosts) -> dict[int, list[MemoryEvent]]:
     order = {a: i for i, a in enumerate(plan.actions)}
     for a in plan.actions:
         if a.op is Op.UPLOAD:
-            events[a.device].append(MemoryEvent(a, False, st.param_bytes[a.stage]))
+            events[a.device].append(MemoryEvent(a, False, st.param_bytes[a.stage], True))
         elif a.op is Op.FREE:
-            events[a.device].append(MemoryEvent(a, True, -st.param_bytes[a.stage]))
+            events[a.device].append(MemoryEvent(a, True, -st.param_bytes[a.stage], True))
         elif a.op is Op.SEND:
             last = max(consumers[a], key=order.__getitem__, default=a)
             events[a.device] += [
@@ -98,20 +113,79 @@ def walk_peak(
     plan: Plan, st: StageCosts, device: int, events: dict[int, list[MemoryEvent]] | None = None
 ) -> tuple[int, Action | None]:
     """Peak bytes on one device walking its actions in execution order, measured as each
-    compute action starts; returns (peak, the compute action at the peak)."""
+    compute action starts; returns (peak, the compute action at the peak). In a lowered plan
+    the holdings' weights and gradients are counted by ``held_bound`` (every timing), the rest
+    (working sets, received activations) by the walk."""
     on_device = (memory_events(plan, st) if events is None else events).get(device, [])
+    lowered = _lowered(plan)
+    bound = held_bound(plan, st, device) if lowered else {}
     starts: dict[Action, int] = defaultdict(int)
     ends: dict[Action, int] = defaultdict(int)
     for e in on_device:
-        (ends if e.at_end else starts)[e.action] += e.delta
+        if not (lowered and e.held):
+            (ends if e.at_end else starts)[e.action] += e.delta
     level = static_bytes(plan, st, device)
     peak, where = 0, None
     for a in plan.per_device(device):
         level += starts.get(a, 0)
-        if a.is_compute and level > peak:
-            peak, where = level, a
+        if a.is_compute and level + bound.get(a, 0) > peak:
+            peak, where = level + bound.get(a, 0), a
         level += ends.get(a, 0)
     return peak, where
+
+
+def held_bound(plan: Plan, st: StageCosts, device: int) -> dict[Action, int]:
+    """Per compute action of a lowered plan on ``device``: the most bytes of weights and
+    gradients its holdings may occupy while it runs, over every timing the executor allows.
+
+    While group g computes, the uploads that have started are a prefix 0..k of the device's
+    holdings (one upload stream, in issue order), k at least g's own holding and at most the
+    last whose gates' groups all end before g (a gate's FREE follows its last group). Released
+    by then for sure: the gates of holdings 0..k, every holding freed on the download stream
+    before a gate freed there (in order), and every holding without a download whose last
+    group ended (its FREE runs on the compute stream). A backward holding's gradients exist
+    from its first group on. The bound is the largest such total over k.
+    """
+    holdings = weight_holdings(plan).get(device, [])
+    if not holdings:
+        return {}
+    index = {id(h): i for i, h in enumerate(holdings)}
+    pos = {a: i for i, a in enumerate(plan.per_device(device))}
+
+    def free_pos(h: Holding) -> int:
+        return pos[h.free] if h.free is not None else len(pos)
+
+    out: dict[Action, int] = {}
+    owner = {gi: h for h in holdings for gi in h.group_indices}
+    groups = compute_groups(plan).get(device, [])
+    for g, group in enumerate(groups):
+        mine = index[id(owner[g])]
+        freed: set[int] = set()
+        d2h_freed = -1  # download-stream FREEs at or before this position have run
+        best = 0
+        for k, h in enumerate(holdings):
+            if any(gate.last >= g for gate in h.gates):
+                break  # this upload (and every later one) waits for a FREE after g's compute
+            for gate in h.gates:
+                freed.add(index[id(gate)])
+                if gate.download is not None:
+                    d2h_freed = max(d2h_freed, free_pos(gate))
+            if k < mine:
+                continue
+            total = 0
+            for i, o in enumerate(holdings[: k + 1]):
+                gone = (
+                    i in freed
+                    or (o.last < g and o.download is None and o.free is not None)
+                    or (o.download is not None and free_pos(o) <= d2h_freed)
+                )
+                if not gone:
+                    total += st.param_bytes[o.slot]
+                    total += st.grad_bytes[o.slot] if o.first <= g else 0
+            best = max(best, total)
+        for a in group:
+            out[a] = best
+    return out
 
 
 def _lowered(plan: Plan) -> bool:

@@ -13,7 +13,8 @@ Search, for L layers:
      filling the head stage first; each shape (S_f, head layers, S_b) is kept at its smallest
      cap, which orders the shapes from many small stages to few large ones;
   3. the shapes are scored by the estimated iteration time (``estimate_iteration_ms``: the
-     simulator's fast pass) on an evenly spaced sample, refined around the three best local
+     simulator's fast pass, and with a link bandwidth at least the weight and activation
+     traffic of the busiest link, ``transfer_ms``) on an evenly spaced sample, refined around the three best local
      minima; then neighbouring shapes (one stage more or fewer, one head layer less) with
      balanced cuts, where the remainders go (larger stages first, last, or spread), and
      one-layer moves of any cut while they help. A work budget (actions simulated) bounds it.
@@ -37,6 +38,8 @@ __all__ = [
     "CutsError",
     "partition",
     "estimate_iteration_ms",
+    "transfer_ms",
+    "fitted_round_size",
     "balanced_stage_layers",
     "load_costs",
 ]
@@ -80,6 +83,8 @@ def partition(
     bwd_cuts: Sequence[int] | None = None,
     max_work: int = 150_000,
     min_bwd_stages: int = 1,
+    link_gbps: float | None = None,
+    round_size: int | None = None,
 ) -> Partition:
     """Choose RoundPipe forward and backward cuts for ``costs`` on ``num_devices`` devices.
 
@@ -94,10 +99,17 @@ def partition(
     the caller's executor accepts: a model with an embedding prefix needs 2, because the prefix
     runs in a backward stage after the head stage. Every candidate the search scores satisfies
     it (with one layer and 2 stages: an empty head stage, then the layer), so the result does.
+
+    ``link_gbps`` (GB/s of each device's host link, None: transfers are free) adds the transfers
+    to the objective: an iteration takes at least ``transfer_ms``, the weights, gradients and
+    activations the busiest link moves, with rounds of ``round_size`` micro-batches (None: the
+    largest the budget leaves room for, ``fitted_round_size``: so the activation memory of the
+    cuts' largest slot sets how often weights cross), plus the first upload.
     """
     search = _Search(
         costs, memory_budget_bytes, num_devices, num_microbatches, async_optimizer, min_bwd_stages
     )
+    search.link = (link_gbps, round_size)
     if fwd_cuts is not None or bwd_cuts is not None:
         if fwd_cuts is None or bwd_cuts is None:
             raise ValueError("give both fwd_cuts and bwd_cuts, or neither")
@@ -127,6 +139,62 @@ def estimate_iteration_ms(
     ends = _quick(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches, 3).iteration_ends
     load = _load_bound(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches)
     return max((ends[2] - ends[0]) / 2, load)
+
+
+def fitted_round_size(
+    costs: LayerCosts,
+    fwd_cuts: Sequence[int],
+    bwd_cuts: Sequence[int],
+    num_microbatches: int,
+    memory_budget_bytes: int | None,
+) -> int:
+    """M_R the budget leaves room for with these cuts: the largest divisor of the micro-batch
+    count whose 2 x M_R boundary states fit beside the largest slot (weights, gradients,
+    working set; ``slot_memory``); 1 when none does, the whole count without a budget."""
+    m = num_microbatches
+    if memory_budget_bytes is None:
+        return m
+    st = costs.stages(fwd_cuts, bwd_cuts)
+    largest = max(
+        w + g + k for w, g, k in zip(st.param_bytes, st.grad_bytes, st.work_bytes, strict=True)
+    )
+    room = memory_budget_bytes - largest
+    sizes = [d for d in range(m, 0, -1) if not m % d]
+    return next((d for d in sizes if 2 * d * costs.boundary_bytes <= room), 1)
+
+
+def transfer_ms(
+    costs: LayerCosts,
+    fwd_cuts: Sequence[int],
+    bwd_cuts: Sequence[int],
+    num_devices: int,
+    num_microbatches: int,
+    round_size: int,
+    link_gbps: float,
+) -> float:
+    """Time the busiest host link needs per iteration (ms): each slot uploads its weights once
+    per round and a backward slot downloads its gradients once per round; each micro-batch's
+    input comes up and its output goes down (a boundary state; the batch for forward stage 0;
+    a backward stage also its upstream gradient). Slot i of a round runs on device (g0 + i) mod
+    N, so a device only gets the slots i = c (mod gcd(S, N)); the heaviest class, shared by
+    N / gcd devices, bounds the link time. Each direction has its own link: the larger counts.
+    """
+    st = costs.stages(fwd_cuts, bwd_cuts)
+    num_fwd, num_slots = len(fwd_cuts), len(st.param_bytes)
+    rounds = -(-num_microbatches // max(round_size, 1))
+    state = costs.boundary_bytes
+    grad = costs.boundary_grad_bytes or state
+    up, down = [], []
+    for slot in range(num_slots):
+        act_in = costs.batch_bytes if slot == 0 else state + (grad if slot > num_fwd else 0)
+        up.append(rounds * st.param_bytes[slot] + num_microbatches * act_in)
+        out = state if slot < num_fwd else (grad if slot < num_slots - 1 else 0)
+        down.append(rounds * st.grad_bytes[slot] + num_microbatches * out)
+    g = math.gcd(num_slots, num_devices)
+    heaviest = max(
+        max(sum(side[i] for i in range(c, num_slots, g)) for c in range(g)) for side in (up, down)
+    )
+    return heaviest * g / num_devices / (link_gbps * 1e6)
 
 
 def _quick(
@@ -197,12 +265,16 @@ class _Search:
         self.head_reach = min((i for i in range(L + 1) if self._fits_bwd(i, L, True)), default=L)
         self.scores: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
         self.work_left = 10**12
+        self.link: tuple[float | None, int | None] = (None, None)  # (GB/s, round size)
 
     # -- memory ------------------------------------------------------------------------------
     def _stage_bytes(self, i: int, j: int, *, backward: bool, head: bool) -> int:
         """Device bytes of a stage over layers i..j-1: the one memory rule (``slot_memory``,
-        which StageCosts uses too) without the prefix, which callers fold into layer 0."""
-        return slot_memory(self.costs, range(i, j), backward=backward, head=head).total
+        which StageCosts uses too); the embedding prefix rides with the stages holding layer 0
+        (forward stage 0, the last backward stage, which is the head stage when it is the
+        only one), so its bytes count there."""
+        layers = range(i, j)
+        return slot_memory(self.costs, layers, backward=backward, head=head, prefix=i == 0).total
 
     def _fits_fwd(self, i: int, j: int) -> bool:
         return (
@@ -341,7 +413,7 @@ class _Search:
             if work > self.work_left and self.scores:  # the first candidate is always scored
                 return math.inf
             self.work_left -= work
-            self.scores[cuts] = estimate_iteration_ms(
+            score = estimate_iteration_ms(
                 self.costs,
                 cuts[0],
                 cuts[1],
@@ -349,6 +421,13 @@ class _Search:
                 num_microbatches=m,
                 async_optimizer=async_opt,
             )
+            gbps, round_size = self.link
+            if gbps:
+                size = round_size or fitted_round_size(self.costs, cuts[0], cuts[1], m, self.budget)
+                moved = transfer_ms(self.costs, cuts[0], cuts[1], n, m, size, gbps)
+                st = self.costs.stages(cuts[0], cuts[1])
+                score = max(score, moved) + st.param_bytes[0] / (gbps * 1e6)  # the first upload
+            self.scores[cuts] = score
         return self.scores[cuts]
 
     def _valid(self, cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:

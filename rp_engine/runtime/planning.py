@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rp_engine.plan import schedules
-from rp_engine.plan.actions import Op, Plan, format_grid
+from rp_engine.plan.actions import Op, Plan, compute_groups, format_grid
 from rp_engine.plan.partition import CutsError, LayerCosts, Partition, partition
 from rp_engine.runtime.stages import StageMap
 
@@ -73,6 +73,7 @@ class Planner:
         profile_iterations: int = 2,
         async_optimizer: bool = True,
         round_size: int | None = None,
+        link_gbps: float | None = None,
     ) -> None:
         self.shape = shape
         # With a budget and no round size given, start safe (rounds of one micro-batch) and fit
@@ -81,12 +82,16 @@ class Planner:
         self.round_size = _round_size(given, num_microbatches)
         self._round_size_given = round_size is not None
         self._round_fitted = False
+        self.residency = True  # weights may stay on a device between groups of a slot
+        self.resident: tuple[int, ...] = ()  # slots the plans in use keep (chosen with the cuts)
+        self.boundary_bytes = 0  # one boundary state, once measured
         self.num_devices = num_devices
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.spec = _engine_schedule(schedule)
         self.memory_budget_bytes = memory_budget_bytes
         self.async_optimizer = async_optimizer  # the two modes want different cuts
+        self.link_gbps = link_gbps  # each device's host link: transfers enter the objective
         self.fixed = fwd_cuts is not None and bwd_cuts is not None
         self.user_cuts = self.fixed  # errors about cuts name the roundpipe keys only then
         self.profile_left = 0 if self.fixed else profile_iterations
@@ -137,34 +142,86 @@ class Planner:
                 "automatic planner)"
             ) from e
         self.fwd_cuts, self.bwd_cuts, self.stages = fwd_cuts, bwd_cuts, stages
-        self.prefetch_depth = self._validated_prefetch()
+        self.prefetch_depth, self.resident = self._choose_lowering()
 
-    def _validated_prefetch(self) -> int:
-        """Validate the lowered plan of these cuts once (issue order, every upload freed, no
-        compute without its upload) and choose its weight prefetch depth: without a budget 1
-        (two groups' weights at most); with one, the deepest of 2, 1 whose memory walk fits,
-        else 0 (a stage that cannot fit at all is reported by the partitioner's check, which
-        names the layer or the user's cut key)."""
+    def set_residency(self, on: bool) -> None:
+        """Allow (the default) or forbid weights staying on a device between a slot's groups
+        there; the lowering is chosen again within the budget."""
+        self.residency = on
+        self.prefetch_depth, self.resident = self._choose_lowering()
+
+    def _choose_lowering(self, round_size: int | None = None) -> tuple[int, tuple[int, ...]]:
+        """Validate the lowered plan of these cuts (issue order, every upload freed, no compute
+        without its upload) and choose how it holds weights: the prefetch depth and the slots
+        kept resident (``self.residency``: only slots that come back to a device within the
+        step). Without a budget (the device's size unknown): depth 1, nothing resident, as few
+        weights as overlap allows. With one, the first that fits of: every such slot resident
+        at depth 2, 1; the most of them (smallest first, found by bisection) at depth 1; none
+        at depth 2, 1; else none at depth 0 (a stage that cannot fit at all is reported by the
+        partitioner's check, which names the layer or the user's cut key). The budget left is
+        the budget less the 2 x M_R boundary states a slot holds, once one has been measured."""
         budget = self.memory_budget_bytes
+
+        def peak(depth: int, resident: tuple[int, ...]) -> int:
+            return self.validated_peak(
+                prefetch_depth=depth, resident=resident, round_size=round_size
+            )
+
         if budget is None:
-            self.validated_peak(prefetch_depth=1)
-            return 1
+            peak(1, ())
+            return 1, ()
+        left = budget - 2 * (round_size or self.round_size) * self.boundary_bytes
+        slots = self._returning_slots(round_size) if self.residency else ()
+        if slots:
+            for depth in (2, 1):
+                if peak(depth, slots) <= left:
+                    return depth, slots
+            lo, hi = 0, len(slots) - 1  # the longest prefix that fits: slots[:lo]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if peak(1, slots[:mid]) <= left else (lo, mid - 1)
+            if lo:
+                return 1, slots[:lo]
         for depth in (2, 1):
-            if self.validated_peak(prefetch_depth=depth) <= budget:
-                return depth
-        self.validated_peak(prefetch_depth=0)
-        return 0
+            if peak(depth, ()) <= left:
+                return depth, ()
+        peak(0, ())
+        return 0, ()
+
+    def _returning_slots(self, round_size: int | None) -> tuple[int, ...]:
+        """Slots with more than one group on some device in a step (residency saves their
+        later uploads), smallest weights first."""
+        compute = self._schedule(self.num_microbatches, 0, round_size=round_size)
+        seen: set[tuple[int, int]] = set()
+        back: set[int] = set()
+        for d, groups in compute_groups(compute).items():
+            for group in groups:
+                key = (d, compute.slot(group[0]))
+                if key in seen:
+                    back.add(key[1])
+                seen.add(key)
+        size = self._estimate().stages(self.fwd_cuts, self.bwd_cuts).param_bytes
+        return tuple(sorted(back, key=lambda s: (size[s], s)))
 
     def validated_peak(
-        self, *, round_size: int | None = None, prefetch_depth: int | None = None
+        self,
+        *,
+        round_size: int | None = None,
+        prefetch_depth: int | None = None,
+        resident: tuple[int, ...] | None = None,
     ) -> int:
         """Validate the lowered plan of one iteration with these cuts (issue order, every
         upload freed, no compute without its upload; PlanError otherwise) and return its
         largest per-device memory peak: weights and gradients, byte sizes of the model.
-        Defaults: the planner's round size and prefetch depth."""
+        Defaults: the planner's round size, prefetch depth and resident slots."""
         compute = self._schedule(self.num_microbatches, 0, round_size=round_size)
-        depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
-        plan = schedules.lower(compute, offload=True, optimizer="", prefetch_depth=depth)
+        plan = schedules.lower(
+            compute,
+            offload=True,
+            optimizer="",
+            prefetch_depth=self.prefetch_depth if prefetch_depth is None else prefetch_depth,
+            resident=self.resident if resident is None else resident,
+        )
         return max(schedules.validate(plan, costs=self._estimate()))
 
     def _blocks(self) -> tuple[int, ...]:
@@ -208,6 +265,8 @@ class Planner:
             fwd_cuts=cuts[0] if cuts else None,
             bwd_cuts=cuts[1] if cuts else None,
             min_bwd_stages=StageMap.min_bwd_stages(self.shape.has_prefix),
+            link_gbps=self.link_gbps,
+            round_size=self.round_size if self._round_size_given else None,
         )
 
     def compute_plan(self, start_device: int = 0) -> Plan:
@@ -258,7 +317,11 @@ class Planner:
         if ops is not None:
             plan = dataclasses.replace(plan, actions=tuple(a for a in plan.actions if a.op in ops))
         lowered = schedules.lower(
-            plan, offload=True, optimizer="", prefetch_depth=self.prefetch_depth
+            plan,
+            offload=True,
+            optimizer="",
+            prefetch_depth=self.prefetch_depth,
+            resident=self.resident,
         )
         if ops is None:
             self.last_plan = lowered
@@ -273,16 +336,20 @@ class Planner:
     def fit_round_size(self, boundary_bytes: int) -> None:
         """Choose M_R from the device budget once a boundary state's size is measured: a slot
         holds up to M_R micro-batches' inputs and outputs (2 x M_R states) besides the weights
-        and gradients its plan validates; the largest divisor of GAS that fits wins. A given
-        ``roundpipe.round_size`` that does not fit is an error naming it."""
+        and gradients its plan validates; the largest divisor of GAS whose leanest plan (no
+        residency, no prefetch) fits wins, then residency and the prefetch depth are chosen
+        again in what is left. A given ``roundpipe.round_size`` that does not fit is an error
+        naming it."""
         budget = self.memory_budget_bytes
         if budget is None or boundary_bytes <= 0 or self._round_fitted:
             return
         self._round_fitted = True
+        self.boundary_bytes = boundary_bytes
         gas = self.num_microbatches
 
         def need(size: int) -> int:  # the plan's groups change with M_R: validate each size
-            return self.validated_peak(round_size=size) + 2 * size * boundary_bytes
+            lean = self.validated_peak(round_size=size, prefetch_depth=0, resident=())
+            return lean + 2 * size * boundary_bytes
 
         sizes = [d for d in range(gas, 0, -1) if not gas % d]
         fits = [d for d in sizes if need(d) <= budget] or [1]
@@ -294,13 +361,13 @@ class Planner:
                     f"2 x {self.round_size} activation states of {boundary_bytes} bytes); use "
                     f"{fits[0]} (or leave it out to let the planner choose)"
                 )
-            return
-        if fits[0] != self.round_size:
+        elif fits[0] != self.round_size:
             log.info(
                 "round size %d micro-batches (activations %d bytes per state, budget %d bytes)",
                 fits[0], boundary_bytes, budget,
             )  # fmt: skip
             self.round_size = fits[0]
+        self.prefetch_depth, self.resident = self._choose_lowering()
 
     def observe(self, fwd_ms: dict[int, list[float]], bwd_ms: dict[int, list[float]]) -> bool:
         """Feed one profiled iteration; re-plans once after ``profile_iterations``.
