@@ -137,6 +137,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             profile_iterations=rp.profile_iterations,
             async_optimizer=self.stepper.async_mode,
             round_size=rp.round_size,
+            link_gbps=rp.pcie_gbps,
         )
         self._executor = self._make_executor()
         self._batches = BatchAdapter(self.seq, compute_dtype(cfg), pin=self.pool.kind == "cuda")

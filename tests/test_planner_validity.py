@@ -274,3 +274,12 @@ def test_grid_points_train_two_steps_without_cuts(layers, devices, gas, async_op
         assert len(engine.planner.bwd_cuts) >= 2  # Qwen2 has an embedding prefix
     finally:
         engine.destroy()
+
+
+def test_the_engine_plans_with_its_link_bandwidth() -> None:
+    """``roundpipe.pcie_gbps`` (the emulated link) reaches the planner's transfer objective."""
+    engine = engine_for(tiny_qwen2(0), config(roundpipe={"pcie_gbps": 0.5}))
+    try:
+        assert engine.planner.link_gbps == 0.5
+    finally:
+        engine.destroy()
