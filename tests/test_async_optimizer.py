@@ -44,7 +44,9 @@ def test_layers_step_as_their_gradients_land() -> None:
     log: list[tuple[str, int]] = []
     stepper = engine.stepper
     ready, enqueue = stepper.layer_ready, stepper._enqueue
-    stepper.layer_ready = lambda layer: (log.append(("ready", layer)), ready(layer))[1]
+    stepper.layer_ready = lambda layer, *step: (log.append(("ready", layer)), ready(layer, *step))[
+        1
+    ]
     stepper._enqueue = lambda layer, st, **kw: (
         log.append(("step", layer)),
         enqueue(layer, st, **kw),
@@ -66,7 +68,7 @@ def test_clipping_waits_for_the_global_norm() -> None:
     log: list[str] = []
     stepper = engine.stepper
     ready, enqueue = stepper.layer_ready, stepper._enqueue
-    stepper.layer_ready = lambda layer: (log.append("ready"), ready(layer))[1]
+    stepper.layer_ready = lambda layer, *step: (log.append("ready"), ready(layer, *step))[1]
     stepper._enqueue = lambda layer, st, **kw: (log.append("step"), enqueue(layer, st, **kw))[1]
     try:
         engine.train_batch(iter(_batches(GAS)))
