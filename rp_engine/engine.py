@@ -30,7 +30,7 @@ from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
 from rp_engine.engine_api import DeepSpeedAccessors
 from rp_engine.engine_loop import FORWARD_OPS, ImperativeLoop
-from rp_engine.engine_pipeline import PipelinedIterations
+from rp_engine.engine_pipeline import InFlightBox, PipelinedIterations
 from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
@@ -98,7 +98,8 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, DeepSpeedAccessors):
         self.device = self.pool[0].torch_device
         self.training = model.training
         # Last: it also marks the engine as fully built (attribute fall-through needs that).
-        self._finalizer = watch(self, stepper=self.stepper, pool=self.pool)
+        self._box = InFlightBox()
+        self._finalizer = watch(self, stepper=self.stepper, pool=self.pool, inflight=self._box)
 
     def _wire(
         self, cfg: DSConfig, model: nn.Module, optimizer: Any, model_parameters: Any,

@@ -38,6 +38,7 @@ engine goes on cleanly from there.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,9 @@ if TYPE_CHECKING:
     from rp_engine.runtime.executor import RunResult, TimelineRecord
     from rp_engine.runtime.planning import Planner
 
-__all__ = ["PipelinedIterations"]
+__all__ = ["PipelinedIterations", "InFlightBox"]
+
+log = logging.getLogger("rp_engine")
 
 
 @dataclass
@@ -72,11 +75,40 @@ class _InFlight:
     counted: bool = False
 
 
+class InFlightBox:
+    """The training run in flight, held apart from the engine: the shutdown finaliser
+    (runtime/shutdown.py) holds this box, never the engine, and applies the step in flight when
+    a script ends (or the engine is collected) without ``destroy()``."""
+
+    def __init__(self) -> None:
+        self.run: _InFlight | None = None
+
+    def finish(self, stepper: OptimizerStepper) -> None:
+        """Finish the run in flight and close its step (no engine bookkeeping: the counters
+        and the LR already count it). Errors are dropped: the caller is shutting down."""
+        run, self.run = self.run, None
+        if run is None:
+            return
+        try:
+            run.executor.finish(run.handle)
+            stepper.close_step(step=run.step)
+        except Exception as exc:  # noqa: BLE001 - shutdown goes on; the step is lost
+            log.warning("the training step in flight could not be finished at shutdown: %r", exc)
+
+
 class PipelinedIterations:
     """``train_batch`` of ``deepspeed.PipelineEngine``, with iterations that overlap."""
 
-    _inflight: _InFlight | None = None
     _overlap = False  # set by the engine: whether train_batch may leave a run in flight
+    _box: InFlightBox  # made by the engine before its finaliser
+
+    @property
+    def _inflight(self) -> _InFlight | None:
+        return self._box.run
+
+    @_inflight.setter
+    def _inflight(self, run: _InFlight | None) -> None:
+        self._box.run = run
 
     if TYPE_CHECKING:  # provided by RoundPipeEngine
         _config: DSConfig
@@ -171,7 +203,7 @@ class PipelinedIterations:
         try:
             result = inflight.executor.finish(inflight.handle)
         except BaseException:
-            self._abort_pipeline()
+            self._abort_pipeline(inflight)
             raise
         if self._inflight is inflight:
             self._inflight = None
@@ -195,11 +227,13 @@ class PipelinedIterations:
         if inflight is not None:
             self._complete(inflight)
 
-    def _abort_pipeline(self) -> None:
+    def _abort_pipeline(self, finishing: _InFlight | None = None) -> None:
         """A run failed with iterations in flight: stop everything, discard every open step's
-        gradients, count the in-flight steps the counters already count as skipped, and go on
-        from the last applied step's weights. The caller re-raises the error."""
-        inflight, self._inflight = self._inflight, None
+        gradients, count the in-flight steps the counters already count (``finishing``, the run
+        being finished, and the one in flight) as skipped, and go on from the last applied
+        step's weights. The caller re-raises the error."""
+        runs = {id(r): r for r in (finishing, self._inflight) if r is not None}
+        self._inflight = None
         reason = RuntimeError("a training run failed; the steps in flight were discarded")
         self.stepper.cancel(reason)  # runtime threads waiting for a step that will not close
         self.stepper.store.fail(reason)  # uploads waiting for a version that will not come
@@ -209,8 +243,7 @@ class PipelinedIterations:
         with contextlib.suppress(Exception):  # an optimizer failure stays, check() raises it
             self.stepper.wait_all()
         self.stepper.store.zero_grads()
-        if inflight is not None and inflight.counted:
-            self._counters.skipped_steps += 1
+        self._counters.skipped_steps += sum(r.counted for r in runs.values())
         self.stepper.restart(self.global_steps)
         self._guard.reset()
         self._carry = self._carry_batch = None
