@@ -25,8 +25,15 @@ this iteration must read; a gradient download into l's host buffer waits until t
 has consumed it; when a run closes an optimizer step, each layer is reported ready the moment its
 last gradient download has landed.
 
-Errors: any exception on any stream comes back from ``run`` in the caller's thread as a
-DeviceError naming the device and the action ("F2.3@1"); the pool is reset so the next run works.
+Runs overlap: ``start`` issues a run's actions and returns; ``finish`` waits for that run's own
+end events (one per stream, recorded right after its last action; streams are FIFO), not for
+every stream, so the next run's actions, issued in between, run on the other streams and devices
+meanwhile (engine_pipeline.py). ``losses`` waits only for the HEAD actions. ``run`` is
+``finish(start(spec))``. A run's byte counts come from its own copies, not device counters.
+
+Errors: any exception on any stream comes back from ``finish`` (or ``run``) in the caller's
+thread as a DeviceError naming the device and the action ("F2.3@1"); the pool is reset so the
+next run works (a run started in between is discarded with it).
 """
 
 from __future__ import annotations
@@ -144,7 +151,7 @@ class RunStats:
     grad_d2h_bytes: int = 0
     uploads: int = 0  # weight uploads (one per UPLOAD action)
     downloads: int = 0  # gradient downloads (one per DOWNLOAD action)
-    seconds: float = 0.0  # wall time of the run, issue to drain
+    seconds: float = 0.0  # wall time of the run, issue to its end (overlapping the next one's)
     busy_s: dict[int, float] = field(default_factory=dict)  # per device: compute time
 
     @property
