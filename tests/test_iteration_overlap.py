@@ -245,3 +245,52 @@ def test_a_failed_run_discards_the_steps_in_flight_and_training_goes_on(where: s
             torch.testing.assert_close(hp.param.detach(), hp.master, rtol=0, atol=0)
     finally:
         engine.destroy()
+
+
+_EXIT_SCRIPT = """
+import sys, weakref
+import torch
+from engine_helpers import config, engine_for
+from models import random_batch, tiny_qwen3
+
+model = tiny_qwen3(0, layers=4)
+out = sys.argv[1]
+# Created before the engine, so at exit it runs after the engine's own finaliser (newest first).
+class Anchor:
+    pass
+
+
+anchor = Anchor()
+weakref.finalize(anchor, lambda: torch.save(model.state_dict(), out))
+cfg = config(devices=2, gas=2, lr=1e-2, async_optimizer=True, roundpipe={"on_nonfinite": "ignore"},
+             fwd_cuts=[2, 2], bwd_cuts=[0, 2, 2])
+engine = engine_for(model, cfg)
+it = iter([random_batch(128, batch=2, seq=12, seed=300 + i) for i in range(6)])
+for _ in range(3):
+    engine.train_batch(it)
+assert engine._inflight is not None
+print("LAST LINE", flush=True)  # no destroy(): the step in flight is applied at exit
+"""
+
+
+def test_script_ending_with_a_step_in_flight_applies_it_and_exits_cleanly(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script, out = tmp_path / "train.py", tmp_path / "weights.pt"
+    script.write_text(_EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    r = subprocess.run(
+        [sys.executable, str(script), str(out)], cwd=root, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "LAST LINE"
+    ref = tiny_qwen3(0, layers=4)
+    reference_losses(ref, _batches(3 * GAS), steps=3, gas=GAS, lr=1e-2, staleness=1)
+    got = torch.load(out, weights_only=True)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
