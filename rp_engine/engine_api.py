@@ -83,8 +83,9 @@ class DeepSpeedAccessors:
         """The model handed to ``initialize``, holding the newest weights.
 
         In async mode (or with overlapping iterations) the last optimizer step is still running
-        when a training call returns (the model shows an earlier step); reading ``engine.module`` (or an attribute that falls
-        through to it) then waits for that step and publishes it, as ``synchronize()`` does.
+        when a training call returns (the model shows an earlier step); reading
+        ``engine.module`` (or an attribute that falls through to it) then waits for that step
+        and publishes it, as ``synchronize()`` does.
         """
         stale = self.stepper.async_mode or getattr(self, "_inflight", None) is not None
         if stale and self._published_step != self.global_steps:

@@ -179,7 +179,6 @@ class RunResult:
     carry: Carry | None = None
     stats: RunStats = field(default_factory=RunStats)
     boundary_bytes: int = 0  # the largest state a forward stage handed on (one micro-batch)
-    origin: float = 0.0  # time.perf_counter() when the run was issued (the host clock's origin)
 
 
 class Countdown:
@@ -450,7 +449,6 @@ class Executor:
             bwd_ms=bwd_ms,
             stats=ctx.stats,
             boundary_bytes=ctx.boundary_bytes,
-            origin=ctx.t0,
         )
 
     @staticmethod
