@@ -294,3 +294,27 @@ def test_script_ending_with_a_step_in_flight_applies_it_and_exits_cleanly(tmp_pa
     got = torch.load(out, weights_only=True)
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_tight_host_memory_overlaps_with_one_buffer_and_keeps_staleness_one(monkeypatch) -> None:
+    """Without room for second buffers (weights and gradients), async overlap still reads
+    exactly w_{t-1} in iteration t+1: w_{t-1} is published at iteration t's layer_ready, and
+    a download waits for the previous step's optimizer."""
+    import rp_engine.model.host_store as host_store
+
+    monkeypatch.setattr(host_store, "_second_arena_fits", lambda nbytes: False)
+    model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    batches = _batches(5 * GAS)
+    expected = reference_losses(ref, batches, steps=5, gas=GAS, lr=1e-2, staleness=1)
+    cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, roundpipe=OVERLAP, **CUTS)
+    engine = engine_for(model, cfg)
+    try:
+        assert engine._overlap and engine.store.weight_copies == 1
+        assert not engine.store.double_buffered
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(5)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, ref)
