@@ -8,6 +8,7 @@
     python benchmarks/engine_bench.py timeline      # PNG of one 4-device iteration
     python benchmarks/engine_bench.py rounds        # one upload per round vs per micro-batch
     python benchmarks/engine_bench.py residency     # weights kept on the device across rounds
+    python benchmarks/engine_bench.py overlap       # overlapping iterations on vs off
 
 Every figure is a ratio of runs interleaved in one process (A B A B ...), so machine noise
 hits both sides alike. Results are printed as JSON lines; RESULTS.md quotes them with the command.
@@ -372,6 +373,55 @@ def residency(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def overlap(args: argparse.Namespace) -> dict[str, Any]:
+    """Tokens/s with overlapping iterations (train_batch t+1 issued while iteration t's backward
+    tail and optimizer run) vs drained ones (``overlap_iterations: false``), async optimizer,
+    cpu:2 with emulated PCIe. Both engines set ``on_nonfinite: "ignore"`` (the condition for
+    overlap) and the same fixed cuts. Windows of steps synchronised at both ends (never per
+    step), interleaved; the spread is the min..max over windows."""
+    seq, gas, mbs, window = args.seq_len, 4, 1, 4
+    data = list(_take(batches(stdlib_corpus(), seq_len=seq, micro_batch=mbs), gas * 400))
+    engines = {}
+    for name, on in (("drained", False), ("overlapped", True)):
+        engines[name], _, _, _ = rp_engine.initialize(
+            model=build_tiny_model(layers=args.layers, hidden=args.hidden),
+            config=_cfg("cpu:2", gas=gas, mbs=mbs, pcie_gbps=args.pcie_gbps,
+                        on_nonfinite="ignore", overlap_iterations=on,
+                        fwd_cuts=[2] * (args.layers // 2), bwd_cuts=[0] + [2] * (args.layers // 2)),
+        )  # fmt: skip
+    iters = {k: iter(data) for k in engines}
+    for k, e in engines.items():
+        for _ in range(2):
+            e.train_batch(iters[k])
+        e.synchronize()
+
+    def run_window(name: str) -> Callable[[], float]:
+        def run() -> float:
+            engine = engines[name]
+            start = time.perf_counter()
+            for _ in range(window):
+                engine.train_batch(iters[name])
+            engine.synchronize()
+            return window * gas * mbs * seq / (time.perf_counter() - start)
+
+        return run
+
+    tps = _interleaved({k: run_window(k) for k in engines}, args.repeats)
+    for e in engines.values():
+        e.destroy()
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    ratios = [o / d for o, d in zip(tps["overlapped"], tps["drained"], strict=True)]
+    return {
+        "bench": "overlap",
+        "model": f"qwen3 L{args.layers} H{args.hidden} seq{seq} mbs{mbs} gas{gas} fp32, cpu:2, "
+        f"pcie {args.pcie_gbps} GB/s, async, windows of {window} steps",
+        "tokens_per_s": med,
+        "tokens_per_s_range": {k: [min(v), max(v)] for k, v in tps.items()},
+        "speedup_overlapped_over_drained": med["overlapped"] / med["drained"],
+        "speedup_per_window_pair": [min(ratios), statistics.median(ratios), max(ratios)],
+    }
+
+
 def _take(it: Any, n: int) -> Any:
     for _ in range(n):
         yield next(it)
@@ -386,6 +436,7 @@ BENCHES = {
     "timeline": timeline,
     "rounds": rounds,
     "residency": residency,
+    "overlap": overlap,
 }
 
 

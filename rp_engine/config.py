@@ -491,6 +491,9 @@ class RoundPipeConfig:
     seed: int = field(default=42, metadata=_m(ge=0))
     # bf16/fp32 step with a non-finite loss or gradient norm: raise (step skipped), skip, ignore
     on_nonfinite: str = field(default="raise", metadata=_m(choices=("raise", "skip", "ignore")))
+    # train_batch t+1 starts while iteration t's backward tail and optimizer run (no drain);
+    # in effect without fp16 and with on_nonfinite "ignore" (engine_pipeline.py)
+    overlap_iterations: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

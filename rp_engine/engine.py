@@ -31,6 +31,7 @@ from rp_engine.device.cuda import pin as cuda_pin
 from rp_engine.distributed import data_parallel
 from rp_engine.engine_api import DeepSpeedAccessors
 from rp_engine.engine_loop import FORWARD_OPS, ImperativeLoop
+from rp_engine.engine_pipeline import InFlightBox, PipelinedIterations
 from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
@@ -50,9 +51,10 @@ __all__ = ["RoundPipeEngine"]
 log = logging.getLogger("rp_engine")
 
 
-class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
+class RoundPipeEngine(PipelinedIterations, ImperativeLoop, DeepSpeedAccessors):
     """Drop-in for ``deepspeed.DeepSpeedEngine`` (build it with ``rp_engine.initialize``); the
-    imperative loop is in engine_loop.py, accessors and checkpoint doors in engine_api.py."""
+    imperative loop is in engine_loop.py, train_batch (overlapping iterations) in
+    engine_pipeline.py, accessors and checkpoint doors in engine_api.py."""
 
     def __init__(
         self,
@@ -97,7 +99,8 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         self.device = self.pool[0].torch_device
         self.training = model.training
         # Last: it also marks the engine as fully built (attribute fall-through needs that).
-        self._finalizer = watch(self, stepper=self.stepper, pool=self.pool)
+        self._box = InFlightBox()
+        self._finalizer = watch(self, stepper=self.stepper, pool=self.pool, inflight=self._box)
 
     def _wire(
         self, cfg: DSConfig, model: nn.Module, optimizer: Any, model_parameters: Any,
@@ -126,6 +129,14 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             dp=data_parallel(self.store),  # None in one process
         )
         self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
+        # overlap decides nothing it cannot know at issue time (engine_pipeline.py); async
+        # overlap wants two weight versions at once, when host memory allows
+        self._overlap = (  # data parallel: collectives assume one open step (distributed.py)
+            rp.overlap_iterations and not cfg.fp16.enabled and not self._guard.active
+            and self.stepper.dp is None
+        )  # fmt: skip
+        if self._overlap and self.stepper.async_mode:
+            self.store.double_buffer_weights()
         self.planner = Planner(
             ModelShape.from_sequence(self.seq, self.store),
             num_devices=len(self.pool),
@@ -149,34 +160,14 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             devices=list(self.pool.devices),
             sink=GradSink(
                 self.store,
-                wait_free=lambda layer: self.stepper.wait_grads_free(layer, self.global_steps + 1),
-                ready=lambda layer: self.stepper.layer_ready(layer),
+                wait_free=lambda layer, step: self.stepper.wait_grads_free(layer, step),
+                ready=lambda layer, step: self.stepper.layer_ready(layer, step),
             ),
             seed=self._config.roundpipe.seed,
             use_rng=uses_dropout(self._module),
         )
 
-    # --- PipelineEngine API ---------------------------------------------------------------------
-    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
-        """One optimizer step over GAS micro-batches in one RoundPipe schedule; mean loss."""
-        self.stepper.check()
-        self.train()
-        gas = self.gradient_accumulation_steps()
-        batches = [self._batch_of((b,), {}) for b in self._feed.take(data_iter, gas)]
-        profile = self.planner.profile_left > 0
-        result = self._run(
-            self.planner.plan(gas), batches, step=self.global_steps + 1, closes_step=True,
-            grad_scale=self.optimizer.cur_scale / gas, profile=profile,
-        )  # fmt: skip
-        self._counters.whole_step(applied=self._apply_boundary(None))
-        self._guard.raise_failed()
-        self.planner.fit_round_size(result.boundary_bytes)
-        if profile and self.planner.observe(result.layer_ms, result.bwd_ms):
-            self._executor = self._make_executor()
-        loss = torch.tensor(self._dp_mean(sum(result.losses) / len(result.losses)))
-        self.monitor.write_events([("Train/Samples/train_loss", float(loss), self.global_samples)])
-        return loss
-
+    # --- PipelineEngine API (train_batch: engine_pipeline.py) ---------------------------------
     def eval_batch(
         self,
         data_iter: Iterator[Any],
@@ -208,6 +199,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
     def _run(
         self, plan: Plan, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
     ) -> Any:
+        self._drain_pipeline()
         if closes_step:
             self.stepper.open_step(step)
         spec = RunSpec(
@@ -228,7 +220,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
             raise
         self._guard.observe(result.losses, self.micro_steps, self.gradient_accumulation_steps())
         if closes_step:
-            self._last = self.stepper.close_step(skip=self._guard.force_skip())
+            self._last = self.stepper.close_step(step=step, skip=self._guard.force_skip())
         self._timeline = result.timeline
         self._stats_open.add(result.stats)
         if closes_step:
@@ -266,6 +258,7 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         return not overflow
 
     def _eval_run(self, batches: list[Any], **kw: Any) -> Any:
+        self._drain_pipeline()
         step = self.global_steps + 1
         spec = RunSpec(
             plan=self.planner.plan(len(batches), ops=FORWARD_OPS), batches=batches,
@@ -283,7 +276,10 @@ class RoundPipeEngine(ImperativeLoop, DeepSpeedAccessors):
         Optional: the same shutdown runs when the engine is collected or the process exits
         (runtime/shutdown.py). Idempotent.
         """
-        self._finalizer()
+        try:
+            self._drain_pipeline()  # the step in flight is applied, as without overlap
+        finally:
+            self._finalizer()
         self._published_step = self.global_steps
         self._executor.close()
         self.monitor.close()

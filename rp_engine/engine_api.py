@@ -90,8 +90,13 @@ class DeepSpeedAccessors:
         dp = self.stepper.dp
         return dp.mean(value) if dp is not None else value
 
+    def _drain_pipeline(self) -> None:
+        """Finish a training run still in flight (engine_pipeline.py overrides it)."""
+
     def synchronize(self) -> None:
-        """Wait for in-flight optimizer steps and publish the newest weights to the module."""
+        """Finish the run and the optimizer steps in flight and publish the newest weights to
+        the module."""
+        self._drain_pipeline()
         self.stepper.synchronize()
         self._published_step = self.global_steps
 
@@ -99,11 +104,13 @@ class DeepSpeedAccessors:
     def module(self) -> nn.Module:
         """The model handed to ``initialize``, holding the newest weights.
 
-        In async mode the last optimizer step is still running when a training call returns
-        (the model shows the step before); reading ``engine.module`` (or an attribute that falls
-        through to it) then waits for that step and publishes it, as ``synchronize()`` does.
+        In async mode (or with overlapping iterations) the last optimizer step is still running
+        when a training call returns (the model shows an earlier step); reading
+        ``engine.module`` (or an attribute that falls through to it) then waits for that step
+        and publishes it, as ``synchronize()`` does.
         """
-        if self.stepper.async_mode and self._published_step != self.global_steps:
+        stale = self.stepper.async_mode or getattr(self, "_inflight", None) is not None
+        if stale and self._published_step != self.global_steps:
             if self._finalizer.alive:  # after destroy() the weights are already the newest
                 self.synchronize()
         return self._module

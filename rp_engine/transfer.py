@@ -110,6 +110,7 @@ def upload_weights(
     device: Device,
     host_tensors: Sequence[torch.Tensor],
     *,
+    sources: Sequence[torch.Tensor] | None = None,
     after: Iterable[Event] = (),
     before: Callable[[], None] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -119,11 +120,14 @@ def upload_weights(
 
     ``after``: events the upload must wait for (e.g. memory freed by an earlier stage).
     ``before``: a host-side wait run on the copy thread first (the layer-version protocol).
+    ``sources``: what to copy for each host tensor (same shapes; e.g. the second buffer of
+    double-buffered compute weights); the device copies stay keyed by ``id(host_tensors[i])``.
     """
     stream = device.stream(StreamRole.H2D_PARAM)
     for ev in after:
         stream.wait(ev)
     handle = WeightUpload()
+    reads = host_tensors if sources is None else sources
     if before is not None:
         stream.submit(before, label=label)
     sizes = [t.numel() * t.element_size() for t in host_tensors]
@@ -132,8 +136,7 @@ def upload_weights(
 
         def copy_chunk(chunk: list[int] = chunk) -> None:
             for i in chunk:
-                host = host_tensors[i]
-                handle.tensors[id(host)] = device.to_device(host.detach())
+                handle.tensors[id(host_tensors[i])] = device.to_device(reads[i].detach())
 
         stream.submit(copy_chunk, label=label)
     handle.event = stream.record()

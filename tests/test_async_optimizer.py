@@ -20,11 +20,18 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return [random_batch(128, batch=2, seq=12, seed=200 + i) for i in range(n)]
 
 
-def test_async_matches_staleness_one_reference() -> None:
+# "ignore" lets iterations overlap (engine_pipeline.py): train_batch t+1 is issued while
+# iteration t's backward tail and optimizer run; "raise" (the default) drains every call
+OVERLAP = {"on_nonfinite": "ignore"}
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "drained"])
+def test_async_matches_staleness_one_reference(overlap: bool) -> None:
     model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
     batches = _batches(STEPS * GAS)
     expected = reference_losses(ref, batches, steps=STEPS, gas=GAS, lr=1e-2, staleness=1)
-    cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, **CUTS)
+    rp = OVERLAP if overlap else {}
+    cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, roundpipe=rp, **CUTS)
     got = run_losses(model, cfg, batches, steps=STEPS)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert_same_weights(model, ref)
@@ -44,7 +51,9 @@ def test_layers_step_as_their_gradients_land() -> None:
     log: list[tuple[str, int]] = []
     stepper = engine.stepper
     ready, enqueue = stepper.layer_ready, stepper._enqueue
-    stepper.layer_ready = lambda layer: (log.append(("ready", layer)), ready(layer))[1]
+    stepper.layer_ready = lambda layer, *step: (log.append(("ready", layer)), ready(layer, *step))[
+        1
+    ]
     stepper._enqueue = lambda layer, st, **kw: (
         log.append(("step", layer)),
         enqueue(layer, st, **kw),
@@ -66,7 +75,7 @@ def test_clipping_waits_for_the_global_norm() -> None:
     log: list[str] = []
     stepper = engine.stepper
     ready, enqueue = stepper.layer_ready, stepper._enqueue
-    stepper.layer_ready = lambda layer: (log.append("ready"), ready(layer))[1]
+    stepper.layer_ready = lambda layer, *step: (log.append("ready"), ready(layer, *step))[1]
     stepper._enqueue = lambda layer, st, **kw: (log.append("step"), enqueue(layer, st, **kw))[1]
     try:
         engine.train_batch(iter(_batches(GAS)))
@@ -176,7 +185,8 @@ def test_synchronize_publishes_latest_weights() -> None:
         engine.destroy()
 
 
-def test_tied_embedding_waits_for_its_owner_step() -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "drained"])
+def test_tied_embedding_waits_for_its_owner_step(overlap: bool) -> None:
     """Tied input/output embeddings: the head stage's gradient lands in the embedding's buffer,
     owned by the prefix layer, whose async step may still be pending; the download must wait
     for that step (a slow optimizer makes the race certain), so results match the reference."""
@@ -186,8 +196,11 @@ def test_tied_embedding_waits_for_its_owner_step() -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
     batches = _batches(4 * GAS)
     expected = reference_losses(ref, batches, steps=4, gas=GAS, lr=1e-2, staleness=1)
-    engine = engine_for(model, config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, **CUTS))
+    rp = OVERLAP if overlap else {}
+    cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, roundpipe=rp, **CUTS)
+    engine = engine_for(model, cfg)
     assert engine.store.owner_layer(model.lm_head.weight) == 0
+    assert engine._overlap is overlap and engine.store.weight_copies == (2 if overlap else 1)
     real = engine.optimizer.step_params
 
     def slow(params, **kw):

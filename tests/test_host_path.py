@@ -323,3 +323,23 @@ def test_pinned_memory_is_exact_size_page_locked_and_released() -> None:
     store = HostStore(list(model), pin=pin, alloc=pinned_empty)
     assert store.grads.arena.is_pinned()
     assert all(p.is_pinned() for p in model.parameters())
+
+
+def test_the_optimizer_reads_the_oldest_sealed_step() -> None:
+    """Double-buffered, step t+1 can seal its gradient before step t's optimizer has read its
+    own (overlapping iterations, a slow optimizer): ``attach`` must still give step t's, then
+    step t+1's after the release. The single 'sealed copy' index gave step t+1's to both."""
+    from rp_engine.model.grad_buffers import GradBuffers
+
+    bufs = GradBuffers([torch.zeros(4)], copies=2)
+    bufs.write(0, torch.full((4,), 1.0))
+    bufs.seal(0)  # step t complete
+    bufs.write(0, torch.full((4,), 2.0))
+    bufs.seal(0)  # step t+1 complete, step t not consumed yet
+    got = bufs.attach(0)
+    assert got is not None and torch.equal(got, torch.full((4,), 1.0))
+    bufs.release([0])
+    got = bufs.attach(0)
+    assert got is not None and torch.equal(got, torch.full((4,), 2.0))
+    bufs.release([0])
+    assert not bufs.has(0)

@@ -24,6 +24,7 @@ layer's lock around ``write``).
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -74,7 +75,10 @@ class GradBuffers:
         self._has = [[False] * n for _ in range(copies)]  # [copy][param]: contributed this step
         self._ever = [False] * n  # contributed in some step
         self._cur = [0] * n  # the copy receiving contributions
-        self._sealed = [0] * n  # the copy the optimizer reads
+        # per parameter, the sealed copies not yet released, oldest first: the optimizer reads
+        # the oldest (with overlapping iterations step t+1 can seal before step t's optimizer
+        # has read its copy)
+        self._sealed: list[deque[int]] = [deque() for _ in range(n)]
         self._chunk = chunk
         self._local = threading.local()  # per-thread conversion scratch, made once per thread
 
@@ -155,7 +159,7 @@ class GradBuffers:
     def seal(self, i: int) -> None:
         """The current step's contributions to ``i`` are complete: the optimizer reads them
         (``attach``); later contributions go to the other copy, if there is one."""
-        self._sealed[i] = self._cur[i]
+        self._sealed[i].append(self._cur[i])
         if self.copies == 2:
             self._cur[i] ^= 1
 
@@ -166,7 +170,7 @@ class GradBuffers:
         zero-filled now (a zero gradient, as with buffers zeroed after every step). Never: None
         (the parameter is not stepped, as torch optimizers skip ``grad is None``).
         """
-        k = self._sealed[i]
+        k = self._sealed[i][0] if self._sealed[i] else self._cur[i]
         if self._has[k][i]:
             return self._views[k][i]
         if self._ever[i]:
@@ -177,11 +181,12 @@ class GradBuffers:
     def release(self, indices: Sequence[int]) -> None:
         """The optimizer has consumed the sealed step of ``indices`` (no memory is touched)."""
         for i in indices:
-            self._has[self._sealed[i]][i] = False
+            if self._sealed[i]:
+                self._has[self._sealed[i].popleft()][i] = False
 
     def clear(self, indices: Sequence[int] | None = None) -> None:
         """Forget every contribution, sealed or not (no memory is touched)."""
         for i in range(len(self)) if indices is None else indices:
             for has in self._has:
                 has[i] = False
-            self._sealed[i] = self._cur[i]
+            self._sealed[i].clear()

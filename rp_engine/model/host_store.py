@@ -13,25 +13,36 @@ stage. Per layer (index in the LayerSequence order: prefix, blocks..., head) the
   uses it: in a backward pass that layer finishes last, so its gradient is complete exactly when
   the owner's is;
 - a published *version* with a condition variable: version v means "compute weights hold the
-  result of optimizer step v" (0 = initial weights).
+  result of optimizer step v" (0 = initial weights);
+- optionally (``double_buffer_weights``) a second buffer of the compute weights it owns, so that
+  two versions coexist: version v is published into buffer v % 2, an upload that must see
+  version v reads buffer v % 2, and a publish waits for the uploads still reading the older
+  version in its buffer (``note_read``). Overlapping iterations of the asynchronous optimizer
+  need it: iteration t+1 reads w_{t-1} while iteration t still reads w_{t-2}. The module's
+  parameters are buffer 0.
 
 Bytes per trainable parameter on the host: compute weight (2 or 4) + master (4) + Adam m, v (8,
 held by the optimizer) + gradient (4) = 18 B for bf16/fp16 models, 20 B for fp32 models; 4 B more
-with double-buffered gradients (the default when host memory allows, ``double_buffer``).
+with double-buffered gradients (the default when host memory allows, ``double_buffer``), and one
+compute weight more (2 or 4 B) with double-buffered compute weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from rp_engine.model.grad_buffers import GradBuffers
+
+if TYPE_CHECKING:
+    from rp_engine.device.base import Event
 
 __all__ = ["HostParam", "HostLayer", "HostStore"]
 
@@ -110,7 +121,11 @@ class HostStore:
                 for _, p in layer.params:
                     p.data = pin(p.data)
         self._grad_locks = [threading.Lock() for _ in self.layers]
-        self._versions = [0] * len(self.layers)
+        self._pin = pin
+        self._shadow: dict[int, torch.Tensor] = {}  # id(param) -> its compute weight, buffer 1
+        self._held = [[0] for _ in self.layers]  # per layer: the version each buffer holds
+        # per layer: (buffer, version, event) of uploads that read it, until a publish waits
+        self._reads: list[list[tuple[int, int, Event]]] = [[] for _ in self.layers]
         self._cond = threading.Condition()
         self._failure: BaseException | None = None
 
@@ -234,17 +249,70 @@ class HostStore:
         return total
 
     # --- versions -----------------------------------------------------------------------------
-    def version(self, layer: int) -> int:
+    @property
+    def weight_copies(self) -> int:
+        """Buffers of compute weights: 2 with ``double_buffer_weights``, else 1."""
+        return len(self._held[0])
+
+    def double_buffer_weights(self, enable: bool | None = None) -> bool:
+        """Give every owned compute weight a second buffer (see the module docstring); None
+        decides by free host memory, as for the gradients (the second buffer must leave at least
+        three times its size available). Returns whether the weights are double-buffered. Call
+        it while no run is in flight."""
+        if self.weight_copies == 2:
+            return True
+        owned = self.owned_params()
+        nbytes = sum(hp.param.numel() * hp.param.element_size() for hp in owned)
+        if enable is None:
+            enable = _second_arena_fits(nbytes)
+        if not enable:
+            return False
+        for hp in owned:
+            copy = hp.param.detach().clone()
+            self._shadow[id(hp.param)] = self._pin(copy) if self._pin is not None else copy
         with self._cond:
-            return self._versions[layer]
+            self._held = [[max(h), max(h)] for h in self._held]
+        return True
+
+    def _buffer_of(self, version: int) -> int:
+        return version % self.weight_copies
+
+    def version(self, layer: int) -> int:
+        """The newest version the layer's compute weights hold (in either buffer)."""
+        with self._cond:
+            return max(self._held[layer])
+
+    def versioned_layers(self, layers: Iterable[int]) -> list[int]:
+        """``layers`` and the owners of the shared weights they use: the layers whose versions
+        an upload of ``layers`` must wait for (a tied weight is published by its owner)."""
+        out = set(layers)
+        for layer in list(out):
+            out.update(self.owner_layer(p) for p in self.trainable_of(layer))
+        return sorted(out)
+
+    def weight_sources(self, tensors: Sequence[torch.Tensor], version: int) -> list[torch.Tensor]:
+        """What an upload that must see ``version`` copies for each of the layer tensors
+        ``tensors`` (parameters and buffers): the buffer holding that version."""
+        if self._buffer_of(version) == 0:
+            return list(tensors)
+        return [self._shadow.get(id(t), t) for t in tensors]
+
+    def note_read(self, layers: Iterable[int], version: int, done: Event) -> None:
+        """An upload issued now reads ``version``'s buffer of ``layers`` until ``done``: a later
+        publish of a newer version into that buffer waits for it (never a newer reader)."""
+        b = self._buffer_of(version)
+        with self._cond:
+            for layer in layers:
+                self._reads[layer].append((b, version, done))
 
     def wait_version(self, layer: int, version: int) -> None:
-        """Block until layer's compute weights hold step ``version`` or newer.
+        """Block until the buffer of ``version`` holds step ``version`` or newer for ``layer``.
 
         Raises instead of waiting forever once the optimizer has failed (``fail``).
         """
+        b = self._buffer_of(version)
         with self._cond:
-            while self._versions[layer] < version:
+            while self._held[layer][b] < version:
                 if self._failure is not None:
                     raise RuntimeError(
                         f"layer {layer} will not reach weights version {version}: the optimizer "
@@ -258,33 +326,57 @@ class HostStore:
             self._failure = error
             self._cond.notify_all()
 
-    def publish(self, layer: int, version: int) -> None:
-        """Copy the layer's masters into its compute weights and mark them as ``version``.
+    def publish(self, layer: int, version: int, *, everywhere: bool = False) -> None:
+        """Copy the layer's masters into the compute weights of ``version``'s buffer (every
+        buffer with ``everywhere``: a drain) and mark them as ``version``.
 
-        Monotonic: publishing an older or equal version is a no-op, so a drain (which publishes
-        everything) followed by the usual staleness-1 publish is harmless.
+        Waits first for the uploads still reading an older version from that buffer. Monotonic:
+        publishing an older or equal version is a no-op, so a drain (which publishes everything)
+        followed by the usual staleness-1 publish is harmless.
         """
-        with self._cond:
-            if self._versions[layer] >= version:
-                return
-        with torch.no_grad():
-            for hp in self.layers[layer].owned:
-                hp.param.data.copy_(hp.master)
-        with self._cond:
-            self._versions[layer] = max(self._versions[layer], version)
-            self._cond.notify_all()
+        copies = len(self._held[layer])
+        for b in range(copies) if everywhere else [self._buffer_of(version)]:
+            with self._cond:
+                if self._held[layer][b] >= version:
+                    continue
+                reads = self._reads[layer]
+                readers = [ev for bb, v, ev in reads if bb == b and v < version]
+                self._reads[layer] = [r for r in reads if not (r[0] == b and r[1] < version)]
+            for event in readers:
+                with contextlib.suppress(Exception):  # a failed upload reads nothing more
+                    event.synchronize()
+            with torch.no_grad():
+                for hp in self.layers[layer].owned:
+                    self._weight(hp, b).copy_(hp.master)
+            with self._cond:
+                self._held[layer][b] = max(self._held[layer][b], version)
+                self._cond.notify_all()
+
+    def _weight(self, hp: HostParam, buffer: int) -> torch.Tensor:
+        return hp.param.data if buffer == 0 else self._shadow[id(hp.param)]
 
     def set_versions(self, version: int) -> None:
-        """Declare every layer at ``version`` (after loading a checkpoint or a drain)."""
+        """Declare every layer at ``version`` in every buffer (after loading a checkpoint or a
+        drain; the second buffer is refreshed from the module's weights)."""
+        self._refresh_shadow()
         with self._cond:
-            self._versions = [version] * len(self.layers)
+            self._held = [[version] * len(h) for h in self._held]
+            self._reads = [[] for _ in self.layers]
             self._cond.notify_all()
+
+    def _refresh_shadow(self) -> None:
+        with torch.no_grad():
+            for hp in self.owned_params():
+                shadow = self._shadow.get(id(hp.param))
+                if shadow is not None:
+                    shadow.copy_(hp.param.data)
 
     def reload_masters(self) -> None:
         """Refresh masters from the compute weights (after the user edited module weights)."""
         with torch.no_grad():
             for hp in self.owned_params():
                 hp.master.copy_(hp.param.data)
+        self._refresh_shadow()
 
 
 def _second_arena_fits(nbytes: int) -> bool:

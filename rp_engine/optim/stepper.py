@@ -7,10 +7,16 @@ layer (``HostStore.wait_version``), never for a whole step.
 ::
 
     iteration t backward      |== layer L ==|== ... ==|== layer 0 ==|
-    layer_ready(l)               publish w_{t-1} into the compute weights (async: the run
-                                 that read w_{t-2} is done with layer l), add ||g_l||^2
+    layer_ready(l, t)            add ||g_l||^2; async with one weight buffer: publish w_{t-1}
+                                 (the run that read w_{t-2} is done with layer l)
     worker thread (async)             step_t(L) ........ step_t(0)   overlaps iteration t+1
     iteration t+1 forward                          |== layer 0 (reads w_{t-1}) ==| ...
+
+Where w_t is published: in sync mode when step t ends for the layer; in async mode with double-
+buffered compute weights (``HostStore.double_buffer_weights``) also when step t ends, into the
+buffer iteration t read w_{t-2} from, so iteration t+1 (w_{t-1}) never waits for iteration t's
+last backward: the two iterations overlap (engine_pipeline.py). Two steps can then be open at
+once: step t accumulates while step t-1's last gradients land; the protocol calls name the step.
 
 Global-norm clipping and fp16 overflow need every layer's gradient: the squared norms are summed
 as layers complete (no separate pass) and the clip/unscale coefficient is applied inside each
@@ -83,8 +89,9 @@ class OptimizerStepper:
         self._done = [0] * self._num_layers  # last step applied (or skipped) per layer
         self._sealed = [0] * self._num_layers  # last step whose gradient is complete per layer
         self._cond = threading.Condition()
-        self._open: _OpenStep | None = None
+        self._open: dict[int, _OpenStep] = {}  # two at once while iterations overlap
         self._error: BaseException | None = None
+        self._cancelled: BaseException | None = None  # set by cancel(): blocked waits raise it
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._pending = 0
         self._thread = threading.Thread(target=self._run, name="rp-optimizer", daemon=True)
@@ -112,10 +119,27 @@ class OptimizerStepper:
         """Weights version that iteration ``step`` (1-based boundary step) must read."""
         return max(step - 2, 0) if self.async_mode else step - 1
 
+    @property
+    def publishes_at_step_end(self) -> bool:
+        """Whether w_t is published when step t ends (sync mode, or async with double-buffered
+        compute weights) rather than at iteration t+1's ``layer_ready``."""
+        return not self.async_mode or self.store.weight_copies == 2
+
     def open_step(self, step: int) -> None:
         """Begin accumulating step ``step``; hyper-parameters are frozen now (same LR as sync)."""
         self.check()
-        self._open = _OpenStep(step, self.optimizer.snapshot(), self.optimizer.cur_scale, set())
+        st = _OpenStep(step, self.optimizer.snapshot(), self.optimizer.cur_scale, set())
+        with self._cond:
+            self._open[step] = st
+
+    def _step(self, step: int | None) -> _OpenStep:
+        with self._cond:
+            if step is None:
+                assert self._open, "no open step"
+                step = min(self._open)
+            st = self._open.get(step)
+        assert st is not None, f"step {step} is not open"
+        return st
 
     def wait_grads_free(self, layer: int, step: int) -> None:
         """Block until ``layer``'s gradient buffer may receive step ``step``'s contributions.
@@ -129,6 +153,8 @@ class OptimizerStepper:
             return
         with self._cond:
             while self._sealed[layer] < step - 1:
+                if self._cancelled is not None:
+                    raise self._cancelled
                 if self._error is not None:
                     raise RuntimeError(
                         f"optimizer worker failed; layer {layer} cannot take step {step}"
@@ -136,17 +162,17 @@ class OptimizerStepper:
                 self._cond.wait(timeout=0.1)
         self._wait_done(layer, step - 2)
 
-    def layer_ready(self, layer: int) -> None:
-        """Layer's gradient for the open step is complete (called from a runtime host thread)."""
-        st = self._open
-        assert st is not None, "layer_ready outside an open step"
+    def layer_ready(self, layer: int, step: int | None = None) -> None:
+        """Layer's gradient for open step ``step`` (default: the oldest) is complete (called from
+        a runtime host thread)."""
+        st = self._step(step)
         if self.dp is not None:  # reduce first, in backward order, on the gradient thread
             self.dp.reduce(layer, partial(self._layer_ready, st, layer))
             return
         self._layer_ready(st, layer)
 
     def _layer_ready(self, st: _OpenStep, layer: int) -> None:
-        if self.async_mode:
+        if not self.publishes_at_step_end:
             # Iteration st.step no longer reads this layer: expose w_{t-1} for iteration t+1.
             self._wait_done(layer, st.step - 1)
             self.store.publish(layer, st.step - 1)
@@ -162,20 +188,21 @@ class OptimizerStepper:
         if self.immediate:
             self._enqueue(layer, st, coef=1.0, skip=False)
 
-    def close_step(self, *, skip: bool = False) -> StepResult:
-        """All gradients of the open step have landed: decide clip/overflow, issue the steps.
-        ``skip`` (or a non-finite norm in fp16 or with ``guard_nonfinite``) skips the step: it
-        reports ``overflow`` and no layer's weights change."""
-        st = self._open
-        assert st is not None, "close_step without open_step"
+    def close_step(self, *, step: int | None = None, skip: bool = False) -> StepResult:
+        """All gradients of open step ``step`` (default: the oldest) have landed: decide
+        clip/overflow, issue the steps. ``skip`` (or a non-finite norm in fp16 or with
+        ``guard_nonfinite``) skips the step: it reports ``overflow`` and no layer's weights
+        change."""
+        st = self._step(step)
         if self.dp is not None:  # every layer reduced; the norm and skip over all ranks
             st.sq_norm, skip = self.dp.finish_reduce(
                 lambda layer: partial(self._layer_ready, st, layer), lambda: st.sq_norm, skip
             )
         missing = set(range(self._num_layers)) - st.ready
         for layer in sorted(missing):  # layers that saw no gradient (frozen, unused) still step
-            self.layer_ready(layer)
-        self._open = None
+            self.layer_ready(layer, st.step)
+        with self._cond:
+            del self._open[st.step]
         norm = math.sqrt(st.sq_norm) / st.loss_scale if math.isfinite(st.sq_norm) else math.inf
         overflow = skip or ((self.fp16 or self.guard_nonfinite) and not math.isfinite(norm))
         if not self.immediate:
@@ -204,7 +231,7 @@ class OptimizerStepper:
         weights are the latest step's, and the staleness window restarts from them."""
         self.wait_all()
         for layer in range(self._num_layers):
-            self.store.publish(layer, self._done[layer])
+            self.store.publish(layer, self._done[layer], everywhere=True)
 
     def check(self) -> None:
         """Raise the worker's error, if any, in the calling thread.
@@ -216,11 +243,40 @@ class OptimizerStepper:
         if self._error is not None:
             raise self._error
 
-    def abandon_step(self) -> None:
-        """Forget the open step after a failed run (its gradients are discarded by the caller)."""
-        self._open = None
+    def abandon_step(self, step: int | None = None) -> None:
+        """Forget open step ``step`` (default: every open step) after a failed run (its
+        gradients are discarded by the caller)."""
+        with self._cond:
+            if step is None:
+                self._open.clear()
+            else:
+                self._open.pop(step, None)
         if self.dp is not None:
             self.dp.abandon()
+
+    def cancel(self, reason: BaseException) -> None:
+        """Make every runtime thread blocked in ``wait_grads_free``/``layer_ready`` raise
+        ``reason`` (a failure with iterations in flight: their steps will not close); cleared by
+        ``restart``."""
+        with self._cond:
+            self._cancelled = reason
+            self._cond.notify_all()
+
+    def restart(self, step: int) -> None:
+        """After a failure with steps in flight (overlapping iterations): forget the open steps
+        and declare every layer at ``step`` (steps not closed count as skipped), with the
+        masters, which hold the last applied step, published into every weight buffer. Call it
+        after ``wait_all`` and with the gradients discarded."""
+        self.abandon_step()
+        with self._cond:
+            self._cancelled = None
+            self._done = [step] * self._num_layers
+            self._sealed = [step] * self._num_layers
+            self._cond.notify_all()
+        self.store.set_versions(-1)  # forget the held versions, then publish the masters
+        for layer in range(self._num_layers):
+            self.store.publish(layer, step, everywhere=True)
+        self.store.fail(self._error)  # clears a cancellation; an optimizer failure stays
 
     def set_step(self, step: int) -> None:
         """After loading a checkpoint: every layer has applied ``step`` and shows w_step."""
@@ -251,6 +307,8 @@ class OptimizerStepper:
     def _wait_done(self, layer: int, step: int) -> None:
         with self._cond:
             while self._done[layer] < step:
+                if self._cancelled is not None:
+                    raise self._cancelled
                 if self._error is not None:
                     raise RuntimeError(  # name the root cause: the layer that failed
                         f"layer {layer} cannot reach step {step}: {self._error}"
@@ -322,7 +380,7 @@ class OptimizerStepper:
             for layer in layers:
                 self._done[layer] = step
             self._cond.notify_all()
-        if not self.async_mode:
+        if self.publishes_at_step_end:
             for layer in layers:
                 self.store.publish(layer, step)
 

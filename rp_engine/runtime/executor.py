@@ -25,8 +25,15 @@ this iteration must read; a gradient download into l's host buffer waits until t
 has consumed it; when a run closes an optimizer step, each layer is reported ready the moment its
 last gradient download has landed.
 
-Errors: any exception on any stream comes back from ``run`` in the caller's thread as a
-DeviceError naming the device and the action ("F2.3@1"); the pool is reset so the next run works.
+Runs overlap: ``start`` issues a run's actions and returns; ``finish`` waits for that run's own
+end events (one per stream, recorded right after its last action; streams are FIFO), not for
+every stream, so the next run's actions, issued in between, run on the other streams and devices
+meanwhile (engine_pipeline.py). ``losses`` waits only for the HEAD actions. ``run`` is
+``finish(start(spec))``. A run's byte counts come from its own copies, not device counters.
+
+Errors: any exception on any stream comes back from ``finish`` (or ``run``) in the caller's
+thread as a DeviceError naming the device and the action ("F2.3@1"); the pool is reset so the
+next run works (a run started in between is discarded with it).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ __all__ = [
     "RunSpec",
     "RunResult",
     "RunStats",
+    "RunHandle",
     "TimelineRecord",
     "GradSink",
     "Carry",
@@ -84,16 +92,18 @@ class TimelineRecord:
 class GradSink:
     """Where gradients go: the host store plus the optimizer protocol hooks.
 
-    ``wait_free(layer)`` blocks until the layer's buffer may receive this step's gradients;
-    ``ready(layer)`` is called once the layer's gradient for a closing run is complete.
+    ``wait_free(layer, step)`` blocks until the layer's buffer may receive step ``step``'s
+    gradients; ``ready(layer, step)`` is called once the layer's gradient of a closing run is
+    complete. The step is the run's own (``RunSpec.step``): with overlapping iterations the
+    engine's counters have already moved on when a run's gradients land.
     """
 
     def __init__(
         self,
         store: HostStore,
         *,
-        wait_free: Callable[[int], None] = lambda layer: None,
-        ready: Callable[[int], None] = lambda layer: None,
+        wait_free: Callable[[int, int], None] = lambda layer, step: None,
+        ready: Callable[[int, int], None] = lambda layer, step: None,
     ) -> None:
         self.store = store
         self.wait_free = wait_free
@@ -142,7 +152,7 @@ class RunStats:
     grad_d2h_bytes: int = 0
     uploads: int = 0  # weight uploads (one per UPLOAD action)
     downloads: int = 0  # gradient downloads (one per DOWNLOAD action)
-    seconds: float = 0.0  # wall time of the run, issue to drain
+    seconds: float = 0.0  # wall time of the run, issue to its end (overlapping the next one's)
     busy_s: dict[int, float] = field(default_factory=dict)  # per device: compute time
 
     @property
@@ -286,6 +296,7 @@ class _Ctx:
         self.host_inputs: dict[_Key, Callable[[], State]] = {}  # host state, on demand
         self.losses: dict[int, torch.Tensor] = {}
         self.token_stats: dict[int, dict[str, torch.Tensor]] = {}  # mb -> the head's statistics
+        self.head_done: list[Event] = []  # HEAD compute ends: the losses are known after them
         self.timeline: list[TimelineRecord] = []  # host-clock spans (HOST stream)
         self.spans: list[tuple[int, str, Action, ComputeTimer]] = []  # (device, stream, ...)
         self.base: dict[int, ComputeTimer] = {}  # per device: the run's time origin
@@ -296,9 +307,33 @@ class _Ctx:
         self.upload_of: dict[Action, _GroupKey] = {}  # compute action -> its group
         self.computed: dict[int, list[Event]] = {}  # per device: compute ends, in issue order
         self.stats = RunStats()
+        self._count_lock = threading.Lock()  # copy threads of every device count at once
         self.head_out: _HeadOut | None = None
         self.boundary_bytes = 0
         self.t0 = time.perf_counter()
+
+    def count(self, nbytes: int, *, h2d: bool = False, grads: bool = False) -> None:
+        """Add one copy's bytes to the run's stats (``grads``: a gradient download)."""
+        with self._count_lock:
+            if h2d:
+                self.stats.h2d_bytes += nbytes
+            else:
+                self.stats.d2h_bytes += nbytes
+            if grads:
+                self.stats.grad_d2h_bytes += nbytes
+                self.stats.downloads += 1
+
+
+class RunHandle:
+    """A run issued by ``Executor.start``: its scratch and the events that end it."""
+
+    def __init__(self, ctx: _Ctx, ends: list[Event]) -> None:
+        self.ctx = ctx
+        self.ends = ends
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.ctx.spec
 
 
 class Executor:
@@ -336,7 +371,15 @@ class Executor:
 
     # --- public -----------------------------------------------------------------------------
     def run(self, spec: RunSpec) -> RunResult:
-        """Execute the lowered plan's actions; blocks until every stream has drained."""
+        """Execute the lowered plan's actions; blocks until all of the run's work is done."""
+        return self.finish(self.start(spec))
+
+    def start(self, spec: RunSpec) -> RunHandle:
+        """Issue every action of the plan to the devices' streams and return at once.
+
+        The work runs on the streams while the caller goes on, e.g. to start the next run,
+        whose actions queue behind this one's on each stream (FIFO) and overlap its tail on
+        the other streams and devices. ``finish`` waits for this run only."""
         ctx = _Ctx(spec)
         plan = spec.plan
         for a in plan.actions:
@@ -353,7 +396,6 @@ class Executor:
                         due[layer] = due.get(layer, 0) + 1
             for layer, n in due.items():
                 ctx.remaining.set([layer], n)
-        before = [d.memory_stats() for d in self.devices]
         for device in self.devices:
             device.reset_peak()
             ctx.base[device.index] = device.timer()
@@ -361,13 +403,44 @@ class Executor:
             self._resume_from(ctx, spec.carry)
         for action in plan.actions:
             self._handlers[action.op](ctx, action)
-        self._drain()
+        # Streams are FIFO: an event recorded on each now completes when this run's work on it
+        # is done, whatever a later run queues behind it.
+        ends = [d.stream(role).record() for d in self.devices for role in StreamRole]
+        return RunHandle(ctx, ends)
+
+    def losses(self, handle: RunHandle) -> list[float]:
+        """The run's per-micro-batch losses, as soon as its HEAD actions are done (the backward
+        tail may still run). A device error is raised as ``finish`` raises it."""
+        try:
+            for event in handle.ctx.head_done:
+                event.synchronize()
+        except BaseException:
+            self.finish(handle)  # resets the devices and raises the first DeviceError
+            raise
+        return [float(v) for _, v in sorted(handle.ctx.losses.items())]
+
+    def finish(self, handle: RunHandle) -> RunResult:
+        """Wait for the run's own work (its end events, not every stream's later work), then
+        measure it. Re-raises the first device error, after resetting the devices (the work
+        of a run started later is discarded too: its events fail)."""
+        ctx, spec = handle.ctx, handle.ctx.spec
+        errors: list[BaseException] = []
+        for event in handle.ends:
+            try:
+                event.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - collected, re-raised below
+                errors.append(exc)
+        if errors:
+            for device in self.devices:
+                device.reset()
+            self._replicas_reset()
+            raise next((e for e in errors if isinstance(e, DeviceError)), errors[0])
         carry = None
         if spec.defer_head and spec.train:
             out = ctx.head_out
             assert out is not None, "a deferred-head run without a HEAD action"
             carry = Carry(ctx.saved, out.device, out.grads, out.grad_in, out.microbatch)
-        self._measure(ctx, before)
+        self._measure(ctx)
         timeline, layer_ms, bwd_ms = self._timeline(ctx)
         for r in timeline:  # busy time: the compute spans, on the device's own clock
             if r.stream == "compute":
@@ -403,14 +476,12 @@ class Executor:
             layer_ms.setdefault(layer, []).append(timer.seconds() * 1e3)
         return sorted(records, key=lambda r: (r.start, r.device)), layer_ms, bwd_ms
 
-    def _measure(self, ctx: _Ctx, before: list[dict[str, int]]) -> None:
-        stats = ctx.stats
-        stats.seconds = time.perf_counter() - ctx.t0
-        for device, b in zip(self.devices, before, strict=True):
-            now = device.memory_stats()
-            stats.h2d_bytes += now.get("h2d_bytes", 0) - b.get("h2d_bytes", 0)
-            stats.d2h_bytes += now.get("d2h_bytes", 0) - b.get("d2h_bytes", 0)
-            stats.busy_s.setdefault(device.index, 0.0)
+    def _measure(self, ctx: _Ctx) -> None:
+        """Wall time from issue to the run's end; the bytes were counted by the run's own copies
+        (device counters would mix in an overlapping run's)."""
+        ctx.stats.seconds = time.perf_counter() - ctx.t0
+        for device in self.devices:
+            ctx.stats.busy_s.setdefault(device.index, 0.0)
 
     def _slot_layers(self, plan: Plan, slot: int) -> tuple[int, ...]:
         """Host layer indices a plan slot runs (forward stage s, or backward stage slot - S_f)."""
@@ -465,15 +536,21 @@ class Executor:
         version = ctx.spec.version
         device = self.devices[a.device]
         timer: list[ComputeTimer] = []
+        hosts = list(seen.values())
+        readers = self.store.versioned_layers(layers)  # with the owners of shared weights
 
         def wait_versions() -> None:
-            for layer in layers:
+            for layer in readers:
                 self.store.wait_version(layer, version)
             timer.append(device.timer())  # the copy starts once its versions are there
 
         weights = upload_weights(
-            device, list(seen.values()), after=gates, before=wait_versions, label=str(a)
-        )
+            device, hosts, sources=self.store.weight_sources(hosts, version),
+            after=gates, before=wait_versions, label=str(a),
+        )  # fmt: skip
+        # a publish into the buffer this upload reads waits for it (HostStore.publish)
+        assert weights.event is not None
+        self.store.note_read(readers, version, weights.event)
 
         def copied() -> None:
             timer[0].stop()
@@ -483,6 +560,7 @@ class Executor:
         ctx.groups[key] = _Group(weights, layers)
         ctx.stats.uploads += 1
         ctx.stats.weight_h2d_bytes += weights.nbytes
+        ctx.stats.h2d_bytes += weights.nbytes
 
     def _download(self, ctx: _Ctx, a: Action) -> None:
         """DOWNLOAD: the gradients the group accumulated on the device, once, to the host."""
@@ -548,7 +626,7 @@ class Executor:
             ctx.saved_ev[key] = download_state(
                 self.devices[a.device],
                 functools.partial(ctx.acts.pop, _Saved(j, m)),
-                functools.partial(ctx.saved.__setitem__, key),
+                _counted(ctx, functools.partial(ctx.saved.__setitem__, key), h2d=False),
                 after=done,
                 label=f"{a}.save{j}",
                 trace=self._trace(ctx, self.devices[a.device], "d2h_act", a),
@@ -565,6 +643,7 @@ class Executor:
             ctx.head_out = _HeadOut(a.device, grads, None, a.microbatch)
         done = self._launch(ctx, a, layers, [in_key], body, backward=train)
         ctx.act_where[_Grad(1, a.microbatch)] = (a.device, done)
+        ctx.head_done.append(done)
 
     def _head_train(
         self, ctx: _Ctx, a: Action, in_key: _Key, grads: dict[int, torch.Tensor],
@@ -709,7 +788,7 @@ class Executor:
             down = download_state(
                 src,
                 lambda: ctx.acts.pop(key),
-                lambda st: host.__setitem__("s", st),
+                _counted(ctx, lambda st: host.__setitem__("s", st), h2d=False),
                 after=event,
                 label=f"{label}.send",
                 trace=self._trace(ctx, src, "d2h_act", a),
@@ -720,7 +799,7 @@ class Executor:
         else:  # host-resident input (micro-batch or a saved stage input)
             _wait(device.stream(StreamRole.H2D_ACT), event)
             get = ctx.host_inputs.pop(key)
-        put = functools.partial(ctx.acts.__setitem__, key)
+        put = _counted(ctx, functools.partial(ctx.acts.__setitem__, key), h2d=True)
         trace = self._trace(ctx, device, "h2d_act", a)
         return upload_state(device, get, put, label=f"{label}.in", trace=trace)
 
@@ -789,15 +868,13 @@ class Executor:
         params = {id(p): p for layer in layers for p in self.store.trainable_of(layer)}
         # a tied weight's buffer belongs to its owner layer, which may sit in another stage
         owners = {key: self.store.owner_layer(p) for key, p in params.items()}
-        stats = ctx.stats
         host: dict[int, torch.Tensor] = {}
 
         def download() -> None:
             timer = device.timer()
             grads = take()
             host.update({k: device.to_host(g) for k, g in grads.items() if k in params})
-            stats.grad_d2h_bytes += sum(g.numel() * g.element_size() for g in host.values())
-            stats.downloads += 1
+            ctx.count(sum(g.numel() * g.element_size() for g in host.values()), grads=True)
             for grad in grads.values():  # made on the compute stream, read by this copy
                 device.free(grad, used_by=(StreamRole.D2H,))
             timer.stop()
@@ -810,7 +887,7 @@ class Executor:
             landed.synchronize()  # blocks this HOST worker only, until the copies are done
             start = time.perf_counter()
             for key, grad in host.items():
-                self.sink.wait_free(owners[key])
+                self.sink.wait_free(owners[key], ctx.spec.step)
                 self.store.accumulate(params[key], grad)
             host.clear()
             end = time.perf_counter()
@@ -819,25 +896,9 @@ class Executor:
             )
             for layer in ctx.remaining.arrive(layers):
                 if ctx.spec.closes_step:
-                    self.sink.ready(layer)
+                    self.sink.ready(layer, ctx.spec.step)
 
         device.stream(StreamRole.HOST).submit(accumulate, label=f"{action}.acc")
-
-    def _drain(self) -> None:
-        """Wait for every stream of every device; re-raise the first device error."""
-        errors: list[BaseException] = []
-        for device in self.devices:
-            for role in StreamRole:
-                try:
-                    device.stream(role).record().synchronize()
-                except BaseException as exc:  # noqa: BLE001 - collected, re-raised below
-                    errors.append(exc)
-        if errors:
-            for device in self.devices:
-                device.reset()
-            self._replicas_reset()
-            first = next((e for e in errors if isinstance(e, DeviceError)), errors[0])
-            raise first
 
     def _replicas_reset(self) -> None:
         for replica in self._replicas.values():
@@ -875,6 +936,16 @@ def _with_grad_input(state: State) -> State:
     if hidden is not None and hidden.is_floating_point():
         hidden.requires_grad_(True)
     return out
+
+
+def _counted(ctx: _Ctx, put: Callable[[State], None], *, h2d: bool) -> Callable[[State], None]:
+    """``put`` that first adds the state's bytes to the run's H2D or D2H count."""
+
+    def counted(state: State) -> None:
+        ctx.count(_state_bytes(state), h2d=h2d)
+        put(state)
+
+    return counted
 
 
 def _state_bytes(state: State) -> int:

@@ -36,13 +36,17 @@ __all__ = ["watch"]
 log = logging.getLogger("rp_engine")
 
 
-def watch(engine: Any, *, stepper: OptimizerStepper, pool: DevicePool) -> weakref.finalize:
+def watch(
+    engine: Any, *, stepper: OptimizerStepper, pool: DevicePool, inflight: Any = None
+) -> weakref.finalize:
     """Shut ``stepper`` and ``pool`` down when ``engine`` is collected or the process exits;
-    call the returned finaliser to do it now (idempotent: it runs at most once)."""
-    return weakref.finalize(engine, shutdown, stepper, pool)
+    call the returned finaliser to do it now (idempotent: it runs at most once). ``inflight``
+    (engine_pipeline.InFlightBox): a training run still in flight is finished and its step
+    applied first."""
+    return weakref.finalize(engine, shutdown, stepper, pool, inflight)
 
 
-def shutdown(stepper: OptimizerStepper, pool: DevicePool) -> None:
+def shutdown(stepper: OptimizerStepper, pool: DevicePool, inflight: Any = None) -> None:
     """Stop the devices, finish in-flight optimizer steps, publish, join every worker thread.
 
     Safe from any thread: a garbage-collection pass may run the finaliser on one of the engine's
@@ -51,9 +55,13 @@ def shutdown(stepper: OptimizerStepper, pool: DevicePool) -> None:
     """
     workers = {stepper.thread, *(t for d in pool.devices for t in getattr(d, "threads", ()))}
     if threading.current_thread() in workers:
-        threading.Thread(target=shutdown, args=(stepper, pool), name="rp-shutdown").start()
+        threading.Thread(
+            target=shutdown, args=(stepper, pool, inflight), name="rp-shutdown"
+        ).start()
         return
     try:
+        if inflight is not None:  # overlapping iterations: the last step is still in flight
+            inflight.finish(stepper)
         # Devices first: a gradient download still running may wait for optimizer progress,
         # so the optimizer thread keeps running until the device threads are gone.
         pool.close()

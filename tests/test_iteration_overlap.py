@@ -1,0 +1,320 @@
+"""Overlapping iterations (engine_pipeline.py): ``train_batch`` t+1's first forward runs while
+iteration t's last backward, its accumulation and its optimizer step are still running, and
+everything that reads weights still sees DeepSpeed's numbers.
+
+Ordering is observed with events (a slot held until another has started, with a timeout), never
+with wall-clock figures; the same probe with ``overlap_iterations: false`` is the control.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import assert_same_weights, config, engine_for, reference_losses
+from models import random_batch, tiny_qwen3
+
+GAS = 2
+CUTS = {"fwd_cuts": [2, 2], "bwd_cuts": [0, 2, 2]}
+OVERLAP = {"on_nonfinite": "ignore"}  # "raise" (the default) drains every train_batch
+
+
+def _batches(n: int, seed: int = 300) -> list[dict[str, torch.Tensor]]:
+    return [random_batch(128, batch=2, seq=12, seed=seed + i) for i in range(n)]
+
+
+def _engine(*, async_optimizer: bool = True, overlap: bool = True, **rp: Any) -> Any:
+    cfg = config(
+        devices=2, gas=GAS, lr=1e-2, async_optimizer=async_optimizer,
+        roundpipe={**OVERLAP, "overlap_iterations": overlap, **rp}, **CUTS,
+    )  # fmt: skip
+    return engine_for(tiny_qwen3(0, layers=4), cfg)
+
+
+def _probe(overlap: bool, wait_s: float) -> dict[str, bool | None]:
+    """Train 3 steps; hold iteration 2's last backward (the prefix recompute of its last
+    micro-batch) and step 2's first optimizer finish until iteration 3's first forward has
+    started, for at most ``wait_s``. Returns whether each hold saw that start."""
+    engine = _engine(overlap=overlap)
+    stages = engine.planner.stages
+    assert stages.has_prefix and 0 in stages.bwd[-1]  # the last backward recomputes layer 0
+    started = threading.Event()  # iteration 3's first forward is running
+    seen: dict[str, bool | None] = {"backward": None, "optimizer": None}
+    calls = {"n": 0}
+    call, finish = engine._executor._call, engine.stepper._finish
+
+    def traced_call(ctx: Any, device: Any, layer: int, state: Any, mb: int, w: Any) -> Any:
+        step = ctx.spec.step
+        if (step, layer, mb) == (3, 0, 0):
+            started.set()
+        if (step, layer, mb) == (2, 0, GAS - 1):
+            calls["n"] += 1
+            if calls["n"] == 2:  # 1: the forward F0, 2: the last backward's recompute
+                seen["backward"] = started.wait(timeout=wait_s)
+        return call(ctx, device, layer, state, mb, w)
+
+    def held_finish(layers: list[int], step: int) -> None:
+        if step == 2 and seen["optimizer"] is None:
+            seen["optimizer"] = started.wait(timeout=wait_s)
+        finish(layers, step)
+
+    engine._executor._call = traced_call
+    engine.stepper._finish = held_finish
+    try:
+        it = iter(_batches(3 * GAS))
+        for _ in range(3):
+            engine.train_batch(it)
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    return seen
+
+
+def test_next_forward_starts_before_the_last_backward_and_the_optimizer_end() -> None:
+    seen = _probe(overlap=True, wait_s=60)
+    assert seen == {"backward": True, "optimizer": True}, seen
+
+
+def test_control_without_overlap_the_next_forward_waits_for_the_last_backward() -> None:
+    """The probe can fail: drained iterations never start iteration 3 during iteration 2's
+    backward (the optimizer of step 2 does run during iteration 3 in async mode either way)."""
+    seen = _probe(overlap=False, wait_s=2)
+    assert seen["backward"] is False, seen
+
+
+def test_overlap_is_off_where_the_next_step_depends_on_this_ones_outcome() -> None:
+    for rp, expected in (
+        ({}, True),
+        ({"on_nonfinite": "raise"}, False),
+        ({"on_nonfinite": "skip"}, False),
+        ({"overlap_iterations": False}, False),
+    ):
+        engine = _engine(**rp)
+        try:
+            assert engine._overlap is expected, rp
+        finally:
+            engine.destroy()
+    cfg = config(devices=2, gas=GAS, roundpipe=OVERLAP, fp16={"enabled": True}, **CUTS)
+    engine = engine_for(tiny_qwen3(0, layers=4), cfg)
+    try:
+        assert engine._overlap is False  # the next step's loss scale needs this one's overflow
+    finally:
+        engine.destroy()
+
+
+def test_sync_mode_with_overlap_matches_plain_pytorch() -> None:
+    model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    batches = _batches(4 * GAS)
+    expected = reference_losses(ref, batches, steps=4, gas=GAS, lr=1e-2)
+    cfg = config(devices=2, gas=GAS, lr=1e-2, roundpipe=OVERLAP, **CUTS)
+    engine = engine_for(model, cfg)
+    try:
+        assert engine._overlap
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(4)]
+        assert engine._inflight is not None  # the last step is still in flight
+        assert engine.global_steps == 4 and engine.micro_steps == 4 * GAS
+        engine.synchronize()
+        assert engine._inflight is None
+    finally:
+        engine.destroy()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, ref)
+
+
+def test_eval_and_module_between_overlapped_steps_see_the_drained_weights() -> None:
+    """eval_batch and engine.module finish the run in flight first: the same numbers as an
+    engine that never overlapped, and the training after them goes on identically."""
+    results = []
+    for overlap in (True, False):
+        engine = _engine(overlap=overlap)
+        try:
+            it, evals = iter(_batches(4 * GAS)), _batches(GAS, seed=900)
+            losses = [float(engine.train_batch(it)) for _ in range(2)]
+            ev = float(engine.eval_batch(iter(evals)))
+            weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+            losses += [float(engine.train_batch(it)) for _ in range(2)]
+            engine.synchronize()
+            final = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        finally:
+            engine.destroy()
+        results.append((losses, ev, weights, final))
+    (l1, e1, w1, f1), (l2, e2, w2, f2) = results
+    assert l1 == l2 and e1 == e2
+    for k in w1:
+        assert torch.equal(w1[k], w2[k]) and torch.equal(f1[k], f2[k]), k
+
+
+def test_checkpoint_resume_with_overlap_matches_the_uninterrupted_run(tmp_path) -> None:
+    batches = _batches(6 * GAS)
+    straight = _engine()
+    try:
+        it = iter(batches)
+        want = [float(straight.train_batch(it)) for _ in range(3)]
+        straight.synchronize()  # the drain save_checkpoint does: the staleness window restarts
+        want += [float(straight.train_batch(it)) for _ in range(3)]
+    finally:
+        straight.destroy()
+    a = _engine()
+    try:
+        it = iter(batches)
+        got = [float(a.train_batch(it)) for _ in range(3)]
+        a.save_checkpoint(str(tmp_path))  # drains: the step in flight is saved
+        assert a._inflight is None and a.global_steps == 3
+    finally:
+        a.destroy()
+    b = _engine()
+    try:
+        b.load_checkpoint(str(tmp_path))
+        it = iter(batches[3 * GAS :])
+        got += [float(b.train_batch(it)) for _ in range(3)]
+    finally:
+        b.destroy()
+    assert got[:3] == want[:3]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_destroy_applies_the_step_in_flight() -> None:
+    model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    batches = _batches(3 * GAS)
+    reference_losses(ref, batches, steps=3, gas=GAS, lr=1e-2, staleness=1)
+    cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, roundpipe=OVERLAP, **CUTS)
+    engine = engine_for(model, cfg)
+    it = iter(batches)
+    for _ in range(3):
+        engine.train_batch(it)
+    assert engine._inflight is not None
+    engine.destroy()  # no synchronize: destroy finishes run 3 and applies step 3
+    assert_same_weights(model, ref)
+
+
+def test_collected_engine_applies_the_step_in_flight() -> None:
+    """Without destroy(): the finaliser (at collection or exit) finishes the run in flight."""
+    import gc
+
+    model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    batches = _batches(3 * GAS)
+    reference_losses(ref, batches, steps=3, gas=GAS, lr=1e-2, staleness=1)
+    cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, roundpipe=OVERLAP, **CUTS)
+    engine = engine_for(model, cfg)
+    it = iter(batches)
+    for _ in range(3):
+        engine.train_batch(it)
+    finalizer = engine._finalizer
+    del engine, it
+    gc.collect()
+    if finalizer.alive:  # still referenced by a queued closure: run it as exit would
+        finalizer()
+    assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("where", ["tail", "start"])
+def test_a_failed_run_discards_the_steps_in_flight_and_training_goes_on(where: str) -> None:
+    engine = _engine()
+    call = engine._executor._call
+    fail = {"armed": True}
+
+    # "tail": iteration 2's last backward (a recompute, after its losses were returned);
+    # "start": iteration 3's first forward
+    target = {"tail": (2, 0, GAS - 1, True), "start": (3, 0, 0, False)}[where]
+
+    def failing(ctx: Any, device: Any, layer: int, state: Any, mb: int, w: Any) -> Any:
+        if fail["armed"] and (ctx.spec.step, layer, mb, torch.is_grad_enabled()) == target:
+            fail["armed"] = False
+            raise ValueError("injected")
+        return call(ctx, device, layer, state, mb, w)
+
+    engine._executor._call = failing
+    try:
+        it = iter(_batches(6 * GAS))
+        engine.train_batch(it)
+        engine.train_batch(it)
+        with pytest.raises(Exception, match="injected"):
+            engine.train_batch(it)
+        assert engine._inflight is None
+        # the step counted when its losses were returned is counted as skipped
+        assert engine.skipped_steps == (1 if where == "tail" else 0)
+        steps = engine.global_steps
+        losses = [float(engine.train_batch(it)) for _ in range(2)]
+        engine.synchronize()
+        assert engine.global_steps == steps + 2
+        assert all(torch.isfinite(torch.tensor(losses)))
+        for hp in engine.store.owned_params():
+            torch.testing.assert_close(hp.param.detach(), hp.master, rtol=0, atol=0)
+    finally:
+        engine.destroy()
+
+
+_EXIT_SCRIPT = """
+import sys, weakref
+import torch
+from engine_helpers import config, engine_for
+from models import random_batch, tiny_qwen3
+
+model = tiny_qwen3(0, layers=4)
+out = sys.argv[1]
+# Created before the engine, so at exit it runs after the engine's own finaliser (newest first).
+class Anchor:
+    pass
+
+
+anchor = Anchor()
+weakref.finalize(anchor, lambda: torch.save(model.state_dict(), out))
+cfg = config(devices=2, gas=2, lr=1e-2, async_optimizer=True, roundpipe={"on_nonfinite": "ignore"},
+             fwd_cuts=[2, 2], bwd_cuts=[0, 2, 2])
+engine = engine_for(model, cfg)
+it = iter([random_batch(128, batch=2, seq=12, seed=300 + i) for i in range(6)])
+for _ in range(3):
+    engine.train_batch(it)
+assert engine._inflight is not None
+print("LAST LINE", flush=True)  # no destroy(): the step in flight is applied at exit
+"""
+
+
+def test_script_ending_with_a_step_in_flight_applies_it_and_exits_cleanly(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script, out = tmp_path / "train.py", tmp_path / "weights.pt"
+    script.write_text(_EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    r = subprocess.run(
+        [sys.executable, str(script), str(out)], cwd=root, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "LAST LINE"
+    ref = tiny_qwen3(0, layers=4)
+    reference_losses(ref, _batches(3 * GAS), steps=3, gas=GAS, lr=1e-2, staleness=1)
+    got = torch.load(out, weights_only=True)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_tight_host_memory_overlaps_with_one_buffer_and_keeps_staleness_one(monkeypatch) -> None:
+    """Without room for second buffers (weights and gradients), async overlap still reads
+    exactly w_{t-1} in iteration t+1: w_{t-1} is published at iteration t's layer_ready, and
+    a download waits for the previous step's optimizer."""
+    import rp_engine.model.host_store as host_store
+
+    monkeypatch.setattr(host_store, "_second_arena_fits", lambda nbytes: False)
+    model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    batches = _batches(5 * GAS)
+    expected = reference_losses(ref, batches, steps=5, gas=GAS, lr=1e-2, staleness=1)
+    cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, roundpipe=OVERLAP, **CUTS)
+    engine = engine_for(model, cfg)
+    try:
+        assert engine._overlap and engine.store.weight_copies == 1
+        assert not engine.store.double_buffered
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(5)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, ref)
