@@ -491,6 +491,9 @@ class RoundPipeConfig:
     seed: int = field(default=42, metadata=_m(ge=0))
     # bf16/fp32 step with a non-finite loss or gradient norm: raise (step skipped), skip, ignore
     on_nonfinite: str = field(default="raise", metadata=_m(choices=("raise", "skip", "ignore")))
+    # undo log making a failed optimizer step all-or-nothing (+12 B/trainable param, Adam):
+    # auto = when host memory allows (optim/step_journal.py)
+    step_journal: str = field(default="auto", metadata=_m(choices=("auto", "on", "off")))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -274,6 +274,17 @@ class HostStore:
             self._versions[layer] = max(self._versions[layer], version)
             self._cond.notify_all()
 
+    def rewind(self, layer: int, version: int) -> None:
+        """Copy the layer's masters into its compute weights and mark them as ``version``, which
+        may be older than the current one: the undo of a failed optimizer step that had already
+        been published (optim/step_journal.py). Only while nothing reads the layer."""
+        with torch.no_grad():
+            for hp in self.layers[layer].owned:
+                hp.param.data.copy_(hp.master)
+        with self._cond:
+            self._versions[layer] = version
+            self._cond.notify_all()
+
     def set_versions(self, version: int) -> None:
         """Declare every layer at ``version`` (after loading a checkpoint or a drain)."""
         with self._cond:

@@ -16,10 +16,17 @@ Global-norm clipping and fp16 overflow need every layer's gradient: the squared 
 as layers complete (no separate pass) and the clip/unscale coefficient is applied inside each
 layer's step. Without clipping, fp16 or a torch fallback optimizer, each layer steps as soon as
 its gradient is complete.
+
+Failures: an exception while a layer steps surfaces at the next engine call, naming the layer and
+the step. With a step journal (optim/step_journal.py) the failed step is undone first: every
+layer's masters, optimizer moments and compute weights are those of the previous step again, the
+step's gradients are dropped, and training can go on. Without one it cannot be undone and every
+later call raises (see ``check``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
@@ -29,8 +36,11 @@ from typing import Any
 
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim.optimizer import HostOptimizer
+from rp_engine.optim.step_journal import StepJournal
 
 __all__ = ["OptimizerStepper", "StepResult"]
+
+log = logging.getLogger("rp_engine.optim")
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class OptimizerStepper:
         async_mode: bool,
         fp16: bool,
         guard_nonfinite: bool = False,
+        journal: StepJournal | None = None,
     ) -> None:
         self.store = store
         self.optimizer = optimizer
@@ -76,6 +87,10 @@ class OptimizerStepper:
         self._cond = threading.Condition()
         self._open: _OpenStep | None = None
         self._error: BaseException | None = None
+        self._failed_step = 0  # the step whose layer raised (with _error)
+        self._counted = 0  # the last step close_step returned: the engine counted it
+        # undo log of the step being applied (None: failures stick); the optimizer's by default
+        self.journal = journal if journal is not None else optimizer.journal
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._pending = 0
         self._thread = threading.Thread(target=self._run, name="rp-optimizer", daemon=True)
@@ -157,6 +172,7 @@ class OptimizerStepper:
                 self._enqueue_all(st, coef=coef, skip=overflow)
         if not self.async_mode:
             self.wait_all()
+        self._counted = st.step
         return StepResult(st.step, norm, overflow)
 
     # --- synchronisation ----------------------------------------------------------------------
@@ -175,24 +191,52 @@ class OptimizerStepper:
             self.store.publish(layer, self._done[layer])
 
     def check(self) -> None:
-        """Raise the worker's error, if any, in the calling thread.
+        """Raise the worker's error, if any, in the calling thread (never during a run).
 
-        A failed step leaves layers at different versions, so the error stays: every later call
+        With a journal, the failed step is undone first (``_undo``) and the error is raised once:
+        the engine is back at the last step it counted and the next call trains. Without one, a
+        failed step leaves layers at different versions, so the error stays: every later call
         raises it too (load a checkpoint into a new engine to go on) instead of training on
         inconsistent weights or waiting for a version that will never come.
         """
-        if self._error is not None:
+        if self._error is None:
+            return
+        if self.journal is None:
             raise self._error
+        self._wait_idle()
+        err, failed = self._error, self._failed_step
+        restored = self._undo(failed, keep=self._counted)
+        log.warning("%s; undid step %d on %d layer(s)", err, failed, len(restored))
+        self._error = None
+        self.store.fail(None)
+        raise RuntimeError(
+            f"{err}; step {failed} was undone ({len(restored)} layer(s) had stepped): weights, "
+            f"masters and optimizer state are those of step {self._counted} again and its "
+            "gradients were dropped, so training can go on"
+        ) from err.__cause__
 
     def abandon_step(self) -> None:
-        """Forget the open step after a failed run (its gradients are discarded by the caller)."""
-        self._open = None
+        """Forget the open step after a failed run (its gradients are discarded by the caller).
+
+        Layers that already stepped (per-layer stepping starts while the backward still runs)
+        are undone when there is a journal; the worker is waited for first."""
+        st, self._open = self._open, None
+        if st is not None and self.journal is not None and self._error is None:
+            self._wait_idle()
+            if self._error is None and self.journal.step == st.step:
+                restored = self._undo(st.step, keep=self._counted)
+                log.warning(
+                    "undid the optimizer step of %d layer(s) of step %d", len(restored), st.step
+                )
 
     def set_step(self, step: int) -> None:
         """After loading a checkpoint: every layer has applied ``step`` and shows w_step."""
         with self._cond:
             self._done = [step] * self._num_layers
             self._sealed = [step] * self._num_layers
+        self._counted = step
+        if self.journal is not None and self.journal.step is not None:
+            self.journal.commit(self.journal.step)  # the loaded masters replace what it holds
         self.store.set_versions(step)
 
     @property
@@ -212,6 +256,32 @@ class OptimizerStepper:
                 self._thread.join()
 
     # --- internals ----------------------------------------------------------------------------
+    def _wait_idle(self) -> None:
+        with self._cond:
+            while self._pending:
+                self._cond.wait(timeout=0.1)
+
+    def _undo(self, failed: int, *, keep: int) -> set[int]:
+        """Roll step ``failed`` back (worker idle, no run in flight): journaled masters and
+        optimizer state are restored, so every master holds w_{failed-1}; compute weights that
+        had been published at ``failed`` or later get them back. The engine counted steps up to
+        ``keep`` (``failed`` in async mode, whose boundary was applied before the step ran: it
+        becomes a step whose update was dropped, like an fp16 overflow skip; ``failed - 1`` when
+        it was not counted), so every layer is declared done at ``keep`` and gradients in
+        flight are dropped. Returns the layers whose optimizer step was undone."""
+        assert self.journal is not None
+        restored = self.journal.rollback()
+        for layer in range(self._num_layers):
+            if self.store.version(layer) >= failed:
+                self.store.rewind(layer, keep)
+        self.store.zero_grads()
+        with self._cond:
+            self._done = [keep] * self._num_layers
+            self._sealed = [keep] * self._num_layers
+            self._cond.notify_all()
+        self._open = None
+        return restored
+
     def _wait_done(self, layer: int, step: int) -> None:
         with self._cond:
             while self._done[layer] < step:
@@ -226,22 +296,28 @@ class OptimizerStepper:
 
         def task() -> None:
             if not skip and masters:
+                if self.journal is not None:
+                    self.journal.record(st.step, layer, masters)
                 self.store.attach_grads([layer])
                 self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
             self._finish([layer], st.step)
 
-        self._submit(task, f"layer {layer}")
+        self._submit(task, f"layer {layer}", st.step)
 
     def _enqueue_all(self, st: _OpenStep, *, coef: float, skip: bool) -> None:
         masters = [hp.master for hp in self.store.owned_params()]
 
         def task() -> None:
             if not skip:
+                if self.journal is not None:
+                    for layer in range(self._num_layers):
+                        owned = [hp.master for hp in self.store.layers[layer].owned]
+                        self.journal.record(st.step, layer, owned)
                 self.store.attach_grads()
                 self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
             self._finish(list(range(self._num_layers)), st.step)
 
-        self._submit(task, "all layers")
+        self._submit(task, "all layers", st.step)
 
     def _finish(self, layers: list[int], step: int) -> None:
         self.store.release_grads(layers)
@@ -252,16 +328,19 @@ class OptimizerStepper:
         if not self.async_mode:
             for layer in layers:
                 self.store.publish(layer, step)
+        if self.journal is not None and min(self._done) >= step:
+            self.journal.commit(step)  # every layer has stepped: nothing left to undo
 
-    def _submit(self, task: Callable[[], None], what: str) -> None:
+    def _submit(self, task: Callable[[], None], what: str, step: int) -> None:
         def guarded() -> None:
             try:
                 task()
             except BaseException as exc:  # surfaces at the next engine call
-                err = RuntimeError(f"optimizer step failed on {what}: {exc!r}")
+                err = RuntimeError(f"optimizer step failed on {what} (step {step}): {exc!r}")
                 err.__cause__ = exc
                 with self._cond:
                     self._error = err
+                    self._failed_step = step
                     self._cond.notify_all()
                 self.store.fail(err)  # weight uploads waiting for this step must not hang
 
