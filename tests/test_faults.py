@@ -1,0 +1,226 @@
+"""Faults (issue 13 item 5): a failed optimizer step is all-or-nothing.
+
+An exception while the host optimizer steps layer k of step t, after layers 0..k-1 have stepped
+(and layer k itself half-way), must leave every layer as after step t-1: fp32 masters, optimizer
+moments and step counts, and the compute weights the devices read. Training then goes on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import config, engine_for
+from models import random_batch, tiny_qwen3
+
+from rp_engine.optim.step_journal import StepJournal, journal_enabled
+
+GAS = 2
+CUTS = {"fwd_cuts": [2, 2], "bwd_cuts": [0, 2, 2]}
+LAYERS = 4  # decoder layers; the engine's layer sequence adds the embedding and the head
+
+
+def _batches(n: int, seed: int = 300) -> list[dict[str, torch.Tensor]]:
+    return [random_batch(128, batch=2, seq=12, seed=seed + i) for i in range(n)]
+
+
+def _engine(*, async_optimizer: bool, **rp: Any) -> Any:
+    cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=async_optimizer, roundpipe=rp, **CUTS)
+    return engine_for(tiny_qwen3(0, layers=LAYERS), cfg)
+
+
+def _snapshot(engine: Any) -> dict[str, torch.Tensor]:
+    """Masters, moments, step counts and compute weights, by name (copies)."""
+    out: dict[str, torch.Tensor] = {}
+    state = engine.optimizer.state
+    for hp in engine.store.owned_params():
+        out[f"master {hp.name}@{hp.layer}"] = hp.master.clone()
+        out[f"weight {hp.name}@{hp.layer}"] = hp.param.detach().clone()
+        for key, value in state.get(hp.master, {}).items():
+            out[f"{key} {hp.name}@{hp.layer}"] = torch.as_tensor(value).clone()
+    return out
+
+
+def _assert_same(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
+    assert before.keys() == after.keys()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, f"changed by the failed step: {changed[:6]}"
+
+
+def _fail_half_way(engine: Any) -> dict[str, int]:
+    """Make the optimizer raise in the layer after half of them have stepped, after that layer
+    stepped its first parameter (so it is half-stepped itself). Returns the failing layer."""
+    real = engine.optimizer.step_params
+    layers = len(engine.store.layers)
+    target = {"layer": layers // 2}
+    calls = {"n": 0}
+    owner = {id(hp.master): hp.layer for hp in engine.store.owned_params()}
+
+    def failing(params: list[torch.Tensor], **kw: Any) -> None:
+        calls["n"] += 1
+        if owner[id(params[0])] == target["layer"]:
+            real(params[:1], **kw)  # half-way through the layer
+            raise ValueError("injected optimizer fault")
+        real(params, **kw)
+
+    engine.optimizer.step_params = failing
+    target["real"] = real  # type: ignore[assignment]
+    return target
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True], ids=["sync", "async"])
+def test_failed_step_changes_no_layer_and_training_goes_on(async_optimizer: bool) -> None:
+    engine = _engine(async_optimizer=async_optimizer)
+    batches = iter(_batches(8 * GAS))
+    try:
+        for _ in range(2):  # moments exist before the faulty step
+            engine.train_batch(batches)
+        engine.synchronize()
+        before = _snapshot(engine)
+        fault = _fail_half_way(engine)
+        layer = fault["layer"]
+        stepped = []
+        real_record = engine.stepper.journal.record
+        engine.stepper.journal.record = lambda s, la, m: (stepped.append(la), real_record(s, la, m))
+
+        with pytest.raises(RuntimeError, match=rf"optimizer step failed on layer {layer} .*undone"):
+            engine.train_batch(batches)  # sync: raises here
+            engine.synchronize()  # async: the step runs after train_batch returned
+        assert sorted(stepped) == list(range(layer + 1))  # half the layers had stepped
+        _assert_same(before, _snapshot(engine))
+
+        engine.optimizer.step_params = fault["real"]
+        engine.train_batch(batches)  # the next step works, from the previous step's weights
+        engine.synchronize()
+        after = _snapshot(engine)
+        assert all(not torch.equal(before[k], after[k]) for k in before if k.startswith("master"))
+    finally:
+        engine.destroy()
+
+
+def test_async_fault_surfacing_in_the_next_run_changes_no_layer() -> None:
+    """Async: step t fails while iteration t+1 runs; that run fails (it cannot publish step t's
+    weights) after it had published step t's weights of the layers that did step; those
+    compute weights go back too."""
+    engine = _engine(async_optimizer=True)
+    batches = iter(_batches(8 * GAS))
+    try:
+        for _ in range(2):
+            engine.train_batch(batches)
+        engine.synchronize()
+        before = _snapshot(engine)
+        fault = _fail_half_way(engine)
+        engine.train_batch(batches)  # step 3 is issued; it fails on the optimizer thread
+        with pytest.raises(RuntimeError, match=f"layer {fault['layer']}"):
+            engine.train_batch(batches)
+        _assert_same(before, _snapshot(engine))
+        engine.optimizer.step_params = fault["real"]
+        loss = engine.train_batch(batches)
+        engine.synchronize()
+        assert torch.isfinite(loss)
+    finally:
+        engine.destroy()
+
+
+def test_retried_sync_step_equals_an_uninterrupted_run() -> None:
+    """Nothing is lost: after a failed step, the same batches give the weights of a run that
+    never failed, bit for bit (Adam's moments and step count were put back too)."""
+    data = _batches(3 * GAS)
+    straight = _engine(async_optimizer=False)
+    engine = _engine(async_optimizer=False)
+    try:
+        for e in (straight, engine):
+            for i in range(2):
+                e.train_batch(iter(data[i * GAS : (i + 1) * GAS]))
+        fault = _fail_half_way(engine)
+        last = data[2 * GAS :]
+        with pytest.raises(RuntimeError, match="undone"):
+            engine.train_batch(iter(last))
+        engine.optimizer.step_params = fault["real"]
+        assert engine.global_steps == 2
+        got, want = engine.train_batch(iter(last)), straight.train_batch(iter(last))
+        assert float(got) == float(want)
+        _assert_same(_snapshot(straight), _snapshot(engine))
+    finally:
+        engine.destroy()
+        straight.destroy()
+
+
+def test_device_failure_after_layers_stepped_is_undone() -> None:
+    """Without clipping or the non-finite guard each layer steps as soon as its gradient has
+    landed, while the backward goes on: a device failure after that must undo those layers."""
+    engine = _engine(async_optimizer=False, on_nonfinite="ignore")
+    batches = iter(_batches(6 * GAS))
+    try:
+        assert engine.stepper.immediate
+        engine.train_batch(batches)
+        before = _snapshot(engine)
+        ready = engine.stepper.layer_ready
+        issued = []
+
+        def fail_last(layer: int) -> None:
+            if len(issued) == len(engine.store.layers) - 1:  # the last gradient to land
+                engine.stepper.wait_all()  # the other layers' steps have run
+                raise RuntimeError("injected device fault")
+            issued.append(layer)
+            ready(layer)
+
+        engine.stepper.layer_ready = fail_last
+        with pytest.raises(RuntimeError, match="injected device fault"):
+            engine.train_batch(batches)
+        assert len(issued) == len(engine.store.layers) - 1
+        _assert_same(before, _snapshot(engine))
+        engine.stepper.layer_ready = ready
+        engine.train_batch(batches)
+        engine.synchronize()
+    finally:
+        engine.destroy()
+
+
+def test_without_a_journal_the_error_stays() -> None:
+    engine = _engine(async_optimizer=False, step_journal="off")
+    try:
+        assert engine.stepper.journal is None
+        _fail_half_way(engine)
+        batches = iter(_batches(3 * GAS))
+        with pytest.raises(RuntimeError, match="optimizer step failed on layer") as first:
+            engine.train_batch(batches)
+        assert "undone" not in str(first.value)
+        with pytest.raises(RuntimeError, match="optimizer step failed on layer"):
+            engine.train_batch(batches)
+    finally:
+        engine.destroy()
+
+
+def test_auto_journal_only_when_host_memory_allows() -> None:
+    gib = 2**30
+    assert journal_enabled("auto", gib, pending=0, available=3 * gib)
+    assert not journal_enabled("auto", gib, pending=gib, available=3 * gib)
+    assert journal_enabled("on", gib, available=0)
+    assert not journal_enabled("off", gib, available=100 * gib)
+    with pytest.raises(ValueError, match="step_journal='yes'"):
+        journal_enabled("yes", gib)
+
+
+def test_journal_restores_state_created_by_the_failed_step() -> None:
+    """A master stepped for the first time in the failed step had no optimizer state: it has
+    none again afterwards, and a reused backup buffer holds the newest copy."""
+    master = torch.ones(4)
+    opt = torch.optim.Adam([master], lr=0.1)
+    journal = StepJournal(opt)
+    journal.record(1, 0, [master])
+    master.grad = torch.ones(4)
+    opt.step()
+    assert opt.state[master]
+    assert journal.rollback() == {0}
+    assert not opt.state.get(master) and torch.equal(master, torch.ones(4))
+    opt.step()  # a good step 1, committed
+    journal.record(2, 0, [master])
+    journal.commit(2)
+    after_one = master.clone(), {k: v.clone() for k, v in opt.state[master].items()}
+    journal.record(3, 0, [master])
+    opt.step()
+    journal.rollback()
+    assert torch.equal(master, after_one[0])
+    assert all(torch.equal(opt.state[master][k], v) for k, v in after_one[1].items())
