@@ -492,8 +492,12 @@ class RoundPipeConfig:
     # bf16/fp32 step with a non-finite loss or gradient norm: raise (step skipped), skip, ignore
     on_nonfinite: str = field(default="raise", metadata=_m(choices=("raise", "skip", "ignore")))
     # undo log making a failed optimizer step all-or-nothing (+12 B/trainable param, Adam):
-    # auto = when host memory allows (optim/step_journal.py)
-    step_journal: str = field(default="auto", metadata=_m(choices=("auto", "on", "off")))
+    # default: only when host memory allows (optim/step_journal.py)
+    step_journal: str = field(
+        default="if_memory_allows", metadata=_m(choices=("if_memory_allows", "on", "off"))
+    )
+    # initialize refuses a model whose host state would not fit in available memory
+    host_preflight: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

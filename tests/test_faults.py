@@ -193,10 +193,10 @@ def test_without_a_journal_the_error_stays() -> None:
         engine.destroy()
 
 
-def test_auto_journal_only_when_host_memory_allows() -> None:
+def test_journal_by_default_only_when_host_memory_allows() -> None:
     gib = 2**30
-    assert journal_enabled("auto", gib, pending=0, available=3 * gib)
-    assert not journal_enabled("auto", gib, pending=gib, available=3 * gib)
+    assert journal_enabled("if_memory_allows", gib, pending=0, available=3 * gib)
+    assert not journal_enabled("if_memory_allows", gib, pending=gib, available=3 * gib)
     assert journal_enabled("on", gib, available=0)
     assert not journal_enabled("off", gib, available=100 * gib)
     with pytest.raises(ValueError, match="step_journal='yes'"):
@@ -224,3 +224,49 @@ def test_journal_restores_state_created_by_the_failed_step() -> None:
     journal.rollback()
     assert torch.equal(master, after_one[0])
     assert all(torch.equal(opt.state[master][k], v) for k, v in after_one[1].items())
+
+
+# --- host memory preflight at initialize ---------------------------------------------------------
+def test_initialize_refuses_a_host_that_would_run_out_of_memory(monkeypatch) -> None:
+    import rp_engine
+    from rp_engine import host_preflight
+    from rp_engine.train.preflight import PreflightError
+
+    model = tiny_qwen3(0, layers=2)
+    trainable = sum(p.numel() for p in model.parameters())
+    need = 16 * trainable  # masters, gradients, moments; the fp32 model is not cast
+    monkeypatch.setattr(host_preflight, "available_bytes", lambda: need - 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = config(devices=2, roundpipe={"step_journal": "if_memory_allows"})
+    with pytest.raises(PreflightError) as err:
+        rp_engine.initialize(model=model, config=cfg)
+    text = str(err.value)
+    assert f"{trainable:,} trainable parameters" in text and "OOM killer" in text
+    assert "fp32 masters" in text and "Adam moments" in text and "LoRA" in text
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    # "on" forces the journal: 12 B/parameter more, named with its own fix
+    monkeypatch.setattr(host_preflight, "available_bytes", lambda: need)
+    with pytest.raises(
+        PreflightError, match='(?s)step journal.*step_journal "if_memory_allows" or "off"'
+    ):
+        rp_engine.initialize(model=model, config=config(roundpipe={"step_journal": "on"}))
+
+    engine = engine_for(model, cfg)  # exactly enough: it trains
+    engine.destroy()
+    off = config(devices=2, roundpipe={"host_preflight": False})
+    monkeypatch.setattr(host_preflight, "available_bytes", lambda: 0)
+    engine_for(model, off).destroy()  # the check switched off
+
+
+def test_preflight_counts_the_cast_to_a_wider_dtype() -> None:
+    from rp_engine.host_preflight import host_need
+
+    model = tiny_qwen3(0, layers=2).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    assert host_need(model, dtype=torch.float32, journal="off").cast == 2 * n
+    assert host_need(model, dtype=torch.bfloat16, journal="off").cast == 0
+    for p in model.model.layers.parameters():
+        p.requires_grad_(False)
+    frozen = sum(p.numel() for p in model.model.layers.parameters())
+    assert host_need(model, dtype=torch.bfloat16, journal="on").total == 28 * (n - frozen)

@@ -12,7 +12,7 @@ Cost: the backups are allocated once, on the first step, and reused: 12 B per tr
 parameter for Adam (fp32 master + two fp32 moments), on top of the store's 18-20 B, and one
 extra read+write of those 12 B per step on the optimizer thread (Adam itself moves about 28 B
 per parameter). ``journal_enabled`` turns it on by the ``roundpipe.step_journal`` knob:
-``"auto"`` (default) when host memory allows, ``"on"``, ``"off"``. Without it a failed step
+``"if_memory_allows"`` (default), ``"on"``, ``"off"``. Without it a failed step
 still surfaces (naming the layer) but cannot be undone: the engine refuses to train on until a
 checkpoint is loaded into a new engine.
 
@@ -32,7 +32,7 @@ __all__ = ["StepJournal", "build_journal", "journal_bytes", "journal_enabled"]
 
 log = logging.getLogger("rp_engine.optim")
 
-JOURNAL_MODES = ("auto", "on", "off")
+JOURNAL_MODES = ("if_memory_allows", "on", "off")
 _MASTER = "\0master"  # the backup key of the master itself (state keys are identifiers)
 
 
@@ -141,7 +141,7 @@ def journal_bytes(masters: Iterable[torch.Tensor], *, moments: int = 2) -> int:
 def journal_enabled(
     mode: str, nbytes: int, *, pending: int = 0, available: int | None = None
 ) -> bool:
-    """Whether to keep a step journal of ``nbytes``: ``"on"``/``"off"`` as asked; ``"auto"`` when
+    """Whether to keep a step journal of ``nbytes``: ``"on"``/``"off"`` as asked; ``"if_memory_allows"`` when
     host memory left after ``pending`` bytes still to be allocated (the optimizer moments, made
     on the first step) holds the journal three times over, so it never pushes the host towards
     the OOM killer (the double-buffered gradients rule in model/host_store.py is alike)."""
@@ -149,7 +149,7 @@ def journal_enabled(
         raise ValueError(
             f"roundpipe.step_journal={mode!r}: expected one of {', '.join(JOURNAL_MODES)}"
         )
-    if mode != "auto":
+    if mode != "if_memory_allows":
         return mode == "on"
     if available is None:
         import psutil
