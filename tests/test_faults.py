@@ -7,6 +7,8 @@ moments and step counts, and the compute weights the devices read. Training then
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 import pytest
@@ -270,3 +272,67 @@ def test_preflight_counts_the_cast_to_a_wider_dtype() -> None:
         p.requires_grad_(False)
     frozen = sum(p.numel() for p in model.model.layers.parameters())
     assert host_need(model, dtype=torch.bfloat16, journal="on").total == 28 * (n - frozen)
+
+
+# --- kill -9 during save_checkpoint ------------------------------------------------------------
+@functools.cache
+def _straight() -> list[float]:
+    import fault_child
+
+    return fault_child.straight(6)
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "tag"), [("files", None), ("swap", "ckpt"), ("latest", None)],
+    ids=["mid-files", "mid-swap-same-tag", "before-latest"],
+)  # fmt: skip
+def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(
+    tmp_path: Any, kill_at: str, tag: str | None
+) -> None:
+    """SIGKILL while save_checkpoint writes (the process blocks at a chosen point, then is
+    killed): a fresh process resumes from ``latest`` = the previous checkpoint (step 2) and
+    trains on with the losses of a run that was never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import fault_child
+    from subprocess_helpers import run_json
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    spec = {"mode": "save", "dir": str(tmp_path), "kill_at": kill_at, "tag": tag}
+    proc = subprocess.Popen(
+        [sys.executable, str(here / "fault_child.py"), json.dumps(spec)],
+        env=env, cwd=here, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "blocked").exists():
+            assert proc.poll() is None, proc.stderr.read()[-4000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "the save never reached the kill point"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (tmp_path / "blocked").unlink()
+    previous = tag or "global_step2"
+    assert (tmp_path / "latest").read_text() == previous
+    if kill_at == "latest":
+        assert (tmp_path / "global_step4").is_dir()  # complete, but not the latest yet
+    if kill_at == "swap":
+        assert not (tmp_path / "ckpt").exists()  # renamed aside: the load puts it back
+
+    if kill_at == "files":  # a fresh process, as after a real crash
+        got = run_json("fault_child.py", {"mode": "resume", "dir": str(tmp_path), "steps": 4})
+    else:  # the same, in this process (a new engine; saves a ~10 s interpreter start)
+        got = fault_child.resume(str(tmp_path), 4)
+    assert got["global_steps_loaded"] == 2
+    assert got["losses"] == pytest.approx(_straight()[2:], rel=0, abs=1e-6)
+    assert got["leftovers"] == []  # the next save cleared what the killed one left
