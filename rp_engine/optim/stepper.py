@@ -209,10 +209,14 @@ class OptimizerStepper:
         log.warning("%s; undid step %d on %d layer(s)", err, failed, len(restored))
         self._error = None
         self.store.fail(None)
+        if self._counted >= failed:  # async: the engine had moved on past the failed step
+            now = f"as before it; step {failed} counts as skipped (its update dropped)"
+        else:
+            now = f"those of step {self._counted} again"
         raise RuntimeError(
-            f"{err}; step {failed} was undone ({len(restored)} layer(s) had stepped): weights, "
-            f"masters and optimizer state are those of step {self._counted} again and its "
-            "gradients were dropped, so training can go on"
+            f"{err}; step {failed} was undone ({len(restored)} layer(s) had started stepping): "
+            f"weights, masters and optimizer state are {now}, its gradients were dropped, and "
+            "training can go on"
         ) from err.__cause__
 
     def abandon_step(self) -> None:
