@@ -1,8 +1,14 @@
-"""Faults (issue 13 item 5): a failed optimizer step is all-or-nothing.
+"""Faults (issue 13 item 5): nothing is lost.
 
-An exception while the host optimizer steps layer k of step t, after layers 0..k-1 have stepped
-(and layer k itself half-way), must leave every layer as after step t-1: fp32 masters, optimizer
-moments and step counts, and the compute weights the devices read. Training then goes on.
+- A failed optimizer step is all-or-nothing: an exception while the host optimizer steps layer k
+  of step t, after layers 0..k-1 have stepped (and layer k itself half-way), or a device failure
+  after per-layer steps were issued, leaves every layer as after step t-1: fp32 masters,
+  optimizer moments and step counts, and the compute weights the devices read. Training then
+  goes on (optim/step_journal.py).
+- ``initialize`` refuses a host that would run out of memory (host_preflight.py).
+- kill -9 during ``save_checkpoint`` leaves the previous checkpoint loadable (the child process
+  is tests/fault_child.py).
+(SIGTERM/Ctrl-C in rp-train: tests/test_cli_train.py::test_signal_saves_a_checkpoint_*.)
 """
 
 from __future__ import annotations
@@ -149,9 +155,11 @@ def test_retried_sync_step_equals_an_uninterrupted_run() -> None:
         straight.destroy()
 
 
-def test_device_failure_after_layers_stepped_is_undone() -> None:
+@pytest.mark.parametrize("all_stepped", [False, True], ids=["some-layers", "every-layer"])
+def test_device_failure_after_layers_stepped_is_undone(all_stepped: bool) -> None:
     """Without clipping or the non-finite guard each layer steps as soon as its gradient has
-    landed, while the backward goes on: a device failure after that must undo those layers."""
+    landed, while the backward goes on: a device failure after that must undo those layers
+    (even all of them: the run failed, so the step was not counted)."""
     engine = _engine(async_optimizer=False, on_nonfinite="ignore")
     batches = iter(_batches(6 * GAS))
     try:
@@ -162,16 +170,18 @@ def test_device_failure_after_layers_stepped_is_undone() -> None:
         issued = []
 
         def fail_last(layer: int) -> None:
-            if len(issued) == len(engine.store.layers) - 1:  # the last gradient to land
-                engine.stepper.wait_all()  # the other layers' steps have run
+            last = len(issued) == len(engine.store.layers) - 1  # the last gradient to land
+            if not last or all_stepped:
+                issued.append(layer)
+                ready(layer)
+            if last:
+                engine.stepper.wait_all()  # the issued layers' steps have run
                 raise RuntimeError("injected device fault")
-            issued.append(layer)
-            ready(layer)
 
         engine.stepper.layer_ready = fail_last
         with pytest.raises(RuntimeError, match="injected device fault"):
             engine.train_batch(batches)
-        assert len(issued) == len(engine.store.layers) - 1
+        assert len(issued) == len(engine.store.layers) - (0 if all_stepped else 1)
         _assert_same(before, _snapshot(engine))
         engine.stepper.layer_ready = ready
         engine.train_batch(batches)
@@ -212,10 +222,11 @@ def test_journal_restores_state_created_by_the_failed_step() -> None:
     opt = torch.optim.Adam([master], lr=0.1)
     journal = StepJournal(opt)
     journal.record(1, 0, [master])
+    assert journal.rollback(2) == set()  # not the recorded step: nothing restored
+    journal.record(1, 0, [master])
     master.grad = torch.ones(4)
     opt.step()
-    assert opt.state[master]
-    assert journal.rollback() == {0}
+    assert journal.rollback(1) == {0}
     assert not opt.state.get(master) and torch.equal(master, torch.ones(4))
     opt.step()  # a good step 1, committed
     journal.record(2, 0, [master])
@@ -223,7 +234,7 @@ def test_journal_restores_state_created_by_the_failed_step() -> None:
     after_one = master.clone(), {k: v.clone() for k, v in opt.state[master].items()}
     journal.record(3, 0, [master])
     opt.step()
-    journal.rollback()
+    journal.rollback(3)
     assert torch.equal(master, after_one[0])
     assert all(torch.equal(opt.state[master][k], v) for k, v in after_one[1].items())
 

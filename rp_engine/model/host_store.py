@@ -17,7 +17,8 @@ stage. Per layer (index in the LayerSequence order: prefix, blocks..., head) the
 
 Bytes per trainable parameter on the host: compute weight (2 or 4) + master (4) + Adam m, v (8,
 held by the optimizer) + gradient (4) = 18 B for bf16/fp16 models, 20 B for fp32 models; 4 B more
-with double-buffered gradients (the default when host memory allows, ``double_buffer``).
+with double-buffered gradients (the default when host memory allows, ``double_buffer``); 12 B
+more with the optimizer's step journal (optim/step_journal.py, likewise).
 """
 
 from __future__ import annotations

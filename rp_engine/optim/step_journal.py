@@ -4,7 +4,7 @@ The optimizer worker steps one layer at a time (optim/stepper.py), so an excepti
 step t (a kernel error, a host allocation failure, a bug in a torch optimizer) would leave layers
 stepped before k at w_t and the rest at w_{t-1}, with their Adam moments to match. Before a layer
 steps, ``record`` copies its fp32 masters and optimizer state (Adam: ``exp_avg``, ``exp_avg_sq``,
-the step count) into backup buffers; when the step's last layer has stepped, ``commit`` forgets
+the step count) into backup buffers; when the step has been applied and counted, ``commit`` forgets
 them; when the step fails, ``rollback`` copies them back, so every layer is at w_{t-1} with its
 moments of step t-1, bit for bit.
 
@@ -89,8 +89,13 @@ class StepJournal:
             self._step = None
 
     @torch.no_grad()
-    def rollback(self) -> set[int]:
-        """Put back every recorded master and optimizer state; returns the layers restored."""
+    def rollback(self, step: int) -> set[int]:
+        """Put back every master and optimizer state recorded for ``step``; returns the layers
+        restored (none if ``step`` recorded nothing: records of an earlier, applied step are
+        dropped, never restored)."""
+        if self._step != step:
+            self.commit(self._step or 0)
+            return set()
         states = self._states()
         for key, (master, saved) in self._records.items():
             master.data.copy_(self._buffers[(key, _MASTER)])

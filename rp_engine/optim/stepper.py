@@ -173,6 +173,8 @@ class OptimizerStepper:
         if not self.async_mode:
             self.wait_all()
         self._counted = st.step
+        if not self.async_mode and self.journal is not None:
+            self.journal.commit(st.step)  # counted and applied (the worker is idle)
         return StepResult(st.step, norm, overflow)
 
     # --- synchronisation ----------------------------------------------------------------------
@@ -274,7 +276,7 @@ class OptimizerStepper:
         it was not counted), so every layer is declared done at ``keep`` and gradients in
         flight are dropped. Returns the layers whose optimizer step was undone."""
         assert self.journal is not None
-        restored = self.journal.rollback()
+        restored = self.journal.rollback(failed)
         for layer in range(self._num_layers):
             if self.store.version(layer) >= failed:
                 self.store.rewind(layer, keep)
@@ -332,8 +334,11 @@ class OptimizerStepper:
         if not self.async_mode:
             for layer in layers:
                 self.store.publish(layer, step)
-        if self.journal is not None and min(self._done) >= step:
-            self.journal.commit(step)  # every layer has stepped: nothing left to undo
+        if self.journal is not None and min(self._done) >= step and self._counted >= step:
+            # every layer has stepped and the engine counted the step: nothing left to undo (a
+            # step applied in full by a run that then failed is undone; else the next step's
+            # first record drops the records)
+            self.journal.commit(step)
 
     def _submit(self, task: Callable[[], None], what: str, step: int) -> None:
         def guarded() -> None:
