@@ -34,6 +34,7 @@ def _batches(n: int, seed: int = 300) -> list[dict[str, torch.Tensor]]:
 
 
 def _engine(*, async_optimizer: bool, **rp: Any) -> Any:
+    rp.setdefault("step_journal", "on")  # (the default takes it when host memory allows)
     cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=async_optimizer, roundpipe=rp, **CUTS)
     return engine_for(tiny_qwen3(0, layers=LAYERS), cfg)
 
