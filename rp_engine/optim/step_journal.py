@@ -11,13 +11,14 @@ moments of step t-1, bit for bit.
 Cost: the backups are allocated once, on the first step, and reused: 12 B per trainable
 parameter for Adam (fp32 master + two fp32 moments), on top of the store's 18-20 B, and one
 extra read+write of those 12 B per step on the optimizer thread (Adam itself moves about 28 B
-per parameter). ``journal_enabled`` turns it on by the ``roundpipe.step_journal`` knob:
-``"if_memory_allows"`` (default), ``"on"``, ``"off"``. Without it a failed step
-still surfaces (naming the layer) but cannot be undone: the engine refuses to train on until a
-checkpoint is loaded into a new engine.
+per parameter; measured 2-4x the host Adam step's time, benchmarks/RESULTS.md).
+``journal_enabled`` turns it on by the ``roundpipe.step_journal`` knob: ``"if_memory_allows"``
+(default), ``"on"``, ``"off"``. Without it a failed step still surfaces (naming the layer) but
+cannot be undone: the engine refuses to train on until a checkpoint is loaded into a new engine.
 
 One step is journaled at a time: the worker runs a step's layers before any layer of the next
-step (one FIFO task queue), so the previous step has committed before the next one records.
+step (one FIFO task queue), and the next step's first ``record`` drops records of a step that
+was applied but not yet committed.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ class StepJournal:
 
     ``optimizer.state`` is the per-parameter state mapping (read at each call: torch's
     ``load_state_dict`` replaces it): the entries of a master are copied before it steps and
-    restored on rollback (a master without state before the failed step loses it again). Called from the optimizer
-    worker (``record``/``commit``) and, once the worker is idle, from the thread that recovers
-    (``rollback``); never concurrently.
+    restored on rollback (a master without state before the failed step loses it again).
+    Called from the optimizer worker (``record``/``commit``) and, once the worker is idle, from
+    the thread that recovers (``rollback``); never concurrently.
     """
 
     def __init__(self, optimizer: Any) -> None:
