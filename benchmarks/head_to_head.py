@@ -92,7 +92,9 @@ def ds_config(preset: dict[str, Any], *, devices: str | None, pcie_gbps: float |
             "overlap_comm": True,
             "contiguous_gradients": True,
         },
-        "roundpipe": {"devices": devices},
+        # DeepSpeed trains on through a NaN in bf16/fp32; "ignore" is the same behaviour, and
+        # it lets rp_engine overlap consecutive iterations (README "Overlapping iterations")
+        "roundpipe": {"devices": devices, "on_nonfinite": "ignore"},
     }
     if preset["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}

@@ -49,10 +49,12 @@ def initialize(
 
     Returns ``(engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)``.
     Works in a plain single process: no launcher environment, no mpi4py. ``auto_values`` fills
-    Hugging Face ``"auto"`` placeholders (see ``rp_engine.config.hf_auto_values``).
+    Hugging Face ``"auto"`` placeholders (see ``rp_engine.config.hf_auto_values``). Raises
+    ``PreflightError`` when the model's host state would not fit in memory (host_preflight.py).
     """
     from rp_engine.config import load_config, resolve_config_arg
     from rp_engine.engine import RoundPipeEngine
+    from rp_engine.host_preflight import check_initialize
 
     if model is None:
         raise ValueError("initialize(model=...) is required")
@@ -62,6 +64,7 @@ def initialize(
     cfg = load_config(
         resolve_config_arg(args, config, config_params), world_size=world, auto_values=auto_values
     )
+    check_initialize(model, cfg)  # before anything is allocated: refuse rather than be OOM-killed
     engine = RoundPipeEngine(
         model=model,
         config=cfg,

@@ -322,6 +322,8 @@ class _Job:
             rp["schedule"] = args.schedule
         if args.sync_optimizer:
             rp["async_optimizer"] = False
+        if args.no_preflight:
+            rp["host_preflight"] = False  # initialize's own check too
         raw = {**raw, "roundpipe": rp}
         return raw, load_config(raw)
 

@@ -494,6 +494,13 @@ class RoundPipeConfig:
     # train_batch t+1 starts while iteration t's backward tail and optimizer run (no drain);
     # in effect without fp16 and with on_nonfinite "ignore" (engine_pipeline.py)
     overlap_iterations: bool = True
+    # undo log making a failed optimizer step all-or-nothing (+12 B/trainable param, Adam):
+    # default: only when host memory allows (optim/step_journal.py)
+    step_journal: str = field(
+        default="if_memory_allows", metadata=_m(choices=("if_memory_allows", "on", "off"))
+    )
+    # initialize refuses a model whose host state would not fit in available memory
+    host_preflight: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

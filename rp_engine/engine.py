@@ -131,10 +131,14 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, DeepSpeedAccessors):
         self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
         # overlap decides nothing it cannot know at issue time (engine_pipeline.py); async
         # overlap wants two weight versions at once, when host memory allows
-        self._overlap = (  # data parallel: collectives assume one open step (distributed.py)
+        # data parallel: collectives assume one open step; the step journal's undo likewise (an
+        # explicit "on" wins over overlap, else overlap wins; distributed ranks step apart)
+        self._overlap = (
             rp.overlap_iterations and not cfg.fp16.enabled and not self._guard.active
-            and self.stepper.dp is None
+            and self.stepper.dp is None and rp.step_journal != "on"
         )  # fmt: skip
+        if self._overlap or self.stepper.dp is not None:
+            self.stepper.journal = None
         if self._overlap and self.stepper.async_mode:
             self.store.double_buffer_weights()
         self.planner = Planner(

@@ -129,8 +129,11 @@ def test_fp16_overflow_skips_the_step_for_all_layers(async_optimizer: bool) -> N
         engine.destroy()
 
 
-def test_optimizer_error_surfaces_at_next_call_naming_the_layer() -> None:
-    engine = engine_for(tiny_qwen3(0, layers=4), config(devices=2, async_optimizer=True, **CUTS))
+@pytest.mark.parametrize("journal", ["on", "off"])
+def test_optimizer_error_surfaces_at_next_call_naming_the_layer(journal: str) -> None:
+    """(That a failed step is undone with a journal is checked in test_faults.py.)"""
+    cfg = config(devices=2, async_optimizer=True, roundpipe={"step_journal": journal}, **CUTS)
+    engine = engine_for(tiny_qwen3(0, layers=4), cfg)
     real = engine.optimizer.step_params
     target = engine.store.layers[2].owned[0].master
 
@@ -146,8 +149,12 @@ def test_optimizer_error_surfaces_at_next_call_naming_the_layer() -> None:
             for _ in range(4):  # the error appears at the first engine call after it happened
                 engine.train_batch(batches)
             engine.synchronize()
-        with pytest.raises(RuntimeError, match="layer 2"):  # and stays: no hang, no training
-            engine.train_batch(batches)  # on weights that are half a step apart
+        with pytest.raises(RuntimeError, match="layer 2"):
+            # Journal off: the error stays (no hang, no training on weights half a step apart).
+            # On: the step was undone and training goes on, so the fault strikes again.
+            engine.train_batch(batches)
+            assert journal == "on", "the error must stay without a journal"
+            engine.synchronize()
     finally:
         engine.destroy()
 

@@ -23,8 +23,9 @@ stage. Per layer (index in the LayerSequence order: prefix, blocks..., head) the
 
 Bytes per trainable parameter on the host: compute weight (2 or 4) + master (4) + Adam m, v (8,
 held by the optimizer) + gradient (4) = 18 B for bf16/fp16 models, 20 B for fp32 models; 4 B more
-with double-buffered gradients (the default when host memory allows, ``double_buffer``), and one
-compute weight more (2 or 4 B) with double-buffered compute weights.
+with double-buffered gradients (the default when host memory allows, ``double_buffer``), one
+compute weight more (2 or 4 B) with double-buffered compute weights, and 12 B more with the
+optimizer's step journal (optim/step_journal.py, likewise).
 """
 
 from __future__ import annotations
@@ -354,6 +355,20 @@ class HostStore:
 
     def _weight(self, hp: HostParam, buffer: int) -> torch.Tensor:
         return hp.param.data if buffer == 0 else self._shadow[id(hp.param)]
+
+    def rewind(self, layer: int, version: int) -> None:
+        """Copy the layer's masters into every compute-weight buffer and mark them as
+        ``version``, which may be older than the current one: the undo of a failed optimizer
+        step that had already been published (optim/step_journal.py). Only while nothing
+        reads the layer."""
+        with torch.no_grad():
+            for b in range(len(self._held[layer])):
+                for hp in self.layers[layer].owned:
+                    self._weight(hp, b).copy_(hp.master)
+        with self._cond:
+            self._held[layer] = [version] * len(self._held[layer])
+            self._reads[layer] = []
+            self._cond.notify_all()
 
     def set_versions(self, version: int) -> None:
         """Declare every layer at ``version`` in every buffer (after loading a checkpoint or a

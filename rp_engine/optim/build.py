@@ -21,6 +21,7 @@ from rp_engine.config import DSConfig
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim.loss_scaler import LossScaler
 from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer
+from rp_engine.optim.step_journal import build_journal
 
 __all__ = ["build_optimizer", "build_scheduler", "master_groups"]
 
@@ -92,7 +93,9 @@ def build_optimizer(
             "optimizer %s steps all layers at once (only Adam/AdamW step layer by layer)",
             type(inner).__name__,
         )
-    return HostOptimizer(inner, per_layer=per_layer, scaler=scaler)
+    host = HostOptimizer(inner, per_layer=per_layer, scaler=scaler)
+    host.journal = build_journal(cfg.roundpipe.step_journal, host)
+    return host
 
 
 def _rebuild(client: torch.optim.Optimizer, store: HostStore) -> tuple[torch.optim.Optimizer, bool]:

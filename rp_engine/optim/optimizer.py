@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from rp_engine.optim.loss_scaler import LossScaler
+from rp_engine.optim.step_journal import StepJournal
 
 __all__ = [
     "ADAM_SLICE",
@@ -188,6 +189,9 @@ class HostOptimizer:
         self.per_layer = per_layer
         self.loss_scaler = scaler
         self.overflow = False
+        # undo log of a step in progress (optim/step_journal.py), set by build_optimizer; the
+        # stepper records into it before each layer steps
+        self.journal: StepJournal | None = None
         self._group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
         # A torch optimizer steps all groups with the hyper-parameters frozen when the step was
         # issued, swapped into the live groups for the call: the LR scheduler (main thread) and

@@ -26,10 +26,17 @@ its gradient is complete.
 Data parallel (``dp``, rp_engine/distributed.py): a layer's gradient is first reduced onto the
 rank that owns it, only the owner steps it, and the layer is done on every rank once its new
 weights have been broadcast; the global norm is summed over the ranks at ``close_step``.
+
+Failures: an exception while a layer steps surfaces at the next engine call, naming the layer and
+the step. With a step journal (optim/step_journal.py) the failed step is undone first: every
+layer's masters, optimizer moments and compute weights are those of the previous step again, the
+step's gradients are dropped, and training can go on. Without one it cannot be undone and every
+later call raises (see ``check``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
@@ -40,11 +47,14 @@ from typing import TYPE_CHECKING, Any
 
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim.optimizer import HostOptimizer
+from rp_engine.optim.step_journal import StepJournal
 
 if TYPE_CHECKING:
     from rp_engine.distributed import DataParallel
 
 __all__ = ["OptimizerStepper", "StepResult"]
+
+log = logging.getLogger("rp_engine.optim")
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,7 @@ class OptimizerStepper:
         fp16: bool,
         guard_nonfinite: bool = False,
         dp: DataParallel | None = None,
+        journal: StepJournal | None = None,
     ) -> None:
         self.store = store
         self.optimizer = optimizer
@@ -92,6 +103,10 @@ class OptimizerStepper:
         self._open: dict[int, _OpenStep] = {}  # two at once while iterations overlap
         self._error: BaseException | None = None
         self._cancelled: BaseException | None = None  # set by cancel(): blocked waits raise it
+        self._failed_step = 0  # the step whose layer raised (with _error)
+        self._counted = 0  # the last step close_step returned: the engine counted it
+        # undo log of the step being applied (None: failures stick); the optimizer's by default
+        self.journal = journal if journal is not None else optimizer.journal
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._pending = 0
         self._thread = threading.Thread(target=self._run, name="rp-optimizer", daemon=True)
@@ -216,6 +231,9 @@ class OptimizerStepper:
                 self._enqueue_all(st, coef=coef, skip=overflow)
         if not self.async_mode:
             self.wait_all()
+        self._counted = st.step
+        if not self.async_mode and self.journal is not None:
+            self.journal.commit(st.step)  # counted and applied (the worker is idle)
         return StepResult(st.step, norm, overflow)
 
     # --- synchronisation ----------------------------------------------------------------------
@@ -234,25 +252,58 @@ class OptimizerStepper:
             self.store.publish(layer, self._done[layer], everywhere=True)
 
     def check(self) -> None:
-        """Raise the worker's error, if any, in the calling thread.
+        """Raise the worker's error, if any, in the calling thread (never during a run).
 
-        A failed step leaves layers at different versions, so the error stays: every later call
+        With a journal, the failed step is undone first (``_undo``) and the error is raised once:
+        the engine is back at the last step it counted and the next call trains. Without one, a
+        failed step leaves layers at different versions, so the error stays: every later call
         raises it too (load a checkpoint into a new engine to go on) instead of training on
         inconsistent weights or waiting for a version that will never come.
         """
-        if self._error is not None:
+        if self._error is None:
+            return
+        if self.journal is None:
             raise self._error
+        self._wait_idle()
+        err, failed = self._error, self._failed_step
+        restored = self._undo(failed, keep=self._counted)
+        log.warning("%s; undid step %d on %d layer(s)", err, failed, len(restored))
+        self._error = None
+        self.store.fail(None)
+        if self._counted >= failed:  # async: the engine had moved on past the failed step
+            now = f"as before it; step {failed} counts as skipped (its update dropped)"
+        else:
+            now = f"those of step {self._counted} again"
+        raise RuntimeError(
+            f"{err}; step {failed} was undone ({len(restored)} layer(s) had started stepping): "
+            f"weights, masters and optimizer state are {now}, its gradients were dropped, and "
+            "training can go on"
+        ) from err.__cause__
 
     def abandon_step(self, step: int | None = None) -> None:
         """Forget open step ``step`` (default: every open step) after a failed run (its
         gradients are discarded by the caller)."""
         with self._cond:
             if step is None:
+                dropped = list(self._open.values())
                 self._open.clear()
             else:
-                self._open.pop(step, None)
+                one = self._open.pop(step, None)
+                dropped = [one] if one is not None else []
         if self.dp is not None:
             self.dp.abandon()
+        # Layers that already stepped (per-layer stepping starts while the backward still runs)
+        # are undone when there is a journal (never with overlapping iterations or data
+        # parallel: the engine turns it off there); the worker is waited for first.
+        for st in dropped:
+            if self.journal is None or self._error is not None:
+                break
+            self._wait_idle()
+            if self._error is None and self.journal.step == st.step:
+                restored = self._undo(st.step, keep=self._counted)
+                log.warning(
+                    "undid the optimizer step of %d layer(s) of step %d", len(restored), st.step
+                )
 
     def cancel(self, reason: BaseException) -> None:
         """Make every runtime thread blocked in ``wait_grads_free``/``layer_ready`` raise
@@ -283,6 +334,9 @@ class OptimizerStepper:
         with self._cond:
             self._done = [step] * self._num_layers
             self._sealed = [step] * self._num_layers
+        self._counted = step
+        if self.journal is not None and self.journal.step is not None:
+            self.journal.commit(self.journal.step)  # the loaded masters replace what it holds
         self.store.set_versions(step)
 
     @property
@@ -304,6 +358,33 @@ class OptimizerStepper:
             self.dp.close()
 
     # --- internals ----------------------------------------------------------------------------
+    def _wait_idle(self) -> None:
+        with self._cond:
+            while self._pending:
+                self._cond.wait(timeout=0.1)
+
+    def _undo(self, failed: int, *, keep: int) -> set[int]:
+        """Roll step ``failed`` back (worker idle, no run in flight): journaled masters and
+        optimizer state are restored, so every master holds w_{failed-1}; compute weights that
+        had been published at ``failed`` or later get them back. The engine counted steps up to
+        ``keep`` (``failed`` in async mode, whose boundary was applied before the step ran: it
+        becomes a step whose update was dropped, like an fp16 overflow skip; ``failed - 1`` when
+        it was not counted), so every layer is declared done at ``keep`` and gradients in
+        flight are dropped. Returns the layers whose optimizer step was undone."""
+        assert self.journal is not None
+        restored = self.journal.rollback(failed)
+        for layer in range(self._num_layers):
+            if self.store.version(layer) >= failed:
+                self.store.rewind(layer, keep)
+        self.store.zero_grads()
+        with self._cond:
+            self._done = [keep] * self._num_layers
+            self._sealed = [keep] * self._num_layers
+            self._cond.notify_all()
+        with self._cond:
+            self._open.clear()
+        return restored
+
     def _wait_done(self, layer: int, step: int) -> None:
         with self._cond:
             while self._done[layer] < step:
@@ -323,11 +404,13 @@ class OptimizerStepper:
 
         def task() -> None:
             if not skip and masters:
+                if self.journal is not None:
+                    self.journal.record(st.step, layer, masters)
                 self.store.attach_grads([layer])
                 self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
             self._finish([layer], st.step)
 
-        self._submit(task, f"layer {layer}")
+        self._submit(task, f"layer {layer}", st.step)
 
     def _enqueue_dp(self, layer: int, st: _OpenStep, *, coef: float, skip: bool) -> None:
         """Data parallel: the owner rank steps the layer; then every rank receives its weights
@@ -353,7 +436,7 @@ class OptimizerStepper:
 
         with self._cond:
             self._pending += 1  # the broadcast: wait_all waits for it too
-        self._submit(task, f"layer {layer}")
+        self._submit(task, f"layer {layer}", st.step)
         dp.broadcast(layer, stepped, done)
 
     def _dp_failed(self, exc: BaseException) -> None:
@@ -368,11 +451,15 @@ class OptimizerStepper:
 
         def task() -> None:
             if not skip:
+                if self.journal is not None:
+                    for layer in range(self._num_layers):
+                        owned = [hp.master for hp in self.store.layers[layer].owned]
+                        self.journal.record(st.step, layer, owned)
                 self.store.attach_grads()
                 self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
             self._finish(list(range(self._num_layers)), st.step)
 
-        self._submit(task, "all layers")
+        self._submit(task, "all layers", st.step)
 
     def _finish(self, layers: list[int], step: int) -> None:
         self.store.release_grads(layers)
@@ -383,16 +470,22 @@ class OptimizerStepper:
         if self.publishes_at_step_end:
             for layer in layers:
                 self.store.publish(layer, step)
+        if self.journal is not None and min(self._done) >= step and self._counted >= step:
+            # every layer has stepped and the engine counted the step: nothing left to undo (a
+            # step applied in full by a run that then failed is undone; else the next step's
+            # first record drops the records)
+            self.journal.commit(step)
 
-    def _submit(self, task: Callable[[], None], what: str) -> None:
+    def _submit(self, task: Callable[[], None], what: str, step: int) -> None:
         def guarded() -> None:
             try:
                 task()
             except BaseException as exc:  # surfaces at the next engine call
-                err = RuntimeError(f"optimizer step failed on {what}: {exc!r}")
+                err = RuntimeError(f"optimizer step failed on {what} (step {step}): {exc!r}")
                 err.__cause__ = exc
                 with self._cond:
                     self._error = err
+                    self._failed_step = step
                     self._cond.notify_all()
                 self.store.fail(err)  # weight uploads waiting for this step must not hang
 
