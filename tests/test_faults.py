@@ -170,11 +170,11 @@ def test_device_failure_after_layers_stepped_is_undone(all_stepped: bool) -> Non
         ready = engine.stepper.layer_ready
         issued = []
 
-        def fail_last(layer: int) -> None:
+        def fail_last(layer: int, step: int | None = None) -> None:
             last = len(issued) == len(engine.store.layers) - 1  # the last gradient to land
             if not last or all_stepped:
                 issued.append(layer)
-                ready(layer)
+                ready(layer, step)
             if last:
                 engine.stepper.wait_all()  # the issued layers' steps have run
                 raise RuntimeError("injected device fault")
@@ -348,3 +348,17 @@ def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(
     assert got["global_steps_loaded"] == 2
     assert got["losses"] == pytest.approx(_straight()[2:], rel=0, abs=1e-6)
     assert got["leftovers"] == []  # the next save cleared what the killed one left
+
+
+def test_the_journal_gives_way_to_overlap_unless_asked_for() -> None:
+    """Overlapping iterations keep two steps open, which the journal's undo does not cover: with
+    the default the journal is off while iterations overlap; an explicit "on" keeps the journal
+    and turns the overlap off instead."""
+    default = _engine(async_optimizer=True, on_nonfinite="ignore", step_journal="if_memory_allows")
+    forced = _engine(async_optimizer=True, on_nonfinite="ignore", step_journal="on")
+    try:
+        assert default._overlap and default.stepper.journal is None
+        assert not forced._overlap and forced.stepper.journal is not None
+    finally:
+        default.destroy()
+        forced.destroy()
