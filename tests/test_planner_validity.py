@@ -283,3 +283,32 @@ def test_the_engine_plans_with_its_link_bandwidth() -> None:
         assert engine.planner.link_gbps == 0.5
     finally:
         engine.destroy()
+
+
+def test_the_measured_head_cost_excludes_the_head_stage_blocks() -> None:
+    """The HEAD slot runs its stage's blocks (forward + backward) and the LM head: only the rest
+    of its measured time is the head's. Charged whole (as before), a head stage of 5 blocks at
+    7 ms per forward made a 110 ms "head", and the re-plan cut the model around it (found by the
+    head-to-head's calibration: the chosen cuts left one device 4x busier than the other)."""
+    shape = ModelShape(6, True, (1000,) * 6, 3000, 2000)
+    planner = Planner(shape, num_devices=2, num_microbatches=4, profile_iterations=1)
+    planner.set_cuts((6,), (5, 1))  # a planned (not user-given) head stage of 5 blocks
+    assert planner.profile_left == 1
+    f, head_fwd = 7.0, 2.0  # per block forward, LM head forward (backward twice each)
+    fwd = {layer: [f] for layer in range(1, 7)}
+    fwd[planner.stages.head_index] = [head_fwd]
+    bwd = {0: [5 * 3 * f + 3 * head_fwd], 1: [3 * f]}  # head slot: 5 blocks + head, fwd + bwd
+    captured: list[LayerCosts] = []
+    real = planner._measured
+
+    def spy() -> LayerCosts | None:
+        costs = real()
+        assert costs is not None
+        captured.append(costs)
+        return costs
+
+    planner._measured = spy  # type: ignore[method-assign]
+    planner.observe(fwd, bwd)
+    (costs,) = captured
+    assert costs.head_fwd_ms == pytest.approx(head_fwd)
+    assert costs.head_bwd_ms == pytest.approx(2 * head_fwd)

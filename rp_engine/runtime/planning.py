@@ -420,7 +420,14 @@ class Planner:
                 bwd[i] = back * fwd[i] / stage_f if stage_f > 0 else back / len(layers)
         head = med.get(self.stages.head_index, 0.0)
         head_stage = self._bwd_samples.get(0)
-        head_total = statistics.median(head_stage) if head_stage else 3 * head
+        if head_stage:
+            # the HEAD slot also runs its stage's blocks (forward + backward, no recompute):
+            # only the rest is the LM head's own cost
+            blocks = [i - p for i in self.stages.bwd[0] if p <= i < p + n]
+            own = sum(fwd[i] + bwd[i] for i in blocks)
+            head_total = max(statistics.median(head_stage) - own, 0.0)
+        else:
+            head_total = 3 * head
         return _costs(self.shape, fwd, bwd, head_total / 3)
 
 
