@@ -274,6 +274,39 @@ def _plot_curves(curves: dict[float, dict[str, list[float]]], path: Path) -> Non
     fig.savefig(path, dpi=110)
 
 
+def _engine_windows(
+    engines: dict[str, Any],
+    data: list[Any],
+    *,
+    window: int,
+    tokens: int,
+    repeats: int,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Tokens/s of each engine over windows of ``window`` steps (``tokens`` per step) timed
+    between two synchronisations (never per step: that would hide the async optimizer and the
+    overlap), engines interleaved (A B A B ...), after ``warmup`` steps each."""
+    iters = {k: iter(data) for k in engines}
+    for k, e in engines.items():
+        for _ in range(warmup):
+            e.train_batch(iters[k])
+        e.synchronize()
+
+    def run_window(name: str) -> Callable[[], float]:
+        def run() -> float:
+            engine = engines[name]
+            engine.synchronize()
+            start = time.perf_counter()
+            for _ in range(window):
+                engine.train_batch(iters[name])
+            engine.synchronize()
+            return window * tokens / (time.perf_counter() - start)
+
+        return run
+
+    return _interleaved({k: run_window(k) for k in engines}, repeats)
+
+
 def rounds(args: argparse.Namespace) -> dict[str, Any]:
     """Tokens/s with one weight upload per slot and round (M_R = GAS, on-device gradient
     accumulation) vs one per micro-batch (M_R = 1: what the landed executor did), cpu:2 with an
@@ -288,23 +321,9 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
             config=_cfg("cpu:2", gas=gas, mbs=mbs, pcie_gbps=args.pcie_gbps, round_size=size,
                         fwd_cuts=[2] * (args.layers // 2), bwd_cuts=[0] + [2] * (args.layers // 2)),
         )  # fmt: skip
-    iters = {k: iter(data) for k in engines}
-    for k, e in engines.items():
-        e.train_batch(iters[k])
-        e.synchronize()
-
-    def run_window(name: str) -> Callable[[], float]:
-        def run() -> float:
-            engine = engines[name]
-            start = time.perf_counter()
-            for _ in range(window):
-                engine.train_batch(iters[name])
-            engine.synchronize()
-            return window * gas * mbs * seq / (time.perf_counter() - start)
-
-        return run
-
-    tps = _interleaved({k: run_window(k) for k in engines}, args.repeats)
+    tps = _engine_windows(
+        engines, data, window=window, tokens=gas * mbs * seq, repeats=args.repeats
+    )
     stats = {k: e.last_step_stats() for k, e in engines.items()}
     for e in engines.values():
         e.destroy()
@@ -337,24 +356,9 @@ def residency(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
         engine.planner.set_residency(on)
         engines[name] = engine
-    iters = {k: iter(data) for k in engines}
-    for k, e in engines.items():
-        e.train_batch(iters[k])
-        e.synchronize()
-
-    def run_window(name: str) -> Callable[[], float]:
-        def run() -> float:
-            engine = engines[name]
-            engine.synchronize()
-            start = time.perf_counter()
-            for _ in range(window):
-                engine.train_batch(iters[name])
-            engine.synchronize()
-            return window * gas * mbs * seq / (time.perf_counter() - start)
-
-        return run
-
-    tps = _interleaved({k: run_window(k) for k in engines}, args.repeats)
+    tps = _engine_windows(
+        engines, data, window=window, tokens=gas * mbs * seq, repeats=args.repeats
+    )
     stats = {k: e.last_step_stats() for k, e in engines.items()}
     resident = {k: list(e.planner.resident) for k, e in engines.items()}
     for e in engines.values():
@@ -389,24 +393,9 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
                         on_nonfinite="ignore", overlap_iterations=on,
                         fwd_cuts=[2] * (args.layers // 2), bwd_cuts=[0] + [2] * (args.layers // 2)),
         )  # fmt: skip
-    iters = {k: iter(data) for k in engines}
-    for k, e in engines.items():
-        for _ in range(2):
-            e.train_batch(iters[k])
-        e.synchronize()
-
-    def run_window(name: str) -> Callable[[], float]:
-        def run() -> float:
-            engine = engines[name]
-            start = time.perf_counter()
-            for _ in range(window):
-                engine.train_batch(iters[name])
-            engine.synchronize()
-            return window * gas * mbs * seq / (time.perf_counter() - start)
-
-        return run
-
-    tps = _interleaved({k: run_window(k) for k in engines}, args.repeats)
+    tps = _engine_windows(
+        engines, data, window=window, tokens=gas * mbs * seq, repeats=args.repeats, warmup=2
+    )
     for e in engines.values():
         e.destroy()
     med = {k: statistics.median(v) for k, v in tps.items()}
