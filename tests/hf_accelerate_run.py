@@ -21,14 +21,9 @@ def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
-    if spec["backend"] == "deepspeed":
-        from subprocess_helpers import single_process_group_env
+    from subprocess_helpers import select_backend
 
-        single_process_group_env()
-    else:
-        from rp_engine.integrations import hf
-
-        hf.enable(**spec.get("roundpipe", {}))
+    select_backend(spec)
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
     from hf_trainer_run import TokenData

@@ -34,14 +34,9 @@ class TokenData(torch.utils.data.Dataset):
 def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if spec["backend"] == "deepspeed":
-        from subprocess_helpers import single_process_group_env
+    from subprocess_helpers import select_backend
 
-        single_process_group_env()
-    else:
-        from rp_engine.integrations import hf
-
-        hf.enable(**spec.get("roundpipe", {}))
+    select_backend(spec)
     from models import tiny_qwen3
     from transformers import Trainer, TrainingArguments
 

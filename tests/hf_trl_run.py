@@ -48,14 +48,9 @@ def arithmetic(n: int, offset: int = 0) -> Any:
 def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if spec["backend"] == "deepspeed":
-        from subprocess_helpers import single_process_group_env
+    from subprocess_helpers import select_backend
 
-        single_process_group_env()
-    else:
-        from rp_engine.integrations import hf
-
-        hf.enable(**spec.get("roundpipe", {}))
+    select_backend(spec)
     from models import tiny_qwen3
     from trl import SFTConfig, SFTTrainer
 

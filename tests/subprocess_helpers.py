@@ -37,3 +37,14 @@ def single_process_group_env() -> None:
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
+
+
+def select_backend(spec: dict[str, Any]) -> None:
+    """In a Hugging Face child (``spec["backend"]``): real DeepSpeed gets a one-rank process
+    group environment; rp_engine is routed in with ``hf.enable(**spec["roundpipe"])``."""
+    if spec["backend"] == "deepspeed":
+        single_process_group_env()
+    else:
+        from rp_engine.integrations import hf
+
+        hf.enable(**spec.get("roundpipe", {}))
