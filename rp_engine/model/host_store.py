@@ -361,14 +361,10 @@ class HostStore:
         ``version``, which may be older than the current one: the undo of a failed optimizer
         step that had already been published (optim/step_journal.py). Only while nothing
         reads the layer."""
-        with torch.no_grad():
-            for b in range(len(self._held[layer])):
-                for hp in self.layers[layer].owned:
-                    self._weight(hp, b).copy_(hp.master)
         with self._cond:
-            self._held[layer] = [version] * len(self._held[layer])
+            self._held[layer] = [-1] * len(self._held[layer])
             self._reads[layer] = []
-            self._cond.notify_all()
+        self.publish(layer, version, everywhere=True)
 
     def set_versions(self, version: int) -> None:
         """Declare every layer at ``version`` in every buffer (after loading a checkpoint or a

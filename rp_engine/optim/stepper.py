@@ -319,11 +319,7 @@ class OptimizerStepper:
         masters, which hold the last applied step, published into every weight buffer. Call it
         after ``wait_all`` and with the gradients discarded."""
         self.abandon_step()
-        with self._cond:
-            self._cancelled = None
-            self._done = [step] * self._num_layers
-            self._sealed = [step] * self._num_layers
-            self._cond.notify_all()
+        self._declare(step, uncancel=True)
         self.store.set_versions(-1)  # forget the held versions, then publish the masters
         for layer in range(self._num_layers):
             self.store.publish(layer, step, everywhere=True)
@@ -331,9 +327,7 @@ class OptimizerStepper:
 
     def set_step(self, step: int) -> None:
         """After loading a checkpoint: every layer has applied ``step`` and shows w_step."""
-        with self._cond:
-            self._done = [step] * self._num_layers
-            self._sealed = [step] * self._num_layers
+        self._declare(step)
         self._counted = step
         if self.journal is not None and self.journal.step is not None:
             self.journal.commit(self.journal.step)  # the loaded masters replace what it holds
@@ -358,6 +352,18 @@ class OptimizerStepper:
             self.dp.close()
 
     # --- internals ----------------------------------------------------------------------------
+    def _declare(self, step: int, *, uncancel: bool = False, forget_open: bool = False) -> None:
+        """Every layer has applied (and sealed) ``step``; waiters re-check. ``uncancel`` clears
+        a ``cancel``; ``forget_open`` drops the open steps too."""
+        with self._cond:
+            self._done = [step] * self._num_layers
+            self._sealed = [step] * self._num_layers
+            if uncancel:
+                self._cancelled = None
+            if forget_open:
+                self._open.clear()
+            self._cond.notify_all()
+
     def _wait_idle(self) -> None:
         with self._cond:
             while self._pending:
@@ -377,12 +383,7 @@ class OptimizerStepper:
             if self.store.version(layer) >= failed:
                 self.store.rewind(layer, keep)
         self.store.zero_grads()
-        with self._cond:
-            self._done = [keep] * self._num_layers
-            self._sealed = [keep] * self._num_layers
-            self._cond.notify_all()
-        with self._cond:
-            self._open.clear()
+        self._declare(keep, forget_open=True)
         return restored
 
     def _wait_done(self, layer: int, step: int) -> None:

@@ -560,7 +560,7 @@ class Executor:
         ctx.groups[key] = _Group(weights, layers)
         ctx.stats.uploads += 1
         ctx.stats.weight_h2d_bytes += weights.nbytes
-        ctx.stats.h2d_bytes += weights.nbytes
+        ctx.count(weights.nbytes, h2d=True)  # copy threads add to h2d_bytes concurrently
 
     def _download(self, ctx: _Ctx, a: Action) -> None:
         """DOWNLOAD: the gradients the group accumulated on the device, once, to the host."""
