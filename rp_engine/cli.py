@@ -348,7 +348,6 @@ class _Job:
 
     # --- plan preview -----------------------------------------------------------------------------
     def _plan(self, counts: Any, host: Any, mbs: int, gas: int) -> int:
-        import psutil
 
         from rp_engine.plan import render
         from rp_engine.train import preflight
@@ -358,7 +357,7 @@ class _Job:
             counts, machine_name=self.args.machine, num_devices=self.args.plan_devices,
             seq_len=self.args.seq_len, micro_batch=mbs, grad_accum=gas,
         )  # fmt: skip
-        available = int(psutil.virtual_memory().available)
+        available = preflight.available_bytes()
         print(preflight.format_plan(summary, host, available))
         write_json(self.run_dir / "plan.json", {**summary, "host_bytes": host.total})
         render.write_png(sim, self.run_dir / "plan.png")

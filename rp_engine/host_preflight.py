@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rp_engine.train.preflight import PreflightError
+from rp_engine.train.preflight import PreflightError, available_bytes, format_bytes
 
 __all__ = ["HostNeed", "host_need", "check_initialize", "available_bytes"]
 
@@ -56,11 +56,7 @@ class HostNeed:
             ("step journal (step_journal on)", self.journal),
             ("cast to the compute dtype", self.cast),
         ]
-        return [f"  {name:<32}{_gb(n)}" for name, n in parts if n]
-
-
-def _gb(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        return [f"  {name:<32}{format_bytes(n)}" for name, n in parts if n]
 
 
 def host_need(model: nn.Module, *, dtype: torch.dtype, journal: str) -> HostNeed:
@@ -77,13 +73,6 @@ def host_need(model: nn.Module, *, dtype: torch.dtype, journal: str) -> HostNeed
         moments=8 * trainable,
         journal=12 * trainable if journal == "on" else 0,
     )
-
-
-def available_bytes() -> int:
-    """Host memory the OS can give without swapping (psutil's ``available``)."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None) -> HostNeed:
@@ -109,8 +98,8 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
             fixes.append("bf16.enabled (the model is cast to a wider dtype)")
         fixes.append("a host with more memory, or roundpipe.host_preflight false to try anyway")
         raise PreflightError(
-            f"rp_engine.initialize: training this model needs about {_gb(need.total)} more host "
-            f"memory ({need.trainable:,} trainable parameters) but {_gb(free)} is available, so "
+            f"rp_engine.initialize: training this model needs about {format_bytes(need.total)} more host "
+            f"memory ({need.trainable:,} trainable parameters) but {format_bytes(free)} is available, so "
             "the run would be killed by the OOM killer:\n"
             + "\n".join(need.lines())
             + "\nto fit: "

@@ -81,15 +81,23 @@ class HostEstimate:
 
     def lines(self) -> list[str]:
         return [
-            f"  compute weights        {_gb(self.weights)}",
-            f"  masters+grads+Adam     {_gb(self.optimizer_state)}",
-            f"  activations            {_gb(self.activations)}",
-            f"  CPU device copies      {_gb(self.device_copies)}",
+            f"  compute weights        {format_bytes(self.weights)}",
+            f"  masters+grads+Adam     {format_bytes(self.optimizer_state)}",
+            f"  activations            {format_bytes(self.activations)}",
+            f"  CPU device copies      {format_bytes(self.device_copies)}",
         ]
 
 
-def _gb(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes as GiB (from 1 GiB on) or MiB, for preflight messages."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def available_bytes() -> int:
+    """Host memory the OS can give without swapping (psutil's ``available``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def estimate_host(
@@ -114,12 +122,10 @@ def check_host(estimate: HostEstimate, available: int | None = None) -> int:
     """Raise PreflightError when the estimate exceeds available host memory (psutil); returns
     the available bytes."""
     if available is None:
-        import psutil
-
-        available = int(psutil.virtual_memory().available)
+        available = available_bytes()
     if estimate.total > available:
         raise PreflightError(
-            f"this run needs about {_gb(estimate.total)} of host memory but {_gb(available)} "
+            f"this run needs about {format_bytes(estimate.total)} of host memory but {format_bytes(available)} "
             "is available:\n"
             + "\n".join(estimate.lines())
             + "\nto fit: train a LoRA adapter (--lora 8,16: no optimizer state for the base "
@@ -145,9 +151,9 @@ def check_device(
     needed = weights + grads + acts
     if needed > budget_bytes:
         raise PreflightError(
-            f"the largest layer needs about {_gb(needed)} on a device (weights double-buffered "
-            f"{_gb(weights)}, gradients {_gb(grads)}, activations {_gb(acts)}) but a device has "
-            f"{_gb(budget_bytes)}:\nto fit: a shorter --seq-len, a smaller "
+            f"the largest layer needs about {format_bytes(needed)} on a device (weights double-buffered "
+            f"{format_bytes(weights)}, gradients {format_bytes(grads)}, activations {format_bytes(acts)}) but a device has "
+            f"{format_bytes(budget_bytes)}:\nto fit: a shorter --seq-len, a smaller "
             "train_micro_batch_size_per_gpu, bf16 (the config's bf16.enabled), or devices with "
             "more memory (roundpipe.device_memory_gb)"
         )
@@ -210,7 +216,7 @@ def plan_preview(
 
 
 def format_plan(summary: dict[str, Any], host: HostEstimate, available: int) -> str:
-    peaks = ", ".join(_gb(b) for b in summary["device_peak_bytes"])
+    peaks = ", ".join(format_bytes(b) for b in summary["device_peak_bytes"])
     budget = summary["device_budget_bytes"]
     return "\n".join(
         [
@@ -220,11 +226,11 @@ def format_plan(summary: dict[str, Any], host: HostEstimate, available: int) -> 
             f"  micro-batches per step {summary['micro_batches_per_step']}, round size "
             f"{summary['round_size']}",
             f"  device memory peak per device: {peaks}"
-            + (f" (budget {_gb(budget)})" if budget else ""),
+            + (f" (budget {format_bytes(budget)})" if budget else ""),
             f"  predicted {summary['tokens_per_s']:.0f} tokens/s, iteration "
             f"{summary['iteration_ms']:.1f} ms, bubble {100 * summary['bubble_ratio']:.1f} %",
             f"  ({summary['assumptions']})",
-            f"host memory: {_gb(host.total)} needed, {_gb(available)} available",
+            f"host memory: {format_bytes(host.total)} needed, {format_bytes(available)} available",
             *host.lines(),
         ]
     )
