@@ -492,7 +492,7 @@ class RoundPipeConfig:
     # bf16/fp32 step with a non-finite loss or gradient norm: raise (step skipped), skip, ignore
     on_nonfinite: str = field(default="raise", metadata=_m(choices=("raise", "skip", "ignore")))
     # train_batch t+1 starts while iteration t's backward tail and optimizer run (no drain);
-    # in effect without fp16 and with on_nonfinite "ignore" (engine_pipeline.py)
+    # off under data parallel and step_journal "on" (engine_pipeline.py, engine_boundary.py)
     overlap_iterations: bool = True
     # undo log making a failed optimizer step all-or-nothing (+12 B/trainable param, Adam):
     # default: only when host memory allows (optim/step_journal.py)

@@ -30,6 +30,7 @@ from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
 from rp_engine.distributed import data_parallel
 from rp_engine.engine_api import DeepSpeedAccessors
+from rp_engine.engine_boundary import OptimizerBoundary, boundary_in_flight_ok
 from rp_engine.engine_loop import FORWARD_OPS, ImperativeLoop
 from rp_engine.engine_pipeline import InFlightBox, PipelinedIterations
 from rp_engine.model.batches import BatchAdapter, compute_dtype
@@ -51,7 +52,7 @@ __all__ = ["RoundPipeEngine"]
 log = logging.getLogger("rp_engine")
 
 
-class RoundPipeEngine(PipelinedIterations, ImperativeLoop, DeepSpeedAccessors):
+class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, DeepSpeedAccessors):
     """Drop-in for ``deepspeed.DeepSpeedEngine`` (build it with ``rp_engine.initialize``); the
     imperative loop is in engine_loop.py, train_batch (overlapping iterations) in
     engine_pipeline.py, accessors and checkpoint doors in engine_api.py."""
@@ -129,13 +130,15 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, DeepSpeedAccessors):
             dp=data_parallel(self.store),  # None in one process
         )
         self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
-        # overlap decides nothing it cannot know at issue time (engine_pipeline.py); async
-        # overlap wants two weight versions at once, when host memory allows
-        # data parallel: collectives assume one open step; the step journal's undo likewise (an
-        # explicit "on" wins over overlap, else overlap wins; distributed ranks step apart)
+        # overlap applies boundaries in flight (engine_boundary.py); async overlap wants two
+        # weight versions at once, when host memory allows. Data parallel: collectives assume
+        # one open step; the step journal's undo likewise (an explicit "on" wins over overlap)
+        in_flight = boundary_in_flight_ok(
+            self.lr_scheduler, can_skip=cfg.fp16.enabled or self._guard.active
+        )
         self._overlap = (
-            rp.overlap_iterations and not cfg.fp16.enabled and not self._guard.active
-            and self.stepper.dp is None and rp.step_journal != "on"
+            rp.overlap_iterations and in_flight and self.stepper.dp is None
+            and rp.step_journal != "on"
         )  # fmt: skip
         if self._overlap or self.stepper.dp is not None:
             self.stepper.journal = None
@@ -242,24 +245,6 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, DeepSpeedAccessors):
         log.warning(
             "run failed: gradients accumulated for step %d were discarded", self.global_steps + 1
         )
-
-    def _apply_boundary(self, lr_kwargs: dict[str, Any] | None) -> bool:
-        """Close an optimizer step: loss scale, LR schedule, logs. Returns whether it applied
-        (False: skipped on fp16 overflow); the caller advances the counters."""
-        result = self._last
-        overflow = bool(result and result.overflow)
-        self.optimizer.overflow = overflow
-        self.optimizer.loss_scaler.update(overflow)
-        if not overflow and self.lr_scheduler is not None:
-            self.optimizer.step_scheduler(self.lr_scheduler, **(lr_kwargs or {}))
-        self._note_stale_model()
-        step, samples = self.global_steps + 1, self.global_samples + self.train_batch_size()
-        every = self._config.steps_per_print
-        if every and step % every == 0:
-            log.info("step %d lr %s grad_norm %s", step, self.get_lr(), self.get_global_grad_norm())
-        self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], samples)])
-        self._guard.conclude(step, result)
-        return not overflow
 
     def _eval_run(self, batches: list[Any], **kw: Any) -> Any:
         self._drain_pipeline()

@@ -24,10 +24,17 @@ What stays exact:
   flight): ``synchronize()``, ``engine.module``, checkpoints, eval, the imperative
   forward/backward/step loop and ``destroy()``.
 
-Not overlapped (each ``train_batch`` drains, as before): fp16 (the next step's loss scale
-depends on this step's overflow), ``roundpipe.on_nonfinite`` "raise"/"skip" (whether the step is
-skipped, which decides the LR schedule and the counters, is known only once all its gradients
-have landed), profiling iterations (the re-plan reads their timing) and
+- Non-finite steps (``roundpipe.on_nonfinite`` "raise"/"skip"): the boundary is applied in
+  flight (engine_boundary.py). A non-finite loss is known at once (skipped, raised from the same
+  call, as drained); a non-finite gradient norm is known when the step closes, and the schedule
+  and counters are put back to where DeepSpeed would have them; "raise" then raises from the
+  next call.
+
+- fp16: the same, and the next run, issued with the scale of before the overflow, is run
+  again with the lowered scale (``_reissue``), as DeepSpeed would have run it.
+
+Not overlapped (each ``train_batch`` drains, as before): profiling iterations (the re-plan reads
+their timing), a scheduler that cannot be restored where steps can be skipped, and
 ``roundpipe.overlap_iterations: false``.
 
 Failures: a device error in run t's tail surfaces at the next call that finishes it; the steps
@@ -40,11 +47,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rp_engine.engine_boundary import BoundaryState
 from rp_engine.runtime.executor import Executor, RunHandle, RunSpec, RunStats
 
 if TYPE_CHECKING:
@@ -67,12 +75,16 @@ log = logging.getLogger("rp_engine")
 @dataclass
 class _InFlight:
     """A training run issued and not finished: its executor (a re-plan may have replaced the
-    engine's), its handle, its step, and whether the counters already count that step."""
+    engine's), its handle, its step, whether the counters already count that step, whether it is
+    known to be skipped (a non-finite loss) and, when assumed applied under a non-finite guard,
+    what its boundary changed (to undo if it closes skipped)."""
 
     executor: Executor
     handle: RunHandle
     step: int
     counted: bool = False
+    skip: bool = False
+    before: BoundaryState | None = None
 
 
 class InFlightBox:
@@ -91,7 +103,7 @@ class InFlightBox:
             return
         try:
             run.executor.finish(run.handle)
-            stepper.close_step(step=run.step)
+            stepper.close_step(step=run.step, skip=run.skip)
         except Exception as exc:  # noqa: BLE001 - shutdown goes on; the step is lost
             log.warning("the training step in flight could not be finished at shutdown: %r", exc)
 
@@ -135,7 +147,11 @@ class PipelinedIterations:
         def _run(
             self, plan: Any, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
         ) -> RunResult: ...
-        def _apply_boundary(self, lr_kwargs: dict[str, Any] | None) -> bool: ...
+        def _apply_boundary(
+            self, lr_kwargs: dict[str, Any] | None, *, in_flight: bool | None = None
+        ) -> bool: ...
+        def _boundary_state(self) -> BoundaryState: ...
+        def _skipped_late(self, step: int, before: BoundaryState, result: StepResult) -> None: ...
         def _make_executor(self) -> Executor: ...
         def last_step_stats(self) -> dict[str, Any]: ...
         def _dp_mean(self, value: float) -> float: ...
@@ -187,17 +203,49 @@ class PipelinedIterations:
             raise
         current = self._inflight = _InFlight(executor, handle, step)
         if previous is not None:
-            self._complete(previous)  # run t-1 (its failure aborts run t as well)
+            try:
+                self._complete(previous)  # run t-1 (its failure aborts run t as well)
+            except BaseException:
+                self._abort_pipeline()
+                raise
+            if spec.grad_scale != self.optimizer.cur_scale / gas:  # step t-1 overflowed (fp16)
+                self._reissue(current, spec)
         try:
-            losses = executor.losses(handle)
+            losses = executor.losses(current.handle)  # (a reissued run has a new handle)
         except BaseException:
             self._abort_pipeline()
             raise
-        # DeepSpeed's counters and LR schedule at the boundary; the step itself closes when its
-        # run is finished, by the next call (it cannot be skipped: no fp16, no guard here).
-        self._counters.whole_step(applied=self._apply_boundary(None))
+        # DeepSpeed's counters and LR schedule at the boundary, applied in flight: the step
+        # closes when its run is finished, by the next call (engine_boundary.py)
+        self._guard.observe(losses, self.micro_steps, gas)
+        current.skip = self._guard.force_skip()
+        if (self._guard.active or self.stepper.fp16) and not current.skip:
+            current.before = self._boundary_state()  # its close may still skip it
+        self._counters.whole_step(applied=self._apply_boundary(None, in_flight=current.skip))
         current.counted = True
+        self._guard.raise_failed()  # this step's losses, or the previous step's late skip
         return losses
+
+    def _reissue(self, current: _InFlight, spec: RunSpec) -> None:
+        """fp16: run t was issued with the loss scale of before step t-1's overflow, found when
+        step t-1 closed; DeepSpeed runs step t with the lowered scale. Let run t end, drop its
+        gradients and open step, and issue it again (same batches, seeds and weights: step t-1
+        was skipped, so w_{t-1} = w_{t-2})."""
+        try:
+            current.executor.finish(current.handle)
+            self.stepper.wait_all()
+            self.stepper.store.zero_grads()
+            self.stepper.restart(spec.step - 1)  # declared at t-1, masters published
+            self.stepper.open_step(spec.step)
+            again = replace(
+                spec, grad_scale=self.optimizer.cur_scale / self.gradient_accumulation_steps()
+            )
+            current.handle = current.executor.start(again)
+        except BaseException:
+            self._abort_pipeline()
+            raise
+        log.info("step %d: issued again with the loss scale lowered by step %d's overflow",
+                 spec.step, spec.step - 1)  # fmt: skip
 
     def _complete(self, inflight: _InFlight) -> None:
         """Finish an in-flight run and close its step (the counters already count it)."""
@@ -208,7 +256,9 @@ class PipelinedIterations:
             raise
         if self._inflight is inflight:
             self._inflight = None
-        self._last = self.stepper.close_step(step=inflight.step)
+        self._last = self.stepper.close_step(step=inflight.step, skip=inflight.skip)
+        if inflight.before is not None and self._last.overflow:
+            self._skipped_late(inflight.step, inflight.before, self._last)
         self._stats_open.add(result.stats)
         self._step_stats, self._stats_open = self._stats_open, RunStats()
         self._timeline = result.timeline
@@ -244,7 +294,7 @@ class PipelinedIterations:
         with contextlib.suppress(Exception):  # an optimizer failure stays, check() raises it
             self.stepper.wait_all()
         self.stepper.store.zero_grads()
-        self._counters.skipped_steps += sum(r.counted for r in runs.values())
+        self._counters.skipped_steps += sum(r.counted and not r.skip for r in runs.values())
         self.stepper.restart(self.global_steps)
         self._guard.reset()
         self._carry = self._carry_batch = None

@@ -79,6 +79,7 @@ def test_clipping_waits_for_the_global_norm() -> None:
     stepper._enqueue = lambda layer, st, **kw: (log.append("step"), enqueue(layer, st, **kw))[1]
     try:
         engine.train_batch(iter(_batches(GAS)))
+        engine.synchronize()  # the step closes (with overlapping iterations, at the drain)
         norm = engine.get_global_grad_norm()
     finally:
         engine.destroy()
@@ -159,15 +160,19 @@ def test_optimizer_error_surfaces_at_next_call_naming_the_layer(journal: str) ->
         engine.destroy()
 
 
-def test_sync_optimizer_error_never_hangs_the_next_call() -> None:
-    engine = engine_for(tiny_qwen3(0, layers=4), config(devices=2, **CUTS))
+@pytest.mark.parametrize("overlap", [False, True], ids=["drained", "overlap"])
+def test_sync_optimizer_error_never_hangs_the_next_call(overlap: bool) -> None:
+    rp = {"overlap_iterations": overlap}
+    engine = engine_for(tiny_qwen3(0, layers=4), config(devices=2, roundpipe=rp, **CUTS))
 
     def failing(params, **kw):
         raise ValueError("injected")
 
     engine.optimizer.step_params = failing
     try:
-        batches = iter(_batches(3 * GAS))
+        batches = iter(_batches(4 * GAS))
+        if overlap:  # step 1 closes (and its optimizer runs) in the next call
+            engine.train_batch(batches)
         with pytest.raises(RuntimeError, match="optimizer step failed on layer"):
             engine.train_batch(batches)
         for _ in range(2):
@@ -203,7 +208,7 @@ def test_tied_embedding_waits_for_its_owner_step(overlap: bool) -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
     batches = _batches(4 * GAS)
     expected = reference_losses(ref, batches, steps=4, gas=GAS, lr=1e-2, staleness=1)
-    rp = OVERLAP if overlap else {}
+    rp = OVERLAP if overlap else {"overlap_iterations": False}
     cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, roundpipe=rp, **CUTS)
     engine = engine_for(model, cfg)
     assert engine.store.owner_layer(model.lm_head.weight) == 0

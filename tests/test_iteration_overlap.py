@@ -16,9 +16,12 @@ import torch
 from engine_helpers import assert_same_weights, config, engine_for, reference_losses
 from models import random_batch, tiny_qwen3
 
+import rp_engine
+from rp_engine.optim.nonfinite import NonFiniteError
+
 GAS = 2
 CUTS = {"fwd_cuts": [2, 2], "bwd_cuts": [0, 2, 2]}
-OVERLAP = {"on_nonfinite": "ignore"}  # "raise" (the default) drains every train_batch
+OVERLAP = {"on_nonfinite": "ignore"}  # the guarded modes overlap too (see their own tests)
 
 
 def _batches(n: int, seed: int = 300) -> list[dict[str, torch.Tensor]]:
@@ -33,11 +36,11 @@ def _engine(*, async_optimizer: bool = True, overlap: bool = True, **rp: Any) ->
     return engine_for(tiny_qwen3(0, layers=4), cfg)
 
 
-def _probe(overlap: bool, wait_s: float) -> dict[str, bool | None]:
+def _probe(overlap: bool, wait_s: float, **rp: Any) -> dict[str, bool | None]:
     """Train 3 steps; hold iteration 2's last backward (the prefix recompute of its last
     micro-batch) and step 2's first optimizer finish until iteration 3's first forward has
     started, for at most ``wait_s``. Returns whether each hold saw that start."""
-    engine = _engine(overlap=overlap)
+    engine = _engine(overlap=overlap, **rp)
     stages = engine.planner.stages
     assert stages.has_prefix and 0 in stages.bwd[-1]  # the last backward recomputes layer 0
     started = threading.Event()  # iteration 3's first forward is running
@@ -72,8 +75,13 @@ def _probe(overlap: bool, wait_s: float) -> dict[str, bool | None]:
     return seen
 
 
-def test_next_forward_starts_before_the_last_backward_and_the_optimizer_end() -> None:
-    seen = _probe(overlap=True, wait_s=60)
+@pytest.mark.parametrize("on_nonfinite", ["ignore", "raise", "skip"])
+def test_next_forward_starts_before_the_last_backward_and_the_optimizer_end(
+    on_nonfinite: str,
+) -> None:
+    """Also under the default non-finite guard ("raise"), whose skip decision for step 2 is
+    only known once its last gradient landed: its boundary is applied in flight."""
+    seen = _probe(overlap=True, wait_s=60, on_nonfinite=on_nonfinite)
     assert seen == {"backward": True, "optimizer": True}, seen
 
 
@@ -84,11 +92,11 @@ def test_control_without_overlap_the_next_forward_waits_for_the_last_backward() 
     assert seen["backward"] is False, seen
 
 
-def test_overlap_is_off_where_the_next_step_depends_on_this_ones_outcome() -> None:
+def test_overlap_is_on_unless_a_late_skip_could_not_be_undone() -> None:
     for rp, expected in (
         ({}, True),
-        ({"on_nonfinite": "raise"}, False),
-        ({"on_nonfinite": "skip"}, False),
+        ({"on_nonfinite": "raise"}, True),  # boundaries applied in flight (engine_boundary.py)
+        ({"on_nonfinite": "skip"}, True),
         ({"overlap_iterations": False}, False),
     ):
         engine = _engine(**rp)
@@ -99,9 +107,25 @@ def test_overlap_is_off_where_the_next_step_depends_on_this_ones_outcome() -> No
     cfg = config(devices=2, gas=GAS, roundpipe=OVERLAP, fp16={"enabled": True}, **CUTS)
     engine = engine_for(tiny_qwen3(0, layers=4), cfg)
     try:
-        assert engine._overlap is False  # the next step's loss scale needs this one's overflow
+        assert engine._overlap is True  # an overflow found late re-runs the next run
     finally:
         engine.destroy()
+
+    class Opaque:  # a client scheduler whose state cannot be put back after a late skip
+        def step(self, **_: Any) -> None:
+            pass
+
+        def get_last_lr(self) -> list[float]:
+            return [1e-2]
+
+    model = tiny_qwen3(0, layers=4)
+    for rp, expected in (({}, False), (OVERLAP, True)):
+        cfg = config(devices=2, gas=GAS, roundpipe=rp, **CUTS)
+        engine, *_ = rp_engine.initialize(model=model, config=cfg, lr_scheduler=Opaque())
+        try:
+            assert engine._overlap is expected, rp
+        finally:
+            engine.destroy()
 
 
 def test_sync_mode_with_overlap_matches_plain_pytorch() -> None:
@@ -318,3 +342,147 @@ def test_tight_host_memory_overlaps_with_one_buffer_and_keeps_staleness_one(monk
         engine.destroy()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert_same_weights(model, ref)
+
+
+# ------------------------------------------------------------- non-finite steps in flight
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 2e-2,
+                                          "warmup_num_steps": 10}}  # fmt: skip
+
+
+def _poison_gradients(engine: Any, step: int) -> None:
+    """Iteration ``step``'s gradients become non-finite while its losses stay finite: the
+    backward through layer 1's output is multiplied by inf (found only when the step closes)."""
+    call = engine._executor._call
+
+    def poisoned(ctx: Any, device: Any, layer: int, state: Any, mb: int, w: Any) -> Any:
+        out = call(ctx, device, layer, state, mb, w)
+        if ctx.spec.step == step and layer == 1 and torch.is_grad_enabled():
+            for t in out.values() if isinstance(out, dict) else [out]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(lambda g: g * float("inf"))
+        return out
+
+    engine._executor._call = poisoned
+
+
+@pytest.mark.parametrize("async_optimizer", [True, False])
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_a_step_skipped_late_ends_where_deepspeed_would(mode: str, async_optimizer: bool) -> None:
+    """Step 2 has finite losses and an infinite gradient norm. With overlap its boundary was
+    applied as applied (LR stepped, counted) before the step closed; the close puts the schedule
+    and counters back: weights (bitwise), LR, counters and later steps equal the drained
+    engine's, and "raise" raises one call later, naming step 2."""
+    runs = {}
+    for overlap in (True, False):
+        cfg = config(
+            devices=2, gas=GAS, lr=1e-2, async_optimizer=async_optimizer, scheduler=WARMUP,
+            roundpipe={"on_nonfinite": mode, "overlap_iterations": overlap}, **CUTS,
+        )  # fmt: skip
+        engine = engine_for(tiny_qwen3(0, layers=4), cfg)
+        assert engine._overlap is overlap
+        _poison_gradients(engine, step=2)
+        errors, losses = [], []
+        try:
+            it = iter(_batches(5 * GAS))
+            for call in range(1, 6):
+                try:
+                    losses.append(float(engine.train_batch(it)))
+                except NonFiniteError as exc:
+                    errors.append((call, str(exc)))
+            engine.synchronize()
+            runs[overlap] = {
+                "errors": errors, "losses": losses, "lr": engine.get_lr(),
+                "counters": (engine.global_steps, engine.skipped_steps, engine.micro_steps),
+                "weights": {k: v.clone() for k, v in engine.module.state_dict().items()},
+            }  # fmt: skip
+        finally:
+            engine.destroy()
+    late, drained = runs[True], runs[False]
+    assert drained["counters"] == late["counters"] == (5, 1, 5 * GAS)
+    assert late["lr"] == drained["lr"]
+    for k, w in drained["weights"].items():
+        assert torch.equal(w, late["weights"][k]), k
+    if mode == "raise":
+        assert [c for c, _ in drained["errors"]] == [2]
+        assert [c for c, _ in late["errors"]] == [3]  # raised by the call that finished step 2
+        assert "step 2: non-finite gradient norm" in late["errors"][0][1]
+        # returned losses: drained calls 1, 3, 4, 5; late calls 1, 2, 4, 5 (3 raised instead)
+        assert drained["losses"][0] == late["losses"][0]
+        assert drained["losses"][2:] == late["losses"][2:]
+    else:
+        assert not late["errors"] and late["losses"] == drained["losses"]
+
+
+def test_a_non_finite_loss_in_flight_is_skipped_at_once_and_at_shutdown() -> None:
+    """A non-finite loss is known when train_batch returns: the boundary is a skipped one at
+    once, and the run's close (here by the exit finaliser, no destroy) skips the step."""
+    import gc
+
+    results = []
+    for overlap in (True, False):
+        engine = _engine(overlap=overlap, on_nonfinite="skip")
+        model = engine._module
+        it = iter(_batches(2 * GAS))
+        engine.train_batch(it)
+        bad = [next(it), {**next(it), "labels": torch.full((2, 12), -100)}]  # loss 0/0 = NaN
+        lr = engine.get_lr()
+        loss = engine.train_batch(iter(bad))
+        assert not torch.isfinite(loss)
+        assert (engine.global_steps, engine.skipped_steps) == (2, 1) and engine.get_lr() == lr
+        assert (engine._inflight is not None) is overlap
+        finalizer = engine._finalizer
+        del engine, it
+        gc.collect()
+        if finalizer.alive:
+            finalizer()
+        results.append({k: v.clone() for k, v in model.state_dict().items()})
+    for k, w in results[1].items():
+        assert torch.equal(w, results[0][k]), k
+
+
+@pytest.mark.parametrize("async_optimizer", [True, False])
+def test_fp16_overflows_in_flight_follow_deepspeeds_loss_scale_sequence(
+    async_optimizer: bool,
+) -> None:
+    """fp16 with a loss scale that overflows at first: each overflow is found when its step
+    closes, after the next run was issued with the old scale; that run is issued again with the
+    lowered scale. Losses, skips, the scale and the weights equal the drained engine's (whose
+    sequence is DeepSpeed's: test_async_optimizer.py, test_checkpoint_interop.py)."""
+    runs = {}
+    for overlap in (True, False):
+        cfg = config(
+            devices=2, gas=GAS, lr=1e-2, async_optimizer=async_optimizer, scheduler=WARMUP,
+            fp16={"enabled": True, "initial_scale_power": 20, "hysteresis": 1},
+            roundpipe={"overlap_iterations": overlap}, **CUTS,
+        )  # fmt: skip
+        engine = engine_for(tiny_qwen3(0, layers=4), cfg)
+        assert engine._overlap is overlap
+        reissued: list[int] = []
+        if overlap:
+            real = engine._reissue
+
+            def counted(cur: Any, spec: Any, real: Any = real, log: list[int] = reissued) -> None:
+                log.append(spec.step)
+                real(cur, spec)
+
+            engine._reissue = counted
+        try:
+            it = iter(_batches(6 * GAS))
+            losses = [float(engine.train_batch(it)) for _ in range(6)]
+            engine.synchronize()
+            runs[overlap] = {
+                "losses": losses, "scale": engine.optimizer.cur_scale, "lr": engine.get_lr(),
+                "counters": (engine.global_steps, engine.skipped_steps),
+                "weights": {k: v.clone() for k, v in engine.module.state_dict().items()},
+                "reissued": reissued,
+            }  # fmt: skip
+        finally:
+            engine.destroy()
+    late, drained = runs[True], runs[False]
+    skipped = drained["counters"][1]
+    assert 2 <= skipped < 6, "the test needs overflows, then applied steps"
+    assert late["counters"] == drained["counters"] and late["scale"] == drained["scale"]
+    assert late["losses"] == drained["losses"] and late["lr"] == drained["lr"]
+    for k, w in drained["weights"].items():
+        assert torch.equal(w, late["weights"][k]), k
+    assert len(late["reissued"]) == skipped  # one re-run per overflow (the last one drained)

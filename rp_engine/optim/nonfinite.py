@@ -61,12 +61,14 @@ class NonFiniteGuard:
         return bool(self._bad)
 
     def conclude(self, step: int, result: StepResult | None) -> None:
-        """Judge the closed step ``step`` (its result from the stepper): warn ("skip") or keep
-        the error for :meth:`raise_failed` ("raise"). Clears the window."""
+        """Judge step ``step`` (its result from the stepper; None while its run is in flight,
+        engine_boundary.py): warn ("skip") or keep the error for :meth:`raise_failed`
+        ("raise"). Clears the window."""
         bad, self._bad = self._bad, []
-        if not self.active or result is None:
+        if not self.active:
             return
-        finite_norm = math.isfinite(result.grad_norm)
+        # result None: the step is still in flight (overlap), judged by its losses alone
+        finite_norm = result is None or math.isfinite(result.grad_norm)
         if not bad and finite_norm:
             return
         if bad:

@@ -147,6 +147,18 @@ class OptimizerStepper:
         with self._cond:
             self._open[step] = st
 
+    def refreeze(self, step: int) -> None:
+        """Freeze open step ``step``'s hyper-parameters again, from the optimizer's groups now
+        (the boundary before it was undone: a step skipped late, engine_boundary.py). No-op if
+        the step is not open. Only for a step none of whose layers has been issued (a guarded
+        or clipped step issues its layers at ``close_step``)."""
+        assert not self.immediate, "an immediate step may have stepped layers already"
+        groups = self.optimizer.snapshot()
+        with self._cond:
+            st = self._open.get(step)
+            if st is not None:
+                st.groups = groups
+
     def _step(self, step: int | None) -> _OpenStep:
         with self._cond:
             if step is None:
