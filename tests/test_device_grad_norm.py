@@ -6,6 +6,7 @@ imperative loop) the host pass stays. Same norms, same clipping, same non-finite
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +18,7 @@ import rp_engine.runtime.executor as executor_module
 from rp_engine.model.host_store import HostStore
 from rp_engine.plan import schedules
 from rp_engine.plan.actions import Op, Plan
+from rp_engine.runtime import grad_norm
 from rp_engine.runtime.grad_norm import device_norms, sole_downloads, sq_norms_by_owner
 from rp_engine.transfer import WeightUpload
 
@@ -64,17 +66,23 @@ def test_a_tied_weight_makes_its_owner_a_sum_of_two_downloads() -> None:
     assert _sole(_plan(1, 4, 4, False), ties={3: 0}) == {3: {2}, 2: {3}, 1: {4}}
 
 
-def test_device_norms_are_the_host_pass_of_the_converted_gradient() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_device_norms_are_the_host_pass_of_the_converted_gradient(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grad_norm, "CONVERT_CHUNK", 64)  # CPU half tensors convert in chunks
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in (5, 300, 7)]
+    grads = [torch.randn(n, generator=gen).to(dtype) for n in (5, 300, 7)]
     norms = device_norms(grads)
     assert norms.dtype == torch.float32 and norms.shape == (3,)
-    host = [float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads]
+    host = [float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads]  # the fp32 buffers
     sq = sq_norms_by_owner(norms.tolist(), [1, 2, 1])
     assert sq[1] == pytest.approx(host[0] + host[2], rel=1e-6)
     assert sq[2] == pytest.approx(host[1], rel=1e-6)
-    grads[1][3] = float("inf")
+    grads[1][130] = float("inf")
     assert sq_norms_by_owner(device_norms(grads).tolist(), [1, 2, 1])[2] == float("inf")
+    grads[1][130] = float("nan")
+    assert math.isnan(sq_norms_by_owner(device_norms(grads).tolist(), [1, 2, 1])[2])
 
 
 # --- the engine --------------------------------------------------------------------------------
@@ -132,7 +140,7 @@ def _reference(model: torch.nn.Module, batches: list) -> tuple[list[float], list
         for _ in range(GAS):
             loss = model(**next(it)).loss
             (loss / GAS).backward()
-            total += float(loss)
+            total += float(loss.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
