@@ -105,14 +105,14 @@ def _batches(n: int, seed: int = 300) -> list[dict[str, torch.Tensor]]:
 
 
 def _train(
-    model: torch.nn.Module, cfg: dict, batches: list, *, imperative: bool = False
-) -> tuple[list[float], list[float]]:
+    model: torch.nn.Module, cfg: dict, batches: list, *, imperative: bool = False, gas: int = GAS
+) -> tuple[list[float], list[float | None]]:
     """(losses, global grad norms) per step; ``model`` holds the final weights."""
     engine = engine_for(model, cfg)
     losses, norms = [], []
     try:
         it = iter(batches)
-        for _ in range(STEPS):
+        for _ in range(len(batches) // gas):
             if imperative:
                 total = 0.0
                 for _ in range(engine.gradient_accumulation_steps()):
@@ -248,3 +248,24 @@ def test_a_nonfinite_gradient_is_seen_by_the_device_norm(
     finally:
         engine.destroy()
     assert host_passes == []
+
+
+def test_overlapping_iterations_take_each_steps_own_norm(
+    host_passes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Async optimizer with overlapping iterations (on_nonfinite "ignore"), GAS 1 on two devices
+    (one download per slot and step), clipping on: step t+1's norms may land before step t's
+    are taken; each step takes its own, so norms and weights are the host pass's."""
+    rp = {"on_nonfinite": "ignore", "round_size": 1, "profile_iterations": 0}
+    cfg = config(devices=2, gas=1, clip=CLIP, async_optimizer=True, roundpipe=rp, **CUTS)
+    batches = _batches(2 * STEPS)
+    model, old = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    losses, norms = _train(model, cfg, batches, gas=1)
+    assert host_passes == []
+    _host_only(monkeypatch)
+    old_losses, old_norms = _train(old, cfg, batches, gas=1)
+    assert len(host_passes) == 2 * STEPS * 6
+    assert None not in norms[1:]  # one step late under overlap
+    torch.testing.assert_close(norms[1:], old_norms[1:], rtol=1e-6, atol=0)
+    assert old_losses == losses
+    assert_same_weights(model, old, rtol=1e-6, atol=1e-7)

@@ -196,7 +196,7 @@ class OptimizerStepper:
         # layer's whole gradient (runtime/grad_norm.py), else one read of the fp32 buffers. Data
         # parallel: the norm is of the reduced gradient, which only the owner holds (close_step
         # sums the ranks), so a device norm of this rank's part does not count.
-        sq = self.store.take_sq_norm(layer)
+        sq = self.store.take_sq_norm(layer, st.step)
         if self.dp is not None:
             sq = self.store.grad_sq_norm(layer) if self.dp.owns(layer) else 0.0
         elif sq is None:

@@ -934,7 +934,7 @@ class Executor:
             for layer in ctx.remaining.arrive(layers):
                 if ctx.spec.closes_step:
                     if layer in sole:  # no gradient this step: zero, as the host pass counts
-                        self.store.note_sq_norm(layer, sq.get(layer, 0.0))
+                        self.store.note_sq_norm(layer, ctx.spec.step, sq.get(layer, 0.0))
                     self.sink.ready(layer, ctx.spec.step)
 
         device.stream(StreamRole.HOST).submit(accumulate, label=f"{action}.acc")
