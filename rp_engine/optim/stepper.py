@@ -21,8 +21,8 @@ once: step t accumulates while step t-1's last gradients land; the protocol call
 Global-norm clipping and fp16 overflow need every layer's gradient: the squared norms are summed
 as layers complete (no separate pass; a layer whose whole gradient came down in one download
 brings its squared norm computed on the device, runtime/grad_norm.py) and the clip/unscale
-coefficient is applied inside each layer's step. Without clipping, fp16 or a torch fallback optimizer, each layer steps as soon as
-its gradient is complete.
+coefficient is applied inside each layer's step. Without clipping, fp16 or a torch fallback
+optimizer, each layer steps as soon as its gradient is complete.
 
 Data parallel (``dp``, rp_engine/distributed.py): a layer's gradient is first reduced onto the
 rank that owns it, only the owner steps it, and the layer is done on every rank once its new
