@@ -269,3 +269,38 @@ def test_overlapping_iterations_take_each_steps_own_norm(
     torch.testing.assert_close(norms[1:], old_norms[1:], rtol=1e-6, atol=0)
     assert old_losses == losses
     assert_same_weights(model, old, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_norms_are_the_host_pass(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen).to(dtype) for n in (5, 3_000_000, 7)]
+    norms = device_norms([g.cuda() for g in grads])
+    assert norms.is_cuda and norms.dtype == torch.float32
+    host = [float(torch.linalg.vector_norm(g.double())) for g in grads]
+    torch.testing.assert_close(norms.cpu().double(), torch.tensor(host), rtol=1e-5, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_whole_downloads_bring_their_norm(
+    host_passes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU (bf16, the step in one round): no host pass; norms and losses those of the host
+    pass."""
+    batches = _batches(STEPS * GAS)
+    cfg = config(devices=1, gas=GAS, clip=CLIP, roundpipe={"round_size": GAS}, **CUTS)
+    cfg["roundpipe"]["devices"] = "cuda:0"
+    cfg["bf16"] = {"enabled": True}
+    model, old = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    losses, norms = _train(model, cfg, batches)
+    assert host_passes == []
+    _host_only(monkeypatch)
+    old_losses, old_norms = _train(old, cfg, batches)
+    assert len(host_passes) == STEPS * 6
+    # bf16 weights: a clip coefficient 1e-7 apart can round a weight differently, and GPU
+    # backward kernels need not be deterministic run to run
+    torch.testing.assert_close(norms, old_norms, rtol=1e-3, atol=0)
+    torch.testing.assert_close(losses, old_losses, rtol=1e-3, atol=0)
