@@ -209,6 +209,27 @@ def test_split_gradients_keep_the_host_pass(
     assert_same_weights(model, ref)
 
 
+def test_a_download_that_is_not_the_whole_gradient_falls_back_to_the_host(
+    host_passes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Safety net: were a run wrongly taken for the whole step (here the imperative loop's
+    closing run, after GAS - 1 earlier runs of the step), a layer whose buffer already held a
+    contribution keeps the host pass: still PyTorch's norms and weights."""
+    monkeypatch.setattr(
+        executor_module.RunSpec, "whole_step", property(lambda s: s.train and s.closes_step)
+    )
+    batches = _batches(STEPS * GAS)
+    cfg = config(devices=1, gas=GAS, clip=CLIP, roundpipe={"round_size": GAS}, **CUTS)
+    model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
+    losses, norms = _train(model, cfg, batches, imperative=True)
+    # every block and the prefix had earlier contributions; the head's download is the carry's
+    assert len(host_passes) == STEPS * 6
+    ref_losses, ref_norms = _reference(ref, batches)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    assert_same_weights(model, ref)
+
+
 def test_a_nonfinite_gradient_is_seen_by_the_device_norm(
     host_passes: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

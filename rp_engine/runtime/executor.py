@@ -922,8 +922,13 @@ class Executor:
         def accumulate() -> None:
             landed.synchronize()  # blocks this HOST worker only, until the copies are done
             start = time.perf_counter()
+            mixed: set[int] = (
+                set()
+            )  # sole owners that had a contribution already: the host pass decides
             for key, grad in host.items():
                 self.sink.wait_free(owners[key], ctx.spec.step)
+                if owners[key] in sole and self.store.has_grad(params[key]):
+                    mixed.add(owners[key])  # another run of the step (RunSpec.whole_step wrong)
                 self.store.accumulate(params[key], grad)
             host.clear()
             sq = sq_norms_by_owner(norms[0].tolist(), normed) if norms else {}
@@ -933,7 +938,7 @@ class Executor:
             )
             for layer in ctx.remaining.arrive(layers):
                 if ctx.spec.closes_step:
-                    if layer in sole:  # no gradient this step: zero, as the host pass counts
+                    if layer in sole and layer not in mixed:  # none landed: 0, as the host pass
                         self.store.note_sq_norm(layer, ctx.spec.step, sq.get(layer, 0.0))
                     self.sink.ready(layer, ctx.spec.step)
 
