@@ -5,6 +5,8 @@
     python benchmarks/host_path_bench.py all          # both, then the 1.7B projection
     python benchmarks/host_path_bench.py gil          # a Python thread's longest pause during
                                                       # CPU Adam: sliced vs one kernel call
+    python benchmarks/host_path_bench.py norm         # the step's squared norm: host pass over
+                                                      # the fp32 gradients vs device-side norms
 
 Old and new run interleaved in one process (A B A B ...), so machine noise hits both alike.
 "tail" is what a synchronous step does after the last gradient has landed: squared norms,
@@ -36,8 +38,10 @@ from rp_engine.model.host_store import HostStore  # noqa: E402
 from rp_engine.optim.loss_scaler import LossScaler  # noqa: E402
 from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer, snapshot_groups  # noqa: E402
 from rp_engine.optim.stepper import OptimizerStepper  # noqa: E402
+from rp_engine.runtime.grad_norm import device_norms, sq_norms_by_owner  # noqa: E402
 
 QWEN3_1_7B_PARAMS = 1.72e9  # shared/reference/gpu_measurements.md
+QWEN3_1_7B_EMBED_PARAMS = 151_936 * 2048  # tied with the LM head: its norm stays on the host
 GPU_COMPUTE_S = 0.80  # same file: compute per optimizer step (GAS 4) with recomputation, H200
 H200_HOST_CONVERT_ADD_GELEM_S = 4.85  # same file: 16 threads, convert into a buffer then add
 # Memory traffic per element. Convert-and-add: read bf16 (2) + read and write fp32 (8). Sync tail
@@ -245,6 +249,56 @@ def bench_gil(elements: int, repeats: int) -> dict[str, Any]:
     return out
 
 
+def bench_norm(params: int, layers: int, repeats: int) -> dict[str, Any]:
+    """The step's squared gradient norm, interleaved: the host pass (``HostStore.grad_sq_norm``
+    over every layer's fp32 gradient, 4 B read per parameter, on the gradient thread) against
+    what replaces it when each layer's gradient comes down in one download: per-parameter fp32
+    norms of the bf16 device gradients (on a CPU virtual device this runs on its D2H thread; on
+    a GPU it is a kernel there) and, on the host, a sum over one float per parameter tensor."""
+    model, store = _store(params, layers)
+    grads = [torch.randn_like(hp.param) for hp in store.owned_params()]  # bf16, as downloaded
+    for hp, g in zip(store.owned_params(), grads, strict=True):
+        store.accumulate(hp.param, g)
+    owners = [hp.layer for hp in store.owned_params()]
+    got: dict[str, float] = {}
+
+    def host_pass() -> None:
+        got["host"] = sum(store.grad_sq_norm(layer) for layer in range(len(store.layers)))
+
+    norms: list[list[float]] = []
+
+    def device_side() -> None:  # the D2H stream's work, up to the host copy of the norms
+        norms[:] = [device_norms(grads).tolist()]
+
+    def host_after() -> None:  # what the host still does per step
+        got["device"] = sum(sq_norms_by_owner(norms[0], owners).values())
+
+    t_host, t_device = _interleaved(host_pass, device_side, repeats)
+    t_after = min(_interleaved(host_after, host_after, repeats))
+    exact = sum(float(torch.linalg.vector_norm(g.double())) ** 2 for g in grads)
+    n = sum(hp.master.numel() for hp in store.owned_params())
+    host_gbps = n * 4 / t_host / 1e9
+    return {
+        "bench": "norm",
+        "params": n,
+        "tensors": len(grads),
+        "threads": torch.get_num_threads(),
+        "host_pass_s": round(t_host, 4),
+        "host_pass_gbps": round(host_gbps, 2),
+        "device_side_cpu_s": round(t_device, 4),
+        "host_after_device_norms_s": round(t_after, 6),
+        # relative error of each squared norm against a float64 reduction: torch's CPU fp32
+        # reduction (the host pass) drifts with the tensor size, the chunked one less
+        "host_pass_rel_err": f"{abs(got['host'] - exact) / exact:.1e}",
+        "device_rel_err": f"{abs(got['device'] - exact) / exact:.1e}",
+        "qwen3_1_7b_host_gb_per_step": round(QWEN3_1_7B_PARAMS * 4 / 1e9, 2),
+        "qwen3_1_7b_host_pass_s_here": round(QWEN3_1_7B_PARAMS * 4 / 1e9 / host_gbps, 2),
+        "qwen3_1_7b_tied_embedding_left_s_here": round(
+            QWEN3_1_7B_EMBED_PARAMS * 4 / 1e9 / host_gbps, 2
+        ),
+    }
+
+
 def project(acc: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-1.7B (1.72 B parameters) sync step tail and gradient accumulation time, next to the
     H200's 0.80 s of compute per step: from this machine's measured tail time per parameter, from
@@ -271,7 +325,7 @@ def project(acc: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("what", choices=["accumulate", "tail", "all", "gil"])
+    ap.add_argument("what", choices=["accumulate", "tail", "all", "gil", "norm"])
     ap.add_argument(
         "--elements", type=int, default=12_582_912, help="accumulate: 12.6M (6144x2048)"
     )
@@ -291,6 +345,9 @@ def main() -> None:
     acc = tail = None
     if args.what == "gil":
         print(json.dumps(bench_gil(args.params, args.repeats)), flush=True)
+        return
+    if args.what == "norm":
+        print(json.dumps(bench_norm(args.params, args.layers, args.repeats)), flush=True)
         return
     if args.what in ("accumulate", "all"):
         acc = bench_accumulate(args.elements, args.repeats)

@@ -122,6 +122,7 @@ class HostStore:
                 for _, p in layer.params:
                     p.data = pin(p.data)
         self._grad_locks = [threading.Lock() for _ in self.layers]
+        self._noted: dict[tuple[int, int], float] = {}  # (layer, step) -> note_sq_norm's value
         self._pin = pin
         self._shadow: dict[int, torch.Tensor] = {}  # id(param) -> its compute weight, buffer 1
         self._held = [[0] for _ in self.layers]  # per layer: the version each buffer holds
@@ -236,12 +237,29 @@ class HostStore:
             owned = self.layers[index].owned
             with self._grad_locks[index]:
                 self.grads.clear([hp.slot for hp in owned])
+                for key in [k for k in self._noted if k[0] == index]:
+                    del self._noted[key]
             for hp in owned:
                 hp.master.grad = None
 
+    def note_sq_norm(self, layer: int, step: int, sq_norm: float) -> None:
+        """Record the squared norm of the layer's complete gradient of step ``step``, computed on
+        the device that downloaded it whole (runtime/grad_norm.py), for ``take_sq_norm``: call it
+        after the layer's last contribution, just before reporting the layer ready. Keyed by
+        step: with overlapping iterations the next step's note may come first."""
+        with self._grad_locks[layer]:
+            self._noted[(layer, step)] = sq_norm
+
+    def take_sq_norm(self, layer: int, step: int) -> float | None:
+        """The squared norm noted for the layer's gradient of step ``step`` (forgotten now), or
+        None when there is none: then ``grad_sq_norm`` reads the fp32 buffers."""
+        with self._grad_locks[layer]:
+            return self._noted.pop((layer, step), None)
+
     def grad_sq_norm(self, layer: int) -> float:
         """Sum of squared fp32 gradients the layer owns (inf/nan propagate); a parameter without a
-        contribution this step counts as a zero gradient."""
+        contribution this step counts as a zero gradient. A full read of the layer's buffers:
+        prefer a noted device-side norm (``take_sq_norm``) when there is one."""
         total = 0.0
         for hp in self.layers[layer].owned:
             if self.grads.has(hp.slot):

@@ -19,9 +19,10 @@ last backward: the two iterations overlap (engine_pipeline.py). Two steps can th
 once: step t accumulates while step t-1's last gradients land; the protocol calls name the step.
 
 Global-norm clipping and fp16 overflow need every layer's gradient: the squared norms are summed
-as layers complete (no separate pass) and the clip/unscale coefficient is applied inside each
-layer's step. Without clipping, fp16 or a torch fallback optimizer, each layer steps as soon as
-its gradient is complete.
+as layers complete (no separate pass; a layer whose whole gradient came down in one download
+brings its squared norm computed on the device, runtime/grad_norm.py) and the clip/unscale
+coefficient is applied inside each layer's step. Without clipping, fp16 or a torch fallback
+optimizer, each layer steps as soon as its gradient is complete.
 
 Data parallel (``dp``, rp_engine/distributed.py): a layer's gradient is first reduced onto the
 rank that owns it, only the owner steps it, and the layer is done on every rank once its new
@@ -203,9 +204,15 @@ class OptimizerStepper:
             # Iteration st.step no longer reads this layer: expose w_{t-1} for iteration t+1.
             self._wait_done(layer, st.step - 1)
             self.store.publish(layer, st.step - 1)
-        # data parallel: only the owner holds the reduced gradient (close_step sums the ranks)
-        owner = self.dp is None or self.dp.owns(layer)
-        sq = self.store.grad_sq_norm(layer) if owner else 0.0
+        # the squared norm: computed on the device with the download when that download was the
+        # layer's whole gradient (runtime/grad_norm.py), else one read of the fp32 buffers. Data
+        # parallel: the norm is of the reduced gradient, which only the owner holds (close_step
+        # sums the ranks), so a device norm of this rank's part does not count.
+        sq = self.store.take_sq_norm(layer, st.step)
+        if self.dp is not None:
+            sq = self.store.grad_sq_norm(layer) if self.dp.owns(layer) else 0.0
+        elif sq is None:
+            sq = self.store.grad_sq_norm(layer)
         self.store.seal_grads(layer)
         with self._cond:
             st.sq_norm += sq

@@ -51,6 +51,7 @@ import torch
 from rp_engine.device.base import ComputeTimer, Device, DeviceError, Event, StreamRole
 from rp_engine.model.host_store import HostStore
 from rp_engine.plan.actions import Action, Op, Plan
+from rp_engine.runtime.grad_norm import device_norms, sole_downloads, sq_norms_by_owner
 from rp_engine.runtime.replica import Replica
 from rp_engine.runtime.stages import StageMap
 from rp_engine.transfer import (
@@ -127,6 +128,15 @@ class RunSpec:
     carry: Carry | None = None  # from the forward run of the imperative loop
     head_factor: float = 1.0  # d(user loss)/d(our loss), applied to the carried head gradients
     token_stats: bool = False  # the head also reports per-token statistics (RunResult)
+
+    @property
+    def whole_step(self) -> bool:
+        """Whether this run makes every gradient contribution of its step: a training run that
+        closes its step without a forward run's carry (``train_batch``'s one run per step). The
+        imperative loop's closing run carries its forward's head and follows the step's earlier
+        micro-batches' runs. Only then may a download's device-side norm stand for the layer's
+        whole gradient (runtime/grad_norm.py)."""
+        return self.train and self.closes_step and self.carry is None
 
 
 @dataclass
@@ -302,6 +312,9 @@ class _Ctx:
         self.base: dict[int, ComputeTimer] = {}  # per device: the run's time origin
         self.layer_timers: list[tuple[int, ComputeTimer]] = []  # (layer, forward timer)
         self.remaining = Countdown()  # gradient downloads still due, per layer
+        # per DOWNLOAD: the owner layers whose whole step gradient it carries (whole-step runs):
+        # their squared norm is computed on the device (runtime/grad_norm.py)
+        self.sole: dict[Action, frozenset[int]] = {}
         self.groups: dict[_GroupKey, _Group] = {}
         self.freed: dict[_GroupKey, Event] = {}
         self.upload_of: dict[Action, _GroupKey] = {}  # compute action -> its group
@@ -396,6 +409,10 @@ class Executor:
                         due[layer] = due.get(layer, 0) + 1
             for layer, n in due.items():
                 ctx.remaining.set([layer], n)
+            if spec.whole_step:
+                ctx.sole = sole_downloads(
+                    plan, functools.partial(self._slot_layers, plan), self._owners_of
+                )
         for device in self.devices:
             device.reset_peak()
             ctx.base[device.index] = device.timer()
@@ -482,6 +499,10 @@ class Executor:
         ctx.stats.seconds = time.perf_counter() - ctx.t0
         for device in self.devices:
             ctx.stats.busy_s.setdefault(device.index, 0.0)
+
+    def _owners_of(self, layer: int) -> set[int]:
+        """The layers owning the trainable parameters ``layer`` uses (a tied weight's owner)."""
+        return {self.store.owner_layer(p) for p in self.store.trainable_of(layer)}
 
     def _slot_layers(self, plan: Plan, slot: int) -> tuple[int, ...]:
         """Host layer indices a plan slot runs (forward stage s, or backward stage slot - S_f)."""
@@ -576,8 +597,9 @@ class Executor:
             group.last_compute = compute.record()  # the FREE must not run before this
             return
         self._download_grads(
-            ctx, device, group.weights.grads, group.layers, group.last_compute, action=a
-        )
+            ctx, device, group.weights.grads, group.layers, group.last_compute, action=a,
+            sole=ctx.sole.get(a, frozenset()),
+        )  # fmt: skip
 
     def _free(self, ctx: _Ctx, a: Action) -> None:
         """FREE: release the group's weights and gradients, after its last use (the download
@@ -857,22 +879,36 @@ class Executor:
         after: Event,
         *,
         action: Action,
+        sole: frozenset[int] = frozenset(),
     ) -> None:
         """Queue the download of ``take()`` (device grads by id(host param)) once ``after`` is
         done, and its accumulation into the host buffers on the device's HOST worker once the
         copies have landed (an event, not a blocking sync on the copy thread: the next download
         is already on its way while this one is added up); report layers whose last
-        contribution this was."""
+        contribution this was.
+
+        ``sole``: owner layers whose whole step gradient this download carries. Their
+        per-parameter norms are computed on the D2H stream before the copies and come down with
+        them; the host hands each layer's squared norm to the store just before reporting it
+        ready, so the optimizer does not read its fp32 buffers again (runtime/grad_norm.py)."""
         d2h = device.stream(StreamRole.D2H)
         d2h.wait(after)
         params = {id(p): p for layer in layers for p in self.store.trainable_of(layer)}
         # a tied weight's buffer belongs to its owner layer, which may sit in another stage
         owners = {key: self.store.owner_layer(p) for key, p in params.items()}
         host: dict[int, torch.Tensor] = {}
+        normed: list[int] = []  # owner layer of each norm, in the norms' order
+        norms: list[torch.Tensor] = []  # the host copy of the device norms
 
         def download() -> None:
             timer = device.timer()
             grads = take()
+            # on this stream, after the compute it waited for and before the copies; one fp32
+            # per parameter comes down with them (not counted in the run's gradient bytes)
+            keys = [k for k in grads if k in params and owners[k] in sole]
+            if keys:
+                normed.extend(owners[k] for k in keys)
+                norms.append(device.to_host(device_norms([grads[k] for k in keys])))
             host.update({k: device.to_host(g) for k, g in grads.items() if k in params})
             ctx.count(sum(g.numel() * g.element_size() for g in host.values()), grads=True)
             for grad in grads.values():  # made on the compute stream, read by this copy
@@ -886,16 +922,24 @@ class Executor:
         def accumulate() -> None:
             landed.synchronize()  # blocks this HOST worker only, until the copies are done
             start = time.perf_counter()
+            mixed: set[int] = (
+                set()
+            )  # sole owners that had a contribution already: the host pass decides
             for key, grad in host.items():
                 self.sink.wait_free(owners[key], ctx.spec.step)
+                if owners[key] in sole and self.store.has_grad(params[key]):
+                    mixed.add(owners[key])  # another run of the step (RunSpec.whole_step wrong)
                 self.store.accumulate(params[key], grad)
             host.clear()
+            sq = sq_norms_by_owner(norms[0].tolist(), normed) if norms else {}
             end = time.perf_counter()
             ctx.timeline.append(
                 TimelineRecord(device.index, str(action), start - ctx.t0, end - ctx.t0, "host")
             )
             for layer in ctx.remaining.arrive(layers):
                 if ctx.spec.closes_step:
+                    if layer in sole and layer not in mixed:  # none landed: 0, as the host pass
+                        self.store.note_sq_norm(layer, ctx.spec.step, sq.get(layer, 0.0))
                     self.sink.ready(layer, ctx.spec.step)
 
         device.stream(StreamRole.HOST).submit(accumulate, label=f"{action}.acc")
