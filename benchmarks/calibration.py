@@ -202,7 +202,8 @@ def cpu_machine(
 ) -> Machine:
     """CPU virtual devices: each direction of each device one emulated link, no shared host
     link (the emulation has none), fp32 weights (4 B/param), ``overhead_ms`` per action, taken
-    in turn on one host lane (one Python process: its threads' Python work is serial)."""
+    in turn on one host lane (one Python process: its threads' Python work is serial), and the
+    devices' compute, the optimizer and that overhead all on this machine's cores."""
     gbps = pcie_gbps or NO_LINK_GBPS
     return Machine(
         name=f"{num_devices} CPU virtual devices, emulated link {pcie_gbps or 'none'} GB/s",
@@ -214,6 +215,7 @@ def cpu_machine(
         bytes_per_param=4.0,
         action_overhead_ms=overhead_ms,
         serial_overhead=True,  # the devices' worker threads share one interpreter lock
+        host_cores=float(os.cpu_count() or 1),  # devices, optimizer and overhead share them
     )
 
 

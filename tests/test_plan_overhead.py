@@ -145,3 +145,37 @@ def test_serial_overhead_takes_turns_on_one_host_lane() -> None:
     assert lanes.makespan_ms < counted * big
     assert serial.busy_ms == pytest.approx(lanes.busy_ms)  # the work itself is unchanged
     assert not any(iv.phase == "overhead" for iv in serial.intervals)
+
+
+def test_shared_host_cores_slow_what_runs_at_once() -> None:
+    """CPU virtual devices on the host's cores, each device profiled on its share of them: the
+    devices alone run at their profiled speed; the host overhead (one core) running while both
+    compute takes its core from them, so compute stretches and the iteration grows, and no
+    compute ever runs faster than profiled."""
+    plan = schedules.build(
+        "roundpipe",
+        num_iterations=2,
+        fwd_cuts=[2, 2],
+        bwd_cuts=[0, 2, 2],
+        num_devices=2,
+        num_microbatches=8,
+    )
+    own = simulate.simulate(plan, _costs(), machine=_fast(2), optimizer="async")
+    cores = dataclasses.replace(_fast(2), host_cores=2.0)
+    alone = simulate.simulate(plan, _costs(), machine=cores, optimizer="async")
+    assert alone.makespan_ms == pytest.approx(own.makespan_ms)
+    serial = dataclasses.replace(_fast(2, H), serial_overhead=True)
+    free = simulate.simulate(plan, _costs(), machine=serial, optimizer="async")
+    shared = dataclasses.replace(serial, host_cores=2.0)
+    taken = simulate.simulate(plan, _costs(), machine=shared, optimizer="async")
+    assert taken.makespan_ms > free.makespan_ms
+    profiled = {(iv.action, iv.phase): iv.end_ms - iv.start_ms for iv in own.intervals if iv.busy}
+    stretched = 0
+    for iv in taken.intervals:
+        if iv.busy:
+            span = iv.end_ms - iv.start_ms
+            assert span >= profiled[(iv.action, iv.phase)] - 1e-6
+            stretched += span > profiled[(iv.action, iv.phase)] + 1e-6
+    assert stretched > 0
+    with pytest.raises(ValueError, match="host_cores"):
+        simulate.Machine("m", host_cores=0.0)

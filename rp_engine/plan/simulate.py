@@ -28,6 +28,12 @@ the order they become ready; a compute action's once its inputs are there and th
 it on its device has finished), and the action starts when its overhead has run: Python work
 holds one interpreter lock whichever thread does it, while the kernels and copies do not.
 
+Shared cores (``Machine.host_cores``, CPU virtual devices): a device's compute, the optimizer
+and the host overhead all run on the same few cores. Each is then work in core-ms (a device's
+profiled time x its share of the cores, the pool's intra-op split; an optimizer step's time x
+all cores, as DeepSpeed's CPU Adam was timed; the overhead x one core), served like bytes on a
+link: at most its own cores, and an equal share of the host's when more want them than exist.
+
 A backward action is two phases: recompute (needs the saved input) and backward (needs the
 upstream gradient). RoundPipe starts the recompute as soon as its input exists ("early"); bound
 schedules run it after the gradient arrives, as the published conventions do. For display and
@@ -83,6 +89,9 @@ class Machine:
     devices by ``benchmarks/calibration.py``. ``serial_overhead``: those overheads run one at a
     time on one host lane, whichever stream they are for (Python work of every worker thread
     holds the one interpreter lock; the CPU virtual devices), instead of on each stream's own.
+    ``host_cores``: the devices are CPU virtual devices computing on this many host cores, which
+    the host optimizer and the host overhead use too (see the module docstring); None: devices
+    have their own compute (GPUs).
     """
 
     name: str
@@ -99,6 +108,7 @@ class Machine:
     device_order: tuple[int, ...] | None = None  # Mobius cross mapping over PCIe switches
     action_overhead_ms: float = 0.0
     serial_overhead: bool = False  # every lane's overhead on one host lane (one interpreter lock)
+    host_cores: float | None = None  # devices compute on the host's cores (CPU virtual devices)
     info: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +124,8 @@ class Machine:
             positive["p2p_gbps (p2p is on)"] = self.p2p_gbps
         if self.host_link_gbps is not None:
             positive["host_link_gbps"] = self.host_link_gbps
+        if self.host_cores is not None:
+            positive["host_cores"] = self.host_cores
         bad = {k: v for k, v in positive.items() if not v > 0}
         if bad:
             raise ValueError(f"machine {self.name!r}: these must be > 0: {bad}")
@@ -410,7 +422,15 @@ class _Builder:
             deps = list(t.deps) + ([(before[i], 0.0)] if i in before else [])
             lead = _Task(t.action, "overhead", ("host", HOST), ms=t.lead_ms, deps=deps)
             t.lead_ms = 0.0
-            t.deps.append((self._add(lead), 0.0))
+            t.deps.append((self._add(self._on_cores(lead, 1.0, ("gil", 0))), 0.0))
+
+    def _on_cores(self, task: _Task, cores: float, own: tuple[str, int]) -> _Task:
+        """With shared host cores: ``task``'s time becomes core-ms of work on ``own`` (its own
+        cores) and the host's; unchanged otherwise."""
+        if self.machine is None or self.machine.host_cores is None or task.ms <= 0:
+            return task
+        task.nbytes, task.ms, task.links = task.ms * cores, 0.0, (own, ("cores", 0))
+        return task
 
     def _add(self, task: _Task) -> int:
         self.tasks.append(task)
@@ -418,7 +438,9 @@ class _Builder:
 
     def _compute(self, a: Action, phase: str, ms: float) -> int:
         lane = ("compute", a.device)
-        return self._add(_Task(a, phase, lane, ms=ms * self.scale, busy=True))
+        task = _Task(a, phase, lane, ms=ms * self.scale, busy=True)
+        share = (self.machine.host_cores or 0.0) / self.plan.num_devices if self.machine else 0.0
+        return self._add(self._on_cores(task, share, ("devcpu", a.device)))
 
     def _fwd(self, a: Action) -> list[int]:
         return [self._compute(a, "fwd", self.st.pre_ms[a.stage])]
@@ -559,7 +581,8 @@ class _Builder:
         )
         rate = self.machine.cpu_adam_params_per_s if self.machine else math.inf
         task = _Task(a, "opt", ("cpu", HOST), ms=1e3 * params / rate, lead_ms=self.overhead)
-        return [self._add(task)]
+        cores = self.machine.host_cores if self.machine and self.machine.host_cores else 0.0
+        return [self._add(self._on_cores(task, cores, ("optcpu", 0)))]
 
     def _wire(self, a: Action) -> None:
         """Each dependency gates the phase that needs it; later phases follow the first."""
@@ -749,6 +772,11 @@ def _link_caps(machine: Machine, num_devices: int) -> dict[tuple[str, int], floa
         caps[("p2p_out", d)] = caps[("p2p_in", d)] = (machine.p2p_gbps or 1e-9) * _GB
     if machine.host_link_gbps:
         caps[("host", 0)] = machine.host_link_gbps * _GB
+    if machine.host_cores:  # core-ms per ms
+        caps[("cores", 0)] = caps[("optcpu", 0)] = machine.host_cores
+        caps[("gil", 0)] = 1.0
+        for d in range(num_devices):
+            caps[("devcpu", d)] = machine.host_cores / num_devices
     return caps
 
 
