@@ -338,6 +338,8 @@ def _calibrate(
         "action_overhead_ms": solved["overhead_ms"],
         "overhead_run": solved,
         "predicted_in_run_ms": predict(in_run)["iteration_ms"],
+        "boundary_bytes": costs.boundary_bytes,
+        "batch_bytes": costs.batch_bytes,
         "in_run_factors": factors,
         "predicted_compute_ms": pred["compute_ms_per_iteration"],
         "predicted_bubble": pred["bubble_ratio"],
