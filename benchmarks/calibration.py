@@ -157,7 +157,8 @@ def in_run_costs(
     per_slot: dict[int, list[float]] = {}
     for text, seconds in spans:
         a = parse_action(text)
-        if a.op in (Op.FWD, Op.HEAD, Op.BWD):
+        # a slot this cut does not have ran under an earlier plan (a re-plan in the window)
+        if a.op in (Op.FWD, Op.HEAD, Op.BWD) and a.stage < len(stages.pre_ms):
             per_slot.setdefault(a.stage, []).append(seconds * 1e3)
     measured = {slot: statistics.fmean(v) for slot, v in per_slot.items()}
     fwd_slots = [s for s in measured if s < num_fwd and stages.busy_ms(s) > 0]
