@@ -140,7 +140,7 @@ def in_run_costs(
     """``costs`` rescaled to the compute spans the engine itself measured during the run.
 
     ``spans`` are (action text, seconds) of the run's compute stream (FWD, HEAD and BWD
-    actions, any iterations). Isolated layer timing (``layer_costs``) runs at another moment,
+    actions as the plan writes them, "H0.1@0" and "B2.3@1" by backward stage; any iterations). Isolated layer timing (``layer_costs``) runs at another moment,
     without the run's host threads competing for the same cores, so on a shared machine it
     misjudges the level of compute; the run's own spans do not. Three factors keep the isolated
     per-layer shape and take the level from the run: ``k_f`` scales forward (and recompute)
@@ -157,9 +157,12 @@ def in_run_costs(
     per_slot: dict[int, list[float]] = {}
     for text, seconds in spans:
         a = parse_action(text)
-        # a slot this cut does not have ran under an earlier plan (a re-plan in the window)
-        if a.op in (Op.FWD, Op.HEAD, Op.BWD) and a.stage < len(stages.pre_ms):
-            per_slot.setdefault(a.stage, []).append(seconds * 1e3)
+        if a.op not in (Op.FWD, Op.HEAD, Op.BWD):
+            continue
+        # the runtime writes the plan's actions: HEAD / BWD carry the backward stage, not a slot
+        slot = a.stage if a.op is Op.FWD else num_fwd + a.stage
+        if slot < len(stages.pre_ms):  # a slot this cut lacks ran under an earlier plan
+            per_slot.setdefault(slot, []).append(seconds * 1e3)
     measured = {slot: statistics.fmean(v) for slot, v in per_slot.items()}
     fwd_slots = [s for s in measured if s < num_fwd and stages.busy_ms(s) > 0]
     bwd_slots = [s for s in measured if s > num_fwd]

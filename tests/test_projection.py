@@ -90,10 +90,11 @@ def test_in_run_costs_recover_the_run_level_of_each_kind_of_slot() -> None:
         head_bwd_ms=k_h * costs.head_bwd_ms,
     )
     st = truth.stages(fwd_cuts, bwd_cuts)
-    ops = ["F"] * 3 + ["H"] + ["B"] * 2
+    # the runtime's text: forward stages F0-F2, then the backward stages H0, B1, B2 (slots 3-5)
+    names = ["F0", "F1", "F2", "H0", "B1", "B2"]
     spans = [
-        (f"{op}{slot}.{m}@0", st.busy_ms(slot) / 1e3)
-        for slot, op in enumerate(ops)
+        (f"{name}.{m}@0", st.busy_ms(slot) / 1e3)
+        for slot, name in enumerate(names)
         for m in range(2)
     ]
     scaled, factors = calibration.in_run_costs(costs, fwd_cuts, bwd_cuts, spans)
