@@ -23,7 +23,8 @@ drift hits all alike; each process warms up, then times one window of steps sync
 its two ends. Reported: tokens/s (median over repeats), the ratio to DeepSpeed, per-step losses
 (DeepSpeed vs rp_engine sync must agree within 1e-3 relative in fp32), peak host RSS, peak device
 memory, bytes moved per step, and for every rp_engine run the simulator's predicted iteration
-time from directly timed layer costs and the link model (``benchmarks.calibration``).
+time from directly timed layer costs, the link model and the per-action host overhead measured
+on the same plan with a near-zero-compute model (``benchmarks.calibration``).
 """
 
 from __future__ import annotations
