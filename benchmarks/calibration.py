@@ -2,12 +2,25 @@
 
 ``layer_costs`` times the model's own layers directly (forward; forward + backward; the LM head
 with its loss) on one micro-batch, with the intra-op threads one CPU virtual device gets, and
-returns ``LayerCosts`` with the real parameter and boundary bytes. ``cpu_adam_rate`` measures
-DeepSpeed's CPU Adam (the kernel the engine steps with). ``predict_ms`` builds the engine's
-plan (same schedule, cuts, devices, micro-batches, round size) for a few iterations back to back
-and simulates it on a machine model of the emulated link; its steady-state iteration is the
-prediction. ``gpu_point`` is the second calibration point, from the per-layer figures measured on
-an H200 (shared/reference/gpu_measurements.md).
+returns ``LayerCosts`` with the real parameter, boundary-state and batch bytes. ``cpu_adam_rate``
+measures DeepSpeed's CPU Adam (the kernel the engine steps with). ``predict_ms`` builds the
+engine's plan (same schedule, cuts, devices, micro-batches, round size) for a few iterations back
+to back and simulates it on a machine model of the emulated link; its steady-state iteration is
+the prediction. ``gpu_point`` is the second calibration point, from the per-layer figures
+measured on an H200 (shared/reference/gpu_measurements.md).
+
+Host overhead per action (``Machine.action_overhead_ms``), measured, not fitted to the runs it
+predicts. Layer timing and the link model leave out what the runtime pays per action on the host:
+Python issue and bookkeeping, each copy handed to a stream thread, each optimizer step's call.
+``solve_overhead`` takes a *separate* measured run of the engine on the same plan (same schedule,
+cuts, devices, micro-batches, round size, optimizer mode) with a near-zero-compute model (the
+same layer count, hidden size 16) and no emulated link, where almost all of the step is this
+overhead, times that model's layers the same way, and solves for the one per-action overhead at
+which the simulator reproduces that run's step time (bisection; the simulated iteration grows
+with the overhead). The same value is then charged to every compute action, copy and optimizer
+step of the real run's prediction. ``benchmarks/head_to_head.py`` measures it in each child,
+right after the measured run, on the same machine state. It is a CPU virtual-device figure; the
+GPU presets keep 0 (no CUDA measurement of it yet).
 """
 
 from __future__ import annotations
@@ -23,7 +36,14 @@ from rp_engine.plan import schedules
 from rp_engine.plan.partition import LayerCosts
 from rp_engine.plan.simulate import Machine, simulate
 
-__all__ = ["layer_costs", "in_run_costs", "cpu_adam_rate", "predict_ms", "cpu_machine"]
+__all__ = [
+    "layer_costs",
+    "in_run_costs",
+    "cpu_adam_rate",
+    "predict_ms",
+    "cpu_machine",
+    "solve_overhead",
+]
 
 NO_LINK_GBPS = 1e6  # "no emulated link": copies are memcpy-fast next to compute
 
@@ -55,7 +75,6 @@ def _layer_costs(model: Any, mbs: int, seq: int, reps: int) -> LayerCosts:
     import torch.nn.functional as F
 
     inner = model.model
-    dtype = next(model.parameters()).dtype
     ids = torch.randint(0, model.config.vocab_size, (mbs, seq))
     pos = torch.arange(seq).unsqueeze(0)
     with torch.no_grad():
@@ -92,6 +111,12 @@ def _layer_costs(model: Any, mbs: int, seq: int, reps: int) -> LayerCosts:
     head_bytes = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
     head_bytes += sum(p.numel() * p.element_size() for p in inner.norm.parameters())
     prefix = sum(p.numel() * p.element_size() for p in inner.embed_tokens.parameters())
+    # what crosses the link per micro-batch, as the runtime's state dicts hold it: the batch
+    # (input ids and labels); a boundary state (hidden, position ids, rotary cos/sin, labels)
+    hidden_bytes = hidden.numel() * hidden.element_size()
+    batch_bytes = 2 * ids.numel() * ids.element_size()
+    state_bytes = hidden_bytes + pos.numel() * pos.element_size() + ids.numel() * ids.element_size()
+    state_bytes += sum(t.numel() * t.element_size() for t in rope)
     return LayerCosts(
         fwd_ms=tuple(fwd),
         bwd_ms=tuple(bwd),
@@ -99,7 +124,9 @@ def _layer_costs(model: Any, mbs: int, seq: int, reps: int) -> LayerCosts:
         head_fwd_ms=head_f,
         head_bwd_ms=head_b,
         head_param_bytes=head_bytes,
-        boundary_bytes=mbs * seq * model.config.hidden_size * torch.finfo(dtype).bits // 8,
+        boundary_bytes=state_bytes,
+        boundary_grad_bytes=hidden_bytes,
+        batch_bytes=batch_bytes,
         prefix_param_bytes=prefix,
     )
 
@@ -113,7 +140,7 @@ def in_run_costs(
     """``costs`` rescaled to the compute spans the engine itself measured during the run.
 
     ``spans`` are (action text, seconds) of the run's compute stream (FWD, HEAD and BWD
-    actions, any iterations). Isolated layer timing (``layer_costs``) runs at another moment,
+    actions as the plan writes them, "H0.1@0" and "B2.3@1" by backward stage; any iterations). Isolated layer timing (``layer_costs``) runs at another moment,
     without the run's host threads competing for the same cores, so on a shared machine it
     misjudges the level of compute; the run's own spans do not. Three factors keep the isolated
     per-layer shape and take the level from the run: ``k_f`` scales forward (and recompute)
@@ -130,8 +157,12 @@ def in_run_costs(
     per_slot: dict[int, list[float]] = {}
     for text, seconds in spans:
         a = parse_action(text)
-        if a.op in (Op.FWD, Op.HEAD, Op.BWD):
-            per_slot.setdefault(a.stage, []).append(seconds * 1e3)
+        if a.op not in (Op.FWD, Op.HEAD, Op.BWD):
+            continue
+        # the runtime writes the plan's actions: HEAD / BWD carry the backward stage, not a slot
+        slot = a.stage if a.op is Op.FWD else num_fwd + a.stage
+        if slot < len(stages.pre_ms):  # a slot this cut lacks ran under an earlier plan
+            per_slot.setdefault(slot, []).append(seconds * 1e3)
     measured = {slot: statistics.fmean(v) for slot, v in per_slot.items()}
     fwd_slots = [s for s in measured if s < num_fwd and stages.busy_ms(s) > 0]
     bwd_slots = [s for s in measured if s > num_fwd]
@@ -170,9 +201,13 @@ def cpu_adam_rate(num_params: int, reps: int = 3) -> float:
     return p.numel() / (ms / 1e3)
 
 
-def cpu_machine(num_devices: int, pcie_gbps: float | None, adam_rate: float) -> Machine:
+def cpu_machine(
+    num_devices: int, pcie_gbps: float | None, adam_rate: float, overhead_ms: float = 0.0
+) -> Machine:
     """CPU virtual devices: each direction of each device one emulated link, no shared host
-    link (the emulation has none), fp32 weights (4 B/param)."""
+    link (the emulation has none), fp32 weights (4 B/param), ``overhead_ms`` per action, taken
+    in turn on one host lane (one Python process: its threads' Python work is serial), and the
+    devices' compute, the optimizer and that overhead all on this machine's cores."""
     gbps = pcie_gbps or NO_LINK_GBPS
     return Machine(
         name=f"{num_devices} CPU virtual devices, emulated link {pcie_gbps or 'none'} GB/s",
@@ -182,6 +217,9 @@ def cpu_machine(num_devices: int, pcie_gbps: float | None, adam_rate: float) -> 
         host_link_gbps=None,
         cpu_adam_params_per_s=adam_rate,
         bytes_per_param=4.0,
+        action_overhead_ms=overhead_ms,
+        serial_overhead=True,  # the devices' worker threads share one interpreter lock
+        host_cores=float(os.cpu_count() or 1),  # devices, optimizer and overhead share them
     )
 
 
@@ -218,6 +256,34 @@ def predict_ms(
         "bytes_moved_per_iteration": {k: v / iterations for k, v in result.bytes_moved.items()},
         "result": result,
     }
+
+
+def solve_overhead(
+    costs: LayerCosts, machine: Machine, measured_ms: float, *, tol_ms: float = 0.01, **plan: Any
+) -> dict[str, float]:
+    """The per-action overhead (ms) at which ``predict_ms(costs, machine, **plan)`` equals
+    ``measured_ms`` (see the module docstring: ``costs`` and ``measured_ms`` come from the
+    near-zero-compute run on the same plan). 0 when the simulator already reaches the measured
+    time without any. Returns the overhead, the simulated iteration without it and the measured
+    time."""
+
+    def at(h: float) -> float:
+        return float(
+            predict_ms(costs, dataclasses.replace(machine, action_overhead_ms=h), **plan)[
+                "iteration_ms"
+            ]
+        )
+
+    base = at(0.0)
+    lo, hi = 0.0, max(measured_ms, 1e-3)
+    if base >= measured_ms:
+        hi = 0.0
+    while at(hi) < measured_ms:  # the simulator's iteration need not grow 1:1 with h
+        lo, hi = hi, 2 * hi
+    while hi - lo > tol_ms / 10:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid) < measured_ms else (lo, mid)
+    return {"overhead_ms": hi, "simulated_no_overhead_ms": base, "measured_ms": measured_ms}
 
 
 def default_threads(num_devices: int) -> int:

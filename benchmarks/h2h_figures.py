@@ -64,6 +64,7 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
     nbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in inner.layers]
     head = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
     prefix_b = sum(p.numel() * p.element_size() for p in inner.embed_tokens.parameters())
+    hidden = preset["mbs"] * preset["seq"] * preset["hidden_size"] * 4
     out = []
     for name, row in result["systems"].items():
         c = row.get("calibration")
@@ -76,11 +77,16 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
             head_fwd_ms=c["head_ms"][0],
             head_bwd_ms=c["head_ms"][1],
             head_param_bytes=head,
-            boundary_bytes=preset["mbs"] * preset["seq"] * preset["hidden_size"] * 4,
+            boundary_bytes=c.get("boundary_bytes", hidden),
+            boundary_grad_bytes=hidden,
+            batch_bytes=c.get("batch_bytes", 0),
             prefix_param_bytes=prefix_b,
         )
         machine = cal.cpu_machine(
-            row["num_devices"], result["config"]["pcie_gbps"], c["cpu_adam_params_per_s"]
+            row["num_devices"],
+            result["config"]["pcie_gbps"],
+            c["cpu_adam_params_per_s"],
+            c.get("action_overhead_ms", 0.0),
         )
         pred = cal.predict_ms(
             costs,

@@ -23,7 +23,8 @@ drift hits all alike; each process warms up, then times one window of steps sync
 its two ends. Reported: tokens/s (median over repeats), the ratio to DeepSpeed, per-step losses
 (DeepSpeed vs rp_engine sync must agree within 1e-3 relative in fp32), peak host RSS, peak device
 memory, bytes moved per step, and for every rp_engine run the simulator's predicted iteration
-time from directly timed layer costs and the link model (``benchmarks.calibration``).
+time from directly timed layer costs, the link model and the per-action host overhead measured
+on the same plan with a near-zero-compute model (``benchmarks.calibration``).
 """
 
 from __future__ import annotations
@@ -300,11 +301,13 @@ def _calibrate(
     async_optimizer: bool,
     window: list[tuple[str, float]],
 ) -> dict[str, Any]:
-    """Predict this run's iteration with the link model from directly timed layers, and, as a
-    diagnostic, from the same layer shape rescaled to the compute spans the run measured
-    (``calibration.in_run_costs``). On CPU virtual devices the in-run spans include the time a
-    device thread waits for a core or the GIL while other threads work, so they overstate
-    compute; the isolated timing is the calibration figure (benchmarks/RESULTS.md)."""
+    """Predict this run's iteration with the link model from directly timed layers and the
+    per-action host overhead measured on the same plan with a near-zero-compute model
+    (``_overhead_run``, ``calibration.solve_overhead``), and, as a diagnostic, from the same
+    layer shape rescaled to the compute spans the run measured (``calibration.in_run_costs``).
+    On CPU virtual devices the in-run spans include the time a device thread waits for a core or
+    the GIL while other threads work, so they overstate compute; the isolated timing is the
+    calibration figure (benchmarks/RESULTS.md)."""
     from benchmarks import calibration as cal
 
     engine.synchronize()
@@ -312,25 +315,32 @@ def _calibrate(
     n = plan.num_devices
     costs = cal.layer_costs(model, preset["mbs"], preset["seq"], threads=cal.default_threads(n))
     rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
-    machine = cal.cpu_machine(n, args.pcie_gbps, rate)
+    shape = {
+        "schedule": plan.schedule,
+        "fwd_cuts": plan.fwd_cuts,
+        "bwd_cuts": plan.bwd_cuts,
+        "num_microbatches": plan.num_microbatches,
+        "round_size": plan.round_size,
+        "async_optimizer": async_optimizer,
+    }
+    tiny_costs, tiny_rate, tiny_ms = _overhead_run(preset, shape, n)
+    solved = cal.solve_overhead(tiny_costs, cal.cpu_machine(n, None, tiny_rate), tiny_ms, **shape)
+    machine = cal.cpu_machine(n, args.pcie_gbps, rate, solved["overhead_ms"])
 
-    def predict(c: Any) -> dict[str, Any]:
-        return cal.predict_ms(
-            c,
-            machine,
-            schedule=plan.schedule,
-            fwd_cuts=plan.fwd_cuts,
-            bwd_cuts=plan.bwd_cuts,
-            num_microbatches=plan.num_microbatches,
-            round_size=plan.round_size,
-            async_optimizer=async_optimizer,
-        )
+    def predict(c: Any, m: Any = machine) -> dict[str, Any]:
+        return cal.predict_ms(c, m, **shape)
 
     pred = predict(costs)
+    bare = predict(costs, cal.cpu_machine(n, args.pcie_gbps, rate))
     in_run, factors = cal.in_run_costs(costs, plan.fwd_cuts, plan.bwd_cuts, window)
     return {
         "predicted_ms": pred["iteration_ms"],
+        "predicted_no_overhead_ms": bare["iteration_ms"],
+        "action_overhead_ms": solved["overhead_ms"],
+        "overhead_run": solved,
         "predicted_in_run_ms": predict(in_run)["iteration_ms"],
+        "boundary_bytes": costs.boundary_bytes,
+        "batch_bytes": costs.batch_bytes,
         "in_run_factors": factors,
         "predicted_compute_ms": pred["compute_ms_per_iteration"],
         "predicted_bubble": pred["bubble_ratio"],
@@ -341,6 +351,54 @@ def _calibrate(
         "cpu_adam_params_per_s": rate,
         "machine": machine.name,
     }
+
+
+OVERHEAD_SHAPE = {  # the near-zero-compute model of the overhead run: the layers, no FLOPs
+    "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 64,
+}  # fmt: skip
+
+
+def _overhead_run(
+    preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int = 2, steps: int = 6
+) -> tuple[Any, float, float]:
+    """The engine on the same plan (``shape``: schedule, cuts, round size, optimizer mode;
+    same devices, micro-batches, tokens, layer count) with a near-zero-compute model and no
+    emulated link: returns that model's isolated layer costs, its CPU Adam rate and the
+    measured ms per step (timed between two synchronisations, as the real run)."""
+    import rp_engine
+    from benchmarks import calibration as cal
+
+    tiny = {**preset, **OVERHEAD_SHAPE}
+    cfg = ds_config(tiny, devices=f"cpu:{num_devices}", pcie_gbps=None)
+    cfg["roundpipe"].update(
+        async_optimizer=shape["async_optimizer"],
+        schedule=shape["schedule"],
+        round_size=shape["round_size"],
+    )
+    if shape["schedule"] != "mobius":  # Mobius binds its blocks itself (the same cuts)
+        cfg["roundpipe"].update(fwd_cuts=list(shape["fwd_cuts"]), bwd_cuts=list(shape["bwd_cuts"]))
+    model = build_model(tiny)
+    engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+    try:
+        it = iter(batches(tiny, (warmup + steps) * tiny["gas"]))
+        for _ in range(warmup):
+            engine.train_batch(it)
+        engine.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.train_batch(it)
+        engine.synchronize()
+        ms = (time.perf_counter() - start) / steps * 1e3
+        ran = (tuple(engine.planner.fwd_cuts), tuple(engine.planner.bwd_cuts))
+    finally:
+        engine.destroy()
+    if ran != (tuple(shape["fwd_cuts"]), tuple(shape["bwd_cuts"])):
+        raise RuntimeError(f"overhead run planned {ran}, not the measured run's cuts")
+    costs = cal.layer_costs(
+        model, tiny["mbs"], tiny["seq"], threads=cal.default_threads(num_devices)
+    )
+    return costs, cal.cpu_adam_rate(sum(p.numel() for p in model.parameters())), ms
 
 
 _SETUP = {

@@ -38,6 +38,9 @@ def test_head_to_head_reduced_run_reports_all_five_systems(tmp_path: Path) -> No
     for name in ("roundpipe", "roundpipe_sync", "mobius"):
         row = result["systems"][name]
         assert row["bytes_per_step"] > 0 and row["calibration"]["predicted_ms"] > 0
+        cal = row["calibration"]  # the overhead is measured on the same plan, and charged
+        assert cal["action_overhead_ms"] >= 0
+        assert cal["predicted_no_overhead_ms"] > 0
     assert result["systems"]["deepspeed"]["bytes_modelled"] is True
     assert "| mobius |" in proc.stdout and "vs DeepSpeed" in proc.stdout
 

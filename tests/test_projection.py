@@ -90,13 +90,34 @@ def test_in_run_costs_recover_the_run_level_of_each_kind_of_slot() -> None:
         head_bwd_ms=k_h * costs.head_bwd_ms,
     )
     st = truth.stages(fwd_cuts, bwd_cuts)
-    ops = ["F"] * 3 + ["H"] + ["B"] * 2
+    # the runtime's text: forward stages F0-F2, then the backward stages H0, B1, B2 (slots 3-5)
+    names = ["F0", "F1", "F2", "H0", "B1", "B2"]
     spans = [
-        (f"{op}{slot}.{m}@0", st.busy_ms(slot) / 1e3)
-        for slot, op in enumerate(ops)
+        (f"{name}.{m}@0", st.busy_ms(slot) / 1e3)
+        for slot, name in enumerate(names)
         for m in range(2)
     ]
     scaled, factors = calibration.in_run_costs(costs, fwd_cuts, bwd_cuts, spans)
     assert factors == pytest.approx({"k_f": k_f, "k_b": k_b, "k_h": k_h})
     again = scaled.stages(fwd_cuts, bwd_cuts)
     assert [again.busy_ms(s) for s in range(6)] == pytest.approx([st.busy_ms(s) for s in range(6)])
+
+
+def test_solve_overhead_recovers_a_known_overhead() -> None:
+    """The overhead measurement's inverse: an iteration simulated with 0.7 ms per action gives
+    back 0.7 ms; one the simulator reaches without any overhead gives 0."""
+    costs = LayerCosts.uniform(
+        4, fwd_ms=0.2, bwd_ms=0.4, param_bytes=4_000, boundary_bytes=1_000, batch_bytes=100
+    )
+    machine = calibration.cpu_machine(2, None, 1e9)
+    shape = dict(
+        schedule="roundpipe", fwd_cuts=(2, 2), bwd_cuts=(0, 2, 2), num_microbatches=4,
+        round_size=4, async_optimizer=False,
+    )  # fmt: skip
+    known = dataclasses.replace(machine, action_overhead_ms=0.7)
+    measured = calibration.predict_ms(costs, known, **shape)["iteration_ms"]
+    solved = calibration.solve_overhead(costs, machine, measured, **shape)
+    assert solved["overhead_ms"] == pytest.approx(0.7, abs=0.01)
+    assert solved["simulated_no_overhead_ms"] < measured
+    fast = calibration.solve_overhead(costs, machine, solved["simulated_no_overhead_ms"], **shape)
+    assert fast["overhead_ms"] == 0.0

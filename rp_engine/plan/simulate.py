@@ -13,6 +13,27 @@ serve transfers in the order they become ready; concurrent transfers share link 
 host runs optimizer steps one at a time. Without a machine (the simulation conventions of the
 published bubble table) only compute takes time and every cross-device edge adds ``comm_ms``.
 
+Activations of an offloaded plan move as the runtime moves them (plan/traffic.py): besides the
+SENDs of cross-device edges, a backward stage's input is stashed on the host after its forward
+(D2H on the producer's device) and uploaded again for its recompute (H2D), even on the same
+device; the micro-batch itself is uploaded for forward stage 0 and the recompute of layer 0.
+
+Host overhead (``Machine.action_overhead_ms``, default 0): each action occupies the lane that
+runs it for that long before its work starts - a compute action its device's compute stream,
+each copy (each half of a send through the host) its copy stream, an optimizer step the host's
+CPU lane. It stands for what the runtime pays per action that no layer timing or link model
+contains (Python issue and bookkeeping, thread hand-offs); it is not compute busy time. With
+``Machine.serial_overhead`` the overheads of all lanes instead take turns on one host lane (in
+the order they become ready; a compute action's once its inputs are there and the action before
+it on its device has finished), and the action starts when its overhead has run: Python work
+holds one interpreter lock whichever thread does it, while the kernels and copies do not.
+
+Shared cores (``Machine.host_cores``, CPU virtual devices): a device's compute, the optimizer
+and the host overhead all run on the same few cores. Each is then work in core-ms (a device's
+profiled time x its share of the cores, the pool's intra-op split; an optimizer step's time x
+all cores, as DeepSpeed's CPU Adam was timed; the overhead x one core), served like bytes on a
+link: at most its own cores, and an equal share of the host's when more want them than exist.
+
 A backward action is two phases: recompute (needs the saved input) and backward (needs the
 upstream gradient). RoundPipe starts the recompute as soon as its input exists ("early"); bound
 schedules run it after the gradient arrives, as the published conventions do. For display and
@@ -63,6 +84,14 @@ class Machine:
     PCIe root); None = no shared limit. ``compute_scale`` multiplies the profiled compute times
     (e.g. 0.53 to run RTX 4090 measurements on an A800). ``p2p`` sends activations device to
     device at ``p2p_gbps``; without it they go through host memory (D2H, then H2D).
+    ``action_overhead_ms``: host time each action holds its lane before its work (see the module
+    docstring); 0 in the GPU presets (not measured on CUDA), measured per run on CPU virtual
+    devices by ``benchmarks/calibration.py``. ``serial_overhead``: those overheads run one at a
+    time on one host lane, whichever stream they are for (Python work of every worker thread
+    holds the one interpreter lock; the CPU virtual devices), instead of on each stream's own.
+    ``host_cores``: the devices are CPU virtual devices computing on this many host cores, which
+    the host optimizer and the host overhead use too (see the module docstring); None: devices
+    have their own compute (GPUs).
     """
 
     name: str
@@ -77,6 +106,9 @@ class Machine:
     bytes_per_param: float = 2.0  # uploaded weights are bf16
     compute_scale: float = 1.0
     device_order: tuple[int, ...] | None = None  # Mobius cross mapping over PCIe switches
+    action_overhead_ms: float = 0.0
+    serial_overhead: bool = False  # every lane's overhead on one host lane (one interpreter lock)
+    host_cores: float | None = None  # devices compute on the host's cores (CPU virtual devices)
     info: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -92,9 +124,16 @@ class Machine:
             positive["p2p_gbps (p2p is on)"] = self.p2p_gbps
         if self.host_link_gbps is not None:
             positive["host_link_gbps"] = self.host_link_gbps
+        if self.host_cores is not None:
+            positive["host_cores"] = self.host_cores
         bad = {k: v for k, v in positive.items() if not v > 0}
         if bad:
             raise ValueError(f"machine {self.name!r}: these must be > 0: {bad}")
+        if not self.action_overhead_ms >= 0:
+            raise ValueError(
+                f"machine {self.name!r}: action_overhead_ms must be >= 0, got "
+                f"{self.action_overhead_ms}"
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Machine:
@@ -313,6 +352,7 @@ class _Task:
     links: tuple[tuple[str, int], ...] = ()
     busy: bool = False
     kind: str = ""  # bytes_moved category
+    lead_ms: float = 0.0  # host overhead: the lane is held this long before the work starts
     deps: list[tuple[int, float]] = field(default_factory=list)
     start: float = math.nan
     end: float = math.nan
@@ -327,12 +367,14 @@ class _Builder:
         self.plan, self.machine, self.comm, self.early = plan, machine, comm_ms, early
         self.st: StageCosts = costs.stages(plan.fwd_cuts, plan.bwd_cuts, fused_head=plan.fused_head)
         self.scale = machine.compute_scale if machine else 1.0
+        self.overhead = machine.action_overhead_ms if machine else 0.0
         self.tasks: list[_Task] = []
         self.first: dict[Action, int] = {}
         self.last: dict[Action, int] = {}
         self.compute_src = {
             (plan.slot(a), a.microbatch, a.iteration): a for a in plan.actions if a.is_compute
         }
+        self.batch_bytes = costs.batch_bytes
         self.handlers = {
             Op.FWD: self._fwd,
             Op.HEAD: self._head,
@@ -343,14 +385,52 @@ class _Builder:
             Op.SEND: self._send,
             Op.OPT: self._opt,
         }
+        # the runtime's host-resident activation inputs (plan/traffic.py), offloaded plans only
+        self.host_inputs = machine is not None and plan.offloaded
+        rows = {d: [a for a in plan.per_device(d) if a.is_compute] for d in range(plan.num_devices)}
+        self.rows, self.pos = rows, {a: i for row in rows.values() for i, a in enumerate(row)}
+        self.extra: dict[Action, list[int]] = defaultdict(list)  # copies gating a's first phase
+        self.replaced: dict[Action, set[Action]] = defaultdict(set)  # plan deps they stand for
+        self.idle_sends = self._idle_sends() if self.host_inputs else frozenset()
 
     def build(self) -> list[_Task]:
         for a in self.plan.actions:
+            if self.host_inputs and a.is_compute:
+                self._host_inputs(a)
             ids = self.handlers[a.op](a)
+            if a.is_compute:  # the action's issue and bookkeeping hold its compute stream
+                self.tasks[ids[0]].lead_ms = self.overhead
             self.first[a], self.last[a] = ids[0], ids[-1]
         for a in self.plan.actions:
             self._wire(a)
+        if self.machine is not None and self.machine.serial_overhead and self.overhead:
+            self._serialise_overhead()
         return self.tasks
+
+    def _serialise_overhead(self) -> None:
+        """Move every lead onto one host lane: a task of its own that waits for what its action
+        waits for (and, for compute, the action before it on the device), which the action's
+        work then waits for."""
+        before: dict[int, int] = {}  # first task of a compute action -> last task of the prior
+        for row in self.rows.values():
+            for prev, nxt in zip(row, row[1:], strict=False):
+                before[self.first[nxt]] = self.last[prev]
+        for i in range(len(self.tasks)):
+            t = self.tasks[i]
+            if t.lead_ms <= 0:
+                continue
+            deps = list(t.deps) + ([(before[i], 0.0)] if i in before else [])
+            lead = _Task(t.action, "overhead", ("host", HOST), ms=t.lead_ms, deps=deps)
+            t.lead_ms = 0.0
+            t.deps.append((self._add(self._on_cores(lead, 1.0, ("gil", 0))), 0.0))
+
+    def _on_cores(self, task: _Task, cores: float, own: tuple[str, int]) -> _Task:
+        """With shared host cores: ``task``'s time becomes core-ms of work on ``own`` (its own
+        cores) and the host's; unchanged otherwise."""
+        if self.machine is None or self.machine.host_cores is None or task.ms <= 0:
+            return task
+        task.nbytes, task.ms, task.links = task.ms * cores, 0.0, (own, ("cores", 0))
+        return task
 
     def _add(self, task: _Task) -> int:
         self.tasks.append(task)
@@ -358,7 +438,9 @@ class _Builder:
 
     def _compute(self, a: Action, phase: str, ms: float) -> int:
         lane = ("compute", a.device)
-        return self._add(_Task(a, phase, lane, ms=ms * self.scale, busy=True))
+        task = _Task(a, phase, lane, ms=ms * self.scale, busy=True)
+        share = (self.machine.host_cores or 0.0) / self.plan.num_devices if self.machine else 0.0
+        return self._add(self._on_cores(task, share, ("devcpu", a.device)))
 
     def _fwd(self, a: Action) -> list[int]:
         return [self._compute(a, "fwd", self.st.pre_ms[a.stage])]
@@ -387,7 +469,69 @@ class _Builder:
         if self.machine is None:  # conventions: transfers are free
             return self._add(_Task(a, phase, None, kind=kind, nbytes=nbytes))
         host = (("host", 0),) if self.machine.host_link_gbps else ()
-        return self._add(_Task(a, phase, lane, nbytes=nbytes, links=links + host, kind=kind))
+        task = _Task(a, phase, lane, nbytes=nbytes, links=links + host, kind=kind)
+        task.lead_ms = self.overhead  # each copy is handed to its stream's thread
+        return self._add(task)
+
+    def _stashed(self, consumer: Action, dep: Action) -> bool:
+        """``dep`` carries the saved input of a backward stage, which the runtime takes from the
+        host (stashed after the forward), never from the producer's device."""
+        return (
+            consumer.op is Op.BWD
+            and consumer.stage >= 1
+            and dep.op in (Op.FWD, Op.SEND)
+            and not self.plan.is_grad_edge(consumer, dep)
+        )
+
+    def _idle_sends(self) -> frozenset[Action]:
+        """SENDs whose every consumer takes that input from the host instead: never made."""
+        sends: set[Action] = set()
+        used: set[Action] = set()
+        for c in self.plan.actions:
+            for dep in self.plan.deps[c] if c.is_compute else ():
+                if dep.op is Op.SEND:
+                    sends.add(dep)
+                    if not self._stashed(c, dep):
+                        used.add(dep)
+        return frozenset(sends - used)
+
+    def _host_inputs(self, a: Action) -> None:
+        """The copies of ``a``'s host-resident input (plan/traffic.py): the micro-batch (forward
+        stage 0; the backward stage recomputing from layer 0, which holds the prefix), else a
+        backward stage's saved input, downloaded from its producer's device after the forward
+        and uploaded again here. The upload waits, as the runtime's does, until the compute
+        action two before ``a`` on its device has finished."""
+        plan, boundary = self.plan, self.st.boundary_bytes
+        h2d = ("h2d", a.device)
+        if a.op is Op.FWD and a.stage == 0:
+            up = self._copy(a, "batch", ("h2d_act", a.device), self.batch_bytes, (h2d,), "act_h2d")
+        elif a.op is Op.BWD and a.stage >= 1:
+            inputs = [d for d in plan.deps[a] if self._stashed(a, d)]
+            if not inputs:
+                return
+            self.replaced[a].update(inputs)
+            if plan.slot_layers(plan.slot(a)).start == 0:
+                up = self._copy(
+                    a, "batch", ("h2d_act", a.device), self.batch_bytes, (h2d,), "act_h2d"
+                )
+            else:
+                dep = inputs[0]
+                src = (
+                    dep
+                    if dep.op is Op.FWD
+                    else self.compute_src[(dep.stage, dep.microbatch, dep.iteration)]
+                )
+                d2h = ("d2h", src.device)
+                down = self._copy(a, "stash", d2h, boundary, (d2h,), "act_d2h")
+                self.tasks[down].deps.append((self.last[src], 0.0))
+                up = self._copy(a, "unstash", ("h2d_act", a.device), boundary, (h2d,), "act_h2d")
+                self.tasks[up].deps.append((down, 0.0))
+        else:
+            return
+        pos = self.pos[a]
+        if pos >= 2:
+            self.tasks[up].deps.append((self.last[self.rows[a.device][pos - 2]], 0.0))
+        self.extra[a].append(up)
 
     def _upload(self, a: Action) -> list[int]:
         nbytes = self.st.param_bytes[a.stage]
@@ -407,6 +551,8 @@ class _Builder:
         return [self._add(_Task(a, "free", None))]
 
     def _send(self, a: Action) -> list[int]:
+        if a in self.idle_sends:
+            return [self._add(_Task(a, "send", None))]
         src = self.compute_src[(a.stage, a.microbatch, a.iteration)].device
         nbytes, dst = self.st.boundary_bytes, a.device
         if self.machine is None:
@@ -434,12 +580,18 @@ class _Builder:
             self.machine.bytes_per_param if self.machine else 2.0
         )
         rate = self.machine.cpu_adam_params_per_s if self.machine else math.inf
-        return [self._add(_Task(a, "opt", ("cpu", HOST), ms=1e3 * params / rate))]
+        task = _Task(a, "opt", ("cpu", HOST), ms=1e3 * params / rate, lead_ms=self.overhead)
+        cores = self.machine.host_cores if self.machine and self.machine.host_cores else 0.0
+        return [self._add(self._on_cores(task, cores, ("optcpu", 0)))]
 
     def _wire(self, a: Action) -> None:
         """Each dependency gates the phase that needs it; later phases follow the first."""
         first, last = self.first[a], self.last[a]
+        replaced = self.replaced.get(a, ())
+        self.tasks[first].deps.extend((i, 0.0) for i in self.extra.get(a, ()))
         for dep in self.plan.deps[a]:
+            if dep in replaced:
+                continue
             cross = dep.is_compute and a.is_compute and dep.device != a.device
             delay = self.comm if self.machine is None and cross else 0.0
             target = last if self._gates_last_phase(a, dep) else first
@@ -479,7 +631,7 @@ class _Engine:
         self.cursor = dict.fromkeys(self.strict, 0)
         self.queues: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)
         self.running: dict[tuple[str, int], int | None] = {}
-        self.timers: list[tuple[float, int, int]] = []  # (time, 0=end 1=wake, task)
+        self.timers: list[tuple[float, int, int]] = []  # (time, 0=end 1=wake 2=bytes, task)
         self.copies: dict[int, float] = {}  # task -> bytes remaining
         self.rates: dict[int, float] = {}
         self.dirty: set[tuple[str, int]] = set(self.strict)
@@ -504,6 +656,8 @@ class _Engine:
                 _, kind, i = heapq.heappop(self.timers)
                 if kind == 0:
                     self._finish(i, now)
+                elif kind == 2:
+                    self._begin_copy(i)
                 elif (lane := self.tasks[i].lane) is not None:
                     self.dirty.add(lane)
 
@@ -544,14 +698,20 @@ class _Engine:
 
     def _start(self, i: int, now: float, lane: tuple[str, int]) -> None:
         t = self.tasks[i]
-        t.start = now
+        t.start = now + t.lead_ms  # the lane is held from now; the work starts after the lead
         self.running[lane] = i
         if t.nbytes > 0 and t.links:
-            self._progress(0.0)
-            self.copies[i] = float(t.nbytes)
-            self._rebalance()
+            if t.lead_ms > 0:
+                heapq.heappush(self.timers, (t.start, 2, i))
+            else:
+                self._begin_copy(i)
         else:
-            heapq.heappush(self.timers, (now + t.ms, 0, i))
+            heapq.heappush(self.timers, (t.start + t.ms, 0, i))
+
+    def _begin_copy(self, i: int) -> None:
+        self._progress(0.0)
+        self.copies[i] = float(self.tasks[i].nbytes)
+        self._rebalance()
 
     def _progress(self, dt: float) -> None:
         for i in self.copies:
@@ -568,7 +728,13 @@ class _Engine:
         }
 
     def _finish_copies(self, now: float) -> None:
-        finished = [i for i, r in self.copies.items() if r <= 1e-6 * max(1.0, self.tasks[i].nbytes)]
+        # done: within rounding of its size, or less than _TOL ms of bytes left (on a very fast
+        # link the float clock cannot advance by what is left, and the loop would never end)
+        finished = [
+            i
+            for i, r in self.copies.items()
+            if r <= 1e-6 * max(1.0, self.tasks[i].nbytes) or r <= self.rates[i] * _TOL
+        ]
         for i in finished:
             del self.copies[i]
         if finished:
@@ -606,6 +772,11 @@ def _link_caps(machine: Machine, num_devices: int) -> dict[tuple[str, int], floa
         caps[("p2p_out", d)] = caps[("p2p_in", d)] = (machine.p2p_gbps or 1e-9) * _GB
     if machine.host_link_gbps:
         caps[("host", 0)] = machine.host_link_gbps * _GB
+    if machine.host_cores:  # core-ms per ms
+        caps[("cores", 0)] = caps[("optcpu", 0)] = machine.host_cores
+        caps[("gil", 0)] = 1.0
+        for d in range(num_devices):
+            caps[("devcpu", d)] = machine.host_cores / num_devices
     return caps
 
 
@@ -694,7 +865,7 @@ def _result(plan: Plan, tasks: list[_Task], builder: _Builder) -> SimResult:
             t.busy,
         )
         for t in tasks
-        if t.lane is not None and t.end > t.start
+        if t.lane is not None and t.end > t.start and t.phase != "overhead"
     )
     busy = [iv for iv in intervals if iv.busy]
     makespan = max((t.end for t in tasks), default=0.0)
