@@ -107,7 +107,10 @@ def _batches(n: int, seed: int = 300) -> list[dict[str, torch.Tensor]]:
 def _train(
     model: torch.nn.Module, cfg: dict, batches: list, *, imperative: bool = False, gas: int = GAS
 ) -> tuple[list[float], list[float | None]]:
-    """(losses, global grad norms) per step; ``model`` holds the final weights."""
+    """(losses, global grad norms) per step; ``model`` holds the final weights. Drained unless
+    the config asks for overlap (under overlap a step's norm is known one call later)."""
+    rp = cfg.setdefault("roundpipe", {})
+    rp.setdefault("overlap_iterations", rp.get("on_nonfinite") == "ignore")
     engine = engine_for(model, cfg)
     losses, norms = [], []
     try:
