@@ -132,7 +132,8 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
         # overlap applies boundaries in flight (engine_boundary.py); async overlap wants two
         # weight versions at once, when host memory allows. Data parallel: collectives assume
-        # one open step; the step journal's undo likewise (an explicit "on" wins over overlap)
+        # one open step; the step journal's undo likewise: it goes at the first overlapped
+        # train_batch (the imperative loop keeps it); an explicit "on" wins over overlap
         in_flight = boundary_in_flight_ok(
             self.lr_scheduler, can_skip=cfg.fp16.enabled or self._guard.active
         )
@@ -140,7 +141,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             rp.overlap_iterations and in_flight and self.stepper.dp is None
             and rp.step_journal != "on"
         )  # fmt: skip
-        if self._overlap or self.stepper.dp is not None:
+        if self.stepper.dp is not None:
             self.stepper.journal = None
         if self._overlap and self.stepper.async_mode:
             self.store.double_buffer_weights()

@@ -353,13 +353,44 @@ def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(
 
 def test_the_journal_gives_way_to_overlap_unless_asked_for() -> None:
     """Overlapping iterations keep two steps open, which the journal's undo does not cover: with
-    the default the journal is off while iterations overlap; an explicit "on" keeps the journal
-    and turns the overlap off instead."""
-    default = _engine(async_optimizer=True, on_nonfinite="ignore", step_journal="if_memory_allows")
-    forced = _engine(async_optimizer=True, on_nonfinite="ignore", step_journal="on")
+    the default the journal goes at the first overlapped train_batch (the imperative loop keeps
+    it); an explicit "on" keeps the journal and turns the overlap off instead."""
+    default = _engine(async_optimizer=True, step_journal="if_memory_allows")
+    forced = _engine(async_optimizer=True, step_journal="on")
     try:
-        assert default._overlap and default.stepper.journal is None
+        assert default._overlap and default.stepper.journal is not None
         assert not forced._overlap and forced.stepper.journal is not None
+        assert default.planner.profile_left == 0  # fixed cuts: no drained profiling calls
+        default.train_batch(iter(_batches(GAS)))
+        assert default._inflight is not None and default.stepper.journal is None
     finally:
         default.destroy()
         forced.destroy()
+
+
+def test_the_imperative_loop_keeps_the_default_journal() -> None:
+    """The default config overlaps train_batch, but an imperative loop never has two steps open:
+    its failed step is still undone (HF Trainer's loop)."""
+    engine = _engine(async_optimizer=False, step_journal="if_memory_allows")
+    batches = _batches(3 * GAS)
+    try:
+        assert engine._overlap
+
+        def step_of(start: int) -> None:
+            for b in batches[start : start + GAS]:
+                engine.backward(engine(**b))
+                engine.step()
+
+        step_of(0)
+        before = _snapshot(engine)
+        fault = _fail_half_way(engine)
+        with pytest.raises(RuntimeError, match=rf"layer {fault['layer']} .*undone"):
+            step_of(GAS)
+        _assert_same(before, _snapshot(engine))
+        engine.optimizer.step_params = fault["real"]
+        step_of(2 * GAS)  # training goes on from the previous step's weights
+        engine.synchronize()
+        after = _snapshot(engine)
+        assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("master"))
+    finally:
+        engine.destroy()
