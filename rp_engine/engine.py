@@ -134,12 +134,11 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # weight versions at once, when host memory allows. Data parallel: collectives assume
         # one open step; the step journal's undo likewise: it goes at the first overlapped
         # train_batch (the imperative loop keeps it); an explicit "on" wins over overlap
-        in_flight = boundary_in_flight_ok(
-            self.lr_scheduler, can_skip=cfg.fp16.enabled or self._guard.active
-        )
+        can_skip = cfg.fp16.enabled or self._guard.active  # a step may close skipped, late
+        in_flight = boundary_in_flight_ok(self.lr_scheduler, can_skip=can_skip)
+        wanted = rp.overlap_iterations if rp.overlap_iterations is not None else not can_skip
         self._overlap = (
-            rp.overlap_iterations and in_flight and self.stepper.dp is None
-            and rp.step_journal != "on"
+            wanted and in_flight and self.stepper.dp is None and rp.step_journal != "on"
         )  # fmt: skip
         if self.stepper.dp is not None:
             self.stepper.journal = None

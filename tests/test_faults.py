@@ -355,8 +355,10 @@ def test_the_journal_gives_way_to_overlap_unless_asked_for() -> None:
     """Overlapping iterations keep two steps open, which the journal's undo does not cover: with
     the default the journal goes at the first overlapped train_batch (the imperative loop keeps
     it); an explicit "on" keeps the journal and turns the overlap off instead."""
-    default = _engine(async_optimizer=True, step_journal="if_memory_allows")
-    forced = _engine(async_optimizer=True, step_journal="on")
+    default = _engine(
+        async_optimizer=True, step_journal="if_memory_allows", overlap_iterations=True
+    )
+    forced = _engine(async_optimizer=True, step_journal="on", overlap_iterations=True)
     try:
         assert default._overlap and default.stepper.journal is not None
         assert not forced._overlap and forced.stepper.journal is not None
@@ -369,9 +371,11 @@ def test_the_journal_gives_way_to_overlap_unless_asked_for() -> None:
 
 
 def test_the_imperative_loop_keeps_the_default_journal() -> None:
-    """The default config overlaps train_batch, but an imperative loop never has two steps open:
-    its failed step is still undone (HF Trainer's loop)."""
-    engine = _engine(async_optimizer=False, step_journal="if_memory_allows")
+    """An engine that overlaps train_batch keeps the default journal for an imperative loop,
+    which never has two steps open: its failed step is still undone (HF Trainer's loop)."""
+    engine = _engine(
+        async_optimizer=False, step_journal="if_memory_allows", overlap_iterations=True
+    )
     batches = _batches(3 * GAS)
     try:
         assert engine._overlap

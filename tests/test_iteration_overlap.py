@@ -104,10 +104,19 @@ def test_overlap_is_on_unless_a_late_skip_could_not_be_undone() -> None:
             assert engine._overlap is expected, rp
         finally:
             engine.destroy()
-    cfg = config(devices=2, gas=GAS, roundpipe=OVERLAP, fp16={"enabled": True}, **CUTS)
-    engine = engine_for(tiny_qwen3(0, layers=4), cfg)
+    for rp, expected in (
+        ({}, False),  # default (null): fp16 can skip a step late, so train_batch drains
+        ({"overlap_iterations": True}, True),  # an overflow found late re-runs the next run
+    ):
+        cfg = config(devices=2, gas=GAS, roundpipe=rp, fp16={"enabled": True}, **CUTS)
+        engine = engine_for(tiny_qwen3(0, layers=4), cfg)
+        try:
+            assert engine._overlap is expected, rp
+        finally:
+            engine.destroy()
+    engine = engine_for(tiny_qwen3(0, layers=4), config(devices=2, gas=GAS, **CUTS))
     try:
-        assert engine._overlap is True  # an overflow found late re-runs the next run
+        assert engine._overlap is False  # default on_nonfinite "raise" with the default null
     finally:
         engine.destroy()
 
@@ -119,7 +128,7 @@ def test_overlap_is_on_unless_a_late_skip_could_not_be_undone() -> None:
             return [1e-2]
 
     model = tiny_qwen3(0, layers=4)
-    for rp, expected in (({}, False), (OVERLAP, True)):
+    for rp, expected in (({"overlap_iterations": True}, False), (OVERLAP, True)):
         cfg = config(devices=2, gas=GAS, roundpipe=rp, **CUTS)
         engine, *_ = rp_engine.initialize(model=model, config=cfg, lr_scheduler=Opaque())
         try:
