@@ -25,7 +25,8 @@ What stays exact:
   forward/backward/step loop and ``destroy()``.
 
 - Non-finite steps (``roundpipe.on_nonfinite`` "raise"/"skip", with ``overlap_iterations:
-  true``; the default null drains there): the boundary is applied in flight (engine_boundary.py). A non-finite loss is known at once (skipped, raised from the same
+  true``; the default null drains there): the boundary is applied in flight
+  (engine_boundary.py). A non-finite loss is known at once (skipped, raised from the same
   call, as drained); a non-finite gradient norm is known when the step closes, and the schedule
   and counters are put back to where DeepSpeed would have them; "raise" then raises from the
   next call.

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["GradBuffers", "CONVERT_CHUNK"]
+__all__ = ["GradBuffers", "CONVERT_CHUNK", "converted_chunks"]
 
 # Elements converted per scratch round trip: 1M fp32 = 4 MB stays in the last-level cache, so
 # the converted chunk is read back from cache by the add, not from memory.
@@ -140,21 +140,8 @@ class GradBuffers:
         self.mark(i)
 
     def _add_converted(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        n = dst.numel()
-        scratch = self._scratch()
-        for s in range(0, n, self._chunk):
-            e = min(s + self._chunk, n)
-            tmp = scratch[: e - s]
-            tmp.copy_(src[s:e])
-            dst[s:e].add_(tmp)
-
-    def _scratch(self) -> torch.Tensor:
-        scratch = getattr(self._local, "scratch", None)
-        if scratch is None:
-            # once per thread (download threads live as long as their device), one chunk big
-            scratch = torch.empty(self._chunk, dtype=torch.float32)
-            self._local.scratch = scratch
-        return scratch
+        for s, tmp in converted_chunks(src, self._local, self._chunk):
+            dst[s : s + tmp.numel()].add_(tmp)
 
     def seal(self, i: int) -> None:
         """The current step's contributions to ``i`` are complete: the optimizer reads them
@@ -190,3 +177,20 @@ class GradBuffers:
             for has in self._has:
                 has[i] = False
             self._sealed[i].clear()
+
+
+def converted_chunks(
+    src: torch.Tensor, local: threading.local, chunk: int = CONVERT_CHUNK
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The flat tensor ``src`` converted to fp32 ``chunk`` elements at a time into the calling
+    thread's scratch (kept in ``local``: made once per thread, one chunk big; download threads
+    live as long as their device). Yields (offset, fp32 view of that chunk); the view is
+    overwritten by the next one."""
+    scratch = getattr(local, "scratch", None)
+    if scratch is None or scratch.numel() < chunk:
+        scratch = local.scratch = torch.empty(chunk, dtype=torch.float32)
+    n = src.numel()
+    for s in range(0, n, chunk):
+        tmp = scratch[: min(chunk, n - s)]
+        tmp.copy_(src[s : s + tmp.numel()])
+        yield s, tmp

@@ -922,9 +922,8 @@ class Executor:
         def accumulate() -> None:
             landed.synchronize()  # blocks this HOST worker only, until the copies are done
             start = time.perf_counter()
-            mixed: set[int] = (
-                set()
-            )  # sole owners that had a contribution already: the host pass decides
+            # sole owners that had a contribution already: the host pass decides
+            mixed: set[int] = set()
             for key, grad in host.items():
                 self.sink.wait_free(owners[key], ctx.spec.step)
                 if owners[key] in sole and self.store.has_grad(params[key]):

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from rp_engine.model.grad_buffers import CONVERT_CHUNK
+from rp_engine.model.grad_buffers import CONVERT_CHUNK, converted_chunks
 from rp_engine.plan.actions import Action, Op, Plan
 
 __all__ = ["sole_downloads", "device_norms", "sq_norms_by_owner"]
@@ -88,14 +88,8 @@ _local = threading.local()  # per-thread conversion scratch (download threads li
 def _chunked_norm(g: torch.Tensor) -> float:
     if g.dtype == torch.float32:
         return float(torch.linalg.vector_norm(g))
-    scratch = getattr(_local, "scratch", None)
-    if scratch is None or scratch.numel() < CONVERT_CHUNK:
-        scratch = _local.scratch = torch.empty(CONVERT_CHUNK, dtype=torch.float32)
-    flat, sq = g.reshape(-1), 0.0
-    for s in range(0, flat.numel(), CONVERT_CHUNK):
-        part = flat[s : s + CONVERT_CHUNK]
-        tmp = scratch[: part.numel()]
-        tmp.copy_(part)
+    sq = 0.0
+    for _, tmp in converted_chunks(g.reshape(-1), _local, CONVERT_CHUNK):
         sq += float(torch.linalg.vector_norm(tmp)) ** 2
     return math.sqrt(sq)
 
