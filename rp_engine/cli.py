@@ -234,6 +234,7 @@ class _Job:
         self.train_losses: list[tuple[int, float]] = []
         self.eval_losses: list[tuple[int, float]] = []
         self.wandb_run: Any = None
+        self._pending: dict[int, dict[str, float]] = {}  # W&B rows of steps still in flight
 
     # --- set-up ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -454,35 +455,32 @@ class _Job:
 
         if self.wandb_run is None:
             return
-        metrics: dict[str, float] = {
+        self._pending[step] = {
             "train/loss": loss, "train/lr": engine.get_lr()[0], "train/tokens_per_s": tps,
             "train/loss_scale": float(getattr(engine.optimizer, "cur_scale", 1.0)),
             "host/rss_gb": host_rss_gb(),
         }  # fmt: skip
-        norm = engine.get_global_grad_norm()
-        if norm is not None:
-            metrics["train/grad_norm"] = float(norm)
-        for i, device in enumerate(engine.pool):
-            if device.torch_device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated(device.torch_device)
-                metrics[f"device/{i}/peak_memory_gb"] = peak / 2**30
-        metrics.update(_flatten("transfer", engine.last_step_stats()))  # bytes, busy per device
-        records = engine.last_timeline()
-        if records:
-            from rp_engine.plan.render import measured_result
+        self._flush_wandb(engine)
 
-            measured = measured_result(records)
-            metrics["timeline/bubble_ratio"] = measured.bubble_ratio
-            span = measured.makespan_ms or 1.0
-            for d in range(measured.num_devices):  # busy fraction of the measured iteration
-                busy = sum(i.end_ms - i.start_ms for i in measured.timeline(d) if i.busy)
-                metrics[f"timeline/busy_fraction/{d}"] = busy / span
-        self.wandb_run.log(metrics, step=step)
+    def _flush_wandb(self, engine: Any) -> None:
+        """Log the pending W&B rows, in step order, of the steps that have finished: with
+        overlapping iterations a step finishes during the next call, and its row (gradient
+        norm, transfer stats, timeline) goes out then, so nothing here waits for the device."""
+        report = engine.step_report()
+        while self.wandb_run is not None and self._pending and report is not None:
+            step = min(self._pending)
+            if step > report.step:
+                break
+            metrics = self._pending.pop(step)
+            if step == report.step:
+                metrics.update(_report_metrics(engine, report))
+            self.wandb_run.log(metrics, step=step)
 
     def _evaluate(self, engine: Any) -> float:
         # On the newest weights (the async optimizer may still be applying the last step), so
         # an evaluation matches the checkpoint / adapter saved at the same step.
         engine.synchronize()
+        self._flush_wandb(engine)  # the rows of the steps before this evaluation first
         loss = float(
             engine.eval_batch(iter(self.eval_batches), num_micro_batches=len(self.eval_batches))
         )
@@ -518,6 +516,7 @@ class _Job:
             if not args.no_save:
                 self._save(engine, data)
             timeline = write_timeline(self.run_dir, engine.last_timeline(), title=args.model)
+            self._flush_wandb(engine)  # the last steps' rows (last_timeline() drained them)
             write_loss_png(self.run_dir / "loss.png", self.train_losses, self.eval_losses,
                            title=f"{args.model}: loss")  # fmt: skip
             summary = self._summary(engine, data, timeline, status)
@@ -592,6 +591,29 @@ class _Job:
 
 
 _SCRATCH = ("tiny-qwen3", "tiny-llama")  # presets trained from scratch: the default's high LR
+
+
+def _report_metrics(engine: Any, report: Any) -> dict[str, float]:
+    """W&B metrics of one finished step (``engine.step_report()``): norm, device peaks,
+    transfer stats, and the measured timeline's bubble ratio and busy fractions."""
+    metrics: dict[str, float] = {}
+    if report.grad_norm is not None:
+        metrics["train/grad_norm"] = float(report.grad_norm)
+    for i, device in enumerate(engine.pool):
+        if device.torch_device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device.torch_device)
+            metrics[f"device/{i}/peak_memory_gb"] = peak / 2**30
+    metrics.update(_flatten("transfer", report.stats))  # bytes, busy per device
+    if report.timeline:
+        from rp_engine.plan.render import measured_result
+
+        measured = measured_result(report.timeline)
+        metrics["timeline/bubble_ratio"] = measured.bubble_ratio
+        span = measured.makespan_ms or 1.0
+        for d in range(measured.num_devices):  # busy fraction of the measured iteration
+            busy = sum(i.end_ms - i.start_ms for i in measured.timeline(d) if i.busy)
+            metrics[f"timeline/busy_fraction/{d}"] = busy / span
+    return metrics
 
 
 def _gas(engine: Any) -> int:

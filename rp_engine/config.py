@@ -491,10 +491,11 @@ class RoundPipeConfig:
     seed: int = field(default=42, metadata=_m(ge=0))
     # bf16/fp32 step with a non-finite loss or gradient norm: raise (step skipped), skip, ignore
     on_nonfinite: str = field(default="raise", metadata=_m(choices=("raise", "skip", "ignore")))
-    # train_batch t+1 starts while iteration t's backward tail and optimizer run (no drain).
-    # null (default): where no step can be skipped late (no fp16, on_nonfinite "ignore"); true:
-    # also with fp16 / "raise" / "skip" (a late skip is undone: engine_boundary.py); false:
-    # never. Off under data parallel and step_journal "on"
+    # train_batch t+1 starts while iteration t's backward tail and optimizer run (no drain),
+    # fp16 and on_nonfinite "raise"/"skip" included (a step skipped late is undone:
+    # engine_boundary.py). null (default) / true: on; false: each train_batch drains. Off under
+    # data parallel, step_journal "on", or a client LR scheduler without state_dict where a step
+    # can be skipped
     overlap_iterations: bool | None = None
     # undo log making a failed optimizer step all-or-nothing (+12 B/trainable param, Adam):
     # default: only when host memory allows (optim/step_journal.py)

@@ -136,7 +136,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # train_batch (the imperative loop keeps it); an explicit "on" wins over overlap
         can_skip = cfg.fp16.enabled or self._guard.active  # a step may close skipped, late
         in_flight = boundary_in_flight_ok(self.lr_scheduler, can_skip=can_skip)
-        wanted = rp.overlap_iterations if rp.overlap_iterations is not None else not can_skip
+        wanted = rp.overlap_iterations is not False
         self._overlap = (
             wanted and in_flight and self.stepper.dp is None and rp.step_journal != "on"
         )  # fmt: skip
@@ -232,7 +232,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self._stats_open.add(result.stats)
         if closes_step:
             self._step_stats, self._stats_open = self._stats_open, RunStats()
-            self.monitor.write_step_stats(self.last_step_stats(), self.global_samples)
+            self.monitor.write_step_stats(self._stats_dict(), self.global_samples)
         return result
 
     def _abort_step(self) -> None:

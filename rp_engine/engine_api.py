@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,18 @@ if TYPE_CHECKING:
     from rp_engine.optim.stepper import OptimizerStepper, StepResult
     from rp_engine.runtime.executor import RunStats, TimelineRecord
 
-__all__ = ["DeepSpeedAccessors"]
+__all__ = ["DeepSpeedAccessors", "StepReport"]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One finished optimizer step, as ``engine.step_report()`` gives it (no waiting)."""
+
+    step: int  # its global_steps number
+    grad_norm: float | None  # get_global_grad_norm() of that step
+    stats: dict[str, Any]  # last_step_stats() of that step
+    timeline: list[TimelineRecord]  # last_timeline() of that step
+
 
 log = logging.getLogger("rp_engine")
 
@@ -149,6 +161,10 @@ class DeepSpeedAccessors:
         return self._counters.step_applied
 
     def get_global_grad_norm(self) -> float | None:
+        """The last optimizer step's global gradient norm (unscaled, before clipping), as
+        DeepSpeed's. With that step still in flight (overlapping ``train_batch`` calls) this
+        finishes it first, a drain: read it at logging intervals, or use ``step_report()``."""
+        self._drain_pipeline()
         return None if self._last is None else self._last.grad_norm
 
     def get_lr(self) -> list[float]:
@@ -205,7 +221,27 @@ class DeepSpeedAccessors:
         """What the last optimizer step moved and computed, measured by the devices: bytes
         each way (all, weights, gradients, activations), weight uploads, wall seconds of its
         runs, and per device the compute busy seconds (CUDA: timing events on the compute
-        stream) and busy fraction. Empty before the first step."""
+        stream) and busy fraction. Empty before the first step. Finishes a step in flight
+        first, as ``get_global_grad_norm()`` does."""
+        self._drain_pipeline()
+        return self._stats_dict()
+
+    def last_timeline(self) -> list[TimelineRecord]:
+        """Every stream's spans of the last run: device, action text, start/end s, stream.
+        Finishes a step in flight first, as ``get_global_grad_norm()`` does."""
+        self._drain_pipeline()
+        return list(self._timeline)
+
+    def step_report(self) -> StepReport | None:
+        """The newest *finished* step's norm, stats and timeline, without waiting: with
+        overlapping iterations that is the step before the last call's (``report.step`` says
+        which), so a logger can label it right and keep the overlap. None before the first."""
+        last = self._last
+        if last is None:
+            return None
+        return StepReport(last.step, last.grad_norm, self._stats_dict(), list(self._timeline))
+
+    def _stats_dict(self) -> dict[str, Any]:
         st = self._step_stats
         if st is None:
             return {}
@@ -223,10 +259,6 @@ class DeepSpeedAccessors:
                 d: (b / st.seconds if st.seconds > 0 else 0.0) for d, b in st.busy_s.items()
             },
         }
-
-    def last_timeline(self) -> list[TimelineRecord]:
-        """Every stream's spans of the last run: device, action text, start/end s, stream."""
-        return list(self._timeline)
 
     # --- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(

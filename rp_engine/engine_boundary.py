@@ -81,7 +81,6 @@ class OptimizerBoundary:
 
         def train_batch_size(self) -> int: ...
         def get_lr(self) -> list[float]: ...
-        def get_global_grad_norm(self) -> float | None: ...
         def _note_stale_model(self) -> None: ...
 
     def _apply_boundary(
@@ -103,7 +102,11 @@ class OptimizerBoundary:
         step, samples = self.global_steps + 1, self.global_samples + self.train_batch_size()
         every = self._config.steps_per_print
         if every and step % every == 0:
-            log.info("step %d lr %s grad_norm %s", step, self.get_lr(), self.get_global_grad_norm())
+            # in flight: the newest finished step's norm (get_global_grad_norm() would drain)
+            done = self._last
+            norm = None if done is None else done.grad_norm
+            of = "" if done is None or done.step == step else f" (of step {done.step})"
+            log.info("step %d lr %s grad_norm %s%s", step, self.get_lr(), norm, of)
         self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], samples)])
         if in_flight is not False:  # an assumed-applied step is judged when it closes
             self._guard.conclude(step, result)

@@ -19,13 +19,16 @@ What stays exact:
 - Counters, LR schedule, loss scale: DeepSpeed's, advanced when ``train_batch`` returns (the
   step's hyper-parameters were frozen when it was issued, as without overlap).
 - ``get_global_grad_norm()``, ``last_step_stats()`` and ``last_timeline()`` describe the step
-  before the last one (run t is finished by the next call): one step late.
+  of the last call, as DeepSpeed's: they finish run t first (a drain, so a logger that reads
+  them every step loses the overlap); ``step_report()`` gives the newest finished step (t-1)
+  without waiting, labelled with its step (rp-train's W&B rows and HF Trainer's fast path
+  read it that way: engine_api.py, integrations/hf.py).
 - Everything that reads weights or needs a quiet pipeline drains first (finishes the run in
   flight): ``synchronize()``, ``engine.module``, checkpoints, eval, the imperative
   forward/backward/step loop and ``destroy()``.
 
-- Non-finite steps (``roundpipe.on_nonfinite`` "raise"/"skip", with ``overlap_iterations:
-  true``; the default null drains there): the boundary is applied in flight
+- Non-finite steps (``roundpipe.on_nonfinite`` "raise", the default, or "skip"): the boundary
+  is applied in flight
   (engine_boundary.py). A non-finite loss is known at once (skipped, raised from the same
   call, as drained); a non-finite gradient norm is known when the step closes, and the schedule
   and counters are put back to where DeepSpeed would have them; "raise" then raises from the
@@ -266,7 +269,7 @@ class PipelinedIterations:
         self._stats_open.add(result.stats)
         self._step_stats, self._stats_open = self._stats_open, RunStats()
         self._timeline = result.timeline
-        self.monitor.write_step_stats(self.last_step_stats(), self.global_samples)
+        self.monitor.write_step_stats(self._stats_dict(), self.global_samples)
         self._after_run(result, profile=False)
 
     def _after_run(self, result: RunResult, profile: bool) -> None:

@@ -57,7 +57,7 @@ def main() -> None:
         warmup_steps=spec.get("warmup", 2),
         weight_decay=spec.get("weight_decay", 0.01),
         max_grad_norm=spec.get("max_grad_norm", 1.0),
-        logging_steps=1,
+        logging_steps=spec.get("logging_steps", 1),
         save_strategy="steps" if spec.get("save_steps") else "no",
         save_steps=spec.get("save_steps") or 500,
         report_to=[],
@@ -71,8 +71,19 @@ def main() -> None:
         model = tiny_qwen3(0, **shape)
     partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     trainer_cls = Trainer
+    in_flight_at_start: list[bool] = []  # per optimizer step: was the previous one in flight?
     if spec.get("fast_path"):
-        from rp_engine.integrations.hf import RoundPipeTrainer as trainer_cls  # noqa: N813
+        from rp_engine.integrations.hf import RoundPipeTrainer
+
+        class ObservedTrainer(RoundPipeTrainer):  # type: ignore[misc, valid-type]
+            def training_step(self, model: Any, inputs: Any, num_items: Any = None) -> Any:
+                pending = self._rp_pending
+                engine = getattr(model, "roundpipe_engine", None)
+                if engine is not None and pending is not None and inputs is pending[0][0]:
+                    in_flight_at_start.append(engine._inflight is not None)
+                return super().training_step(model, inputs, num_items)
+
+        trainer_cls = ObservedTrainer
     trainer = trainer_cls(
         model=model,
         args=args,
@@ -88,6 +99,7 @@ def main() -> None:
         ],
         "partitioned_at_load": partitioned,
         "fast_path_steps": getattr(trainer, "fast_path_steps", None),
+        "in_flight_at_start": in_flight_at_start,
         "train_runtime": trainer.state.log_history[-1].get("train_runtime"),
     }
     if spec.get("evaluate"):

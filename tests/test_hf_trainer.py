@@ -163,6 +163,31 @@ def test_fast_path_trainer_matches_deepspeed(deepspeed_run: dict, root: Path) ->
     assert ours["eval_loss"] == pytest.approx(deepspeed_run["eval_loss"], rel=1e-4)
 
 
+def test_fast_path_logging_every_other_step_keeps_the_overlap(
+    deepspeed_run: dict, root: Path
+) -> None:
+    """Trainer reads the gradient norm after every step; on the fast path it is read only for
+    the rows Trainer logs (a drain there), so the steps in between overlap the next one, and
+    the logged norms, learning rates and window losses are still DeepSpeed's."""
+    ours = run(
+        spec(
+            "rp_engine", root / "logging", save_steps=None, save_model=None, fast_path=True,
+            evaluate=False, logging_steps=2,
+            roundpipe={"devices": "cpu:2", "async_optimizer": False, "profile_iterations": 0},
+        )
+    )  # fmt: skip
+    theirs = {r["step"]: r for r in deepspeed_run["log"]}
+    assert [r["step"] for r in ours["log"]] == [2, 4]
+    for row in ours["log"]:
+        step = row["step"]
+        window = (theirs[step - 1]["loss"] + theirs[step]["loss"]) / 2
+        assert row["loss"] == pytest.approx(window, rel=1e-4), step
+        for key in ("grad_norm", "learning_rate"):
+            assert row[key] == pytest.approx(theirs[step][key], rel=1e-4, abs=1e-12), (step, key)
+    # steps 2 and 4 began with steps 1 and 3 still in flight; the logged rows drained 2
+    assert ours["in_flight_at_start"] == [False, True, False, True]
+
+
 def _stale_losses(steps: int, *, gas: int, lr: float, staleness: int) -> list[float]:
     """By hand (AdamW on gradients ``staleness`` steps old), the data in order, two samples a
     micro-batch; per-step mean losses."""

@@ -105,8 +105,8 @@ def test_overlap_is_on_unless_a_late_skip_could_not_be_undone() -> None:
         finally:
             engine.destroy()
     for rp, expected in (
-        ({}, False),  # default (null): fp16 can skip a step late, so train_batch drains
-        ({"overlap_iterations": True}, True),  # an overflow found late re-runs the next run
+        ({}, True),  # default: an overflow found late re-runs the next run
+        ({"overlap_iterations": False}, False),
     ):
         cfg = config(devices=2, gas=GAS, roundpipe=rp, fp16={"enabled": True}, **CUTS)
         engine = engine_for(tiny_qwen3(0, layers=4), cfg)
@@ -116,7 +116,7 @@ def test_overlap_is_on_unless_a_late_skip_could_not_be_undone() -> None:
             engine.destroy()
     engine = engine_for(tiny_qwen3(0, layers=4), config(devices=2, gas=GAS, **CUTS))
     try:
-        assert engine._overlap is False  # default on_nonfinite "raise" with the default null
+        assert engine._overlap is True  # the default on_nonfinite "raise" overlaps
     finally:
         engine.destroy()
 
@@ -128,13 +128,46 @@ def test_overlap_is_on_unless_a_late_skip_could_not_be_undone() -> None:
             return [1e-2]
 
     model = tiny_qwen3(0, layers=4)
-    for rp, expected in (({"overlap_iterations": True}, False), (OVERLAP, True)):
+    for rp, expected in (({}, False), ({"overlap_iterations": True}, False), (OVERLAP, True)):
         cfg = config(devices=2, gas=GAS, roundpipe=rp, **CUTS)
         engine, *_ = rp_engine.initialize(model=model, config=cfg, lr_scheduler=Opaque())
         try:
             assert engine._overlap is expected, rp
         finally:
             engine.destroy()
+
+
+@pytest.mark.parametrize("async_optimizer", [True, False])
+def test_grad_norm_is_the_last_steps_and_step_report_does_not_wait(async_optimizer: bool) -> None:
+    """``get_global_grad_norm()`` (and the stats, the timeline) describe the step the last call
+    ran, as DeepSpeed's, finishing it if it is in flight; ``step_report()`` gives the newest
+    finished step without finishing anything."""
+    drained, overlapped = (
+        _engine(async_optimizer=async_optimizer, overlap=o, profile_iterations=0)
+        for o in (False, True)
+    )
+    try:
+        norms = []
+        for i, batches in enumerate(_batches(2 * GAS)[j : j + GAS] for j in (0, GAS)):
+            drained.train_batch(iter(batches))
+            overlapped.train_batch(iter(batches))
+            assert overlapped._inflight is not None  # step i+1 is still running
+            report = overlapped.step_report()
+            assert overlapped._inflight is not None  # ... and the report did not finish it
+            assert (report is None) if i == 0 else (report.step == i), report
+            if report is not None:
+                assert report.grad_norm == pytest.approx(norms[-1], rel=1e-6)
+            norm = overlapped.get_global_grad_norm()
+            assert overlapped._inflight is None  # the norm's step was finished for it
+            assert norm == pytest.approx(drained.get_global_grad_norm(), rel=1e-6)
+            assert norm is not None and norm not in norms
+            norms.append(norm)
+            after = overlapped.step_report()
+            assert after is not None and after.step == i + 1
+            assert after.timeline == overlapped.last_timeline() != []
+    finally:
+        drained.destroy()
+        overlapped.destroy()
 
 
 def test_sync_mode_with_overlap_matches_plain_pytorch() -> None:

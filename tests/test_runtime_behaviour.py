@@ -97,6 +97,7 @@ def test_error_in_a_layer_names_the_device_and_next_call_works() -> None:
     block.forward = exploding  # replicas copy the module, so they call the patched forward
     try:
         engine.train_batch(iter(_batches(3)))
+        engine.synchronize()  # step 1 applied and published (async: it may still be running)
         before = [p.detach().clone() for p in model.parameters()]
         armed["on"] = True
         with pytest.raises(DeviceError) as err:

@@ -295,6 +295,23 @@ def _roundpipe_trainer() -> type:
                 return torch.zeros((), device=self.args.device)
             return super().training_step(model, inputs, num_items_in_batch)
 
+        # The gradient norm: Trainer reads it after every step (through accelerate's
+        # clip_grad_norm_), which with overlapping iterations would finish the step in flight
+        # each time. On the fast path it is read only when Trainer logs, still exact.
+        def _clip_grad_norm(self, model: Any) -> Any:
+            return None if self._rp_fast else super()._clip_grad_norm(model)
+
+        def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+            return None if self._rp_fast else super()._get_grad_norm(model, grad_norm=grad_norm)
+
+        def _maybe_log_save_evaluate(
+            self, tr_loss: Any, grad_norm: Any, model: Any, *args: Any, **kwargs: Any
+        ) -> None:
+            engine: Any = getattr(model, "roundpipe_engine", None)
+            if self._rp_fast and engine is not None and self.control.should_log:
+                grad_norm = engine.get_global_grad_norm()  # this step's: finishes it
+            super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
+
         def _fast_path_ok(self, engine: Any, batches: list[Any]) -> bool:
             if len(batches) != engine.gradient_accumulation_steps():
                 return False
