@@ -20,6 +20,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -165,13 +166,30 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _hold_step(engine: Any, step: int) -> threading.Event:
+    """Hold the optimizer's finish of ``step`` (on its thread) until the returned event is set
+    (at most 60 s): what the engine does meanwhile did not wait for that step."""
+    release = threading.Event()
+    finish = engine.stepper._finish
+
+    def held(layers: list[int], at: int) -> None:
+        if at == step:
+            release.wait(timeout=60)
+        finish(layers, at)
+
+    engine.stepper._finish = held
+    return release
+
+
 def test_training_itself_leaves_the_last_step_in_flight() -> None:
     # The freshness rule must not cost the overlap: train_batch alone never drains.
     _, engine = _async_engine()
+    release = _hold_step(engine, 2)
     try:
-        _train_batches(engine, 2)
+        _train_batches(engine, 2)  # returns with step 2's optimizer held
         store = engine.store  # type: ignore[attr-defined]
-        assert [store.version(i) for i in range(len(store.layers))] == [1] * len(store.layers)
+        assert max(store.version(i) for i in range(len(store.layers))) < 2
+        release.set()
         engine.module  # type: ignore[attr-defined]  # noqa: B018 - the read publishes
         assert [store.version(i) for i in range(len(store.layers))] == [2] * len(store.layers)
     finally:
@@ -243,8 +261,10 @@ def test_collected_engine_publishes_newest_weights_and_stops_its_threads() -> No
     # Without destroy(): the finaliser must not keep the engine alive, and collecting it drains
     # the last step into the model the user still holds and joins every worker.
     model, engine = _async_engine()
+    release = _hold_step(engine, 2)
     _train_batches(engine, 2)
-    stale = _snapshot(model)
+    stale = _snapshot(model)  # step 2 is held: the model cannot show it yet
+    release.set()
     threads = [engine.stepper.thread]  # type: ignore[attr-defined]
     threads += [t for d in engine.pool.devices for t in d.threads]  # type: ignore[attr-defined]
     ref = weakref.ref(engine)
