@@ -202,12 +202,18 @@ def cpu_adam_rate(num_params: int, reps: int = 3) -> float:
 
 
 def cpu_machine(
-    num_devices: int, pcie_gbps: float | None, adam_rate: float, overhead_ms: float = 0.0
+    num_devices: int,
+    pcie_gbps: float | None,
+    adam_rate: float,
+    overhead_ms: float = 0.0,
+    cores: float | None = None,
 ) -> Machine:
     """CPU virtual devices: each direction of each device one emulated link, no shared host
     link (the emulation has none), fp32 weights (4 B/param), ``overhead_ms`` per action, taken
     in turn on one host lane (one Python process: its threads' Python work is serial), and the
-    devices' compute, the optimizer and that overhead all on this machine's cores."""
+    devices' compute, the optimizer and that overhead all on the host's cores: ``cores`` of
+    them (as measured by ``executor_timing.parallel_cores``; default this machine's count), each
+    device computing on its intra-op share (``default_threads``) at its profiled speed."""
     gbps = pcie_gbps or NO_LINK_GBPS
     return Machine(
         name=f"{num_devices} CPU virtual devices, emulated link {pcie_gbps or 'none'} GB/s",
@@ -219,7 +225,8 @@ def cpu_machine(
         bytes_per_param=4.0,
         action_overhead_ms=overhead_ms,
         serial_overhead=True,  # the devices' worker threads share one interpreter lock
-        host_cores=float(os.cpu_count() or 1),  # devices, optimizer and overhead share them
+        host_cores=cores or float(os.cpu_count() or 1),  # devices, optimizer, overhead share
+        device_cores=float(default_threads(num_devices)),
     )
 
 

@@ -23,8 +23,9 @@ drift hits all alike; each process warms up, then times one window of steps sync
 its two ends. Reported: tokens/s (median over repeats), the ratio to DeepSpeed, per-step losses
 (DeepSpeed vs rp_engine sync must agree within 1e-3 relative in fp32), peak host RSS, peak device
 memory, bytes moved per step, and for every rp_engine run the simulator's predicted iteration
-time from directly timed layer costs, the link model and the per-action host overhead measured
-on the same plan with a near-zero-compute model (``benchmarks.calibration``).
+time from each compute action timed through the executor's own path, the link model, the cores
+the devices get at once and the per-action host overhead measured on the same plan with a
+near-zero-compute model (``benchmarks.calibration``, ``benchmarks.executor_timing``).
 """
 
 from __future__ import annotations
@@ -301,19 +302,26 @@ def _calibrate(
     async_optimizer: bool,
     window: list[tuple[str, float]],
 ) -> dict[str, Any]:
-    """Predict this run's iteration with the link model from directly timed layers and the
-    per-action host overhead measured on the same plan with a near-zero-compute model
-    (``_overhead_run``, ``calibration.solve_overhead``), and, as a diagnostic, from the same
-    layer shape rescaled to the compute spans the run measured (``calibration.in_run_costs``).
-    On CPU virtual devices the in-run spans include the time a device thread waits for a core or
-    the GIL while other threads work, so they overstate compute; the isolated timing is the
-    calibration figure (benchmarks/RESULTS.md)."""
+    """Predict this run's iteration with the link model, each compute action's cost timed
+    through the executor's own path (``executor_timing.executor_costs``), the cores the devices
+    get at once measured beside the run (``executor_timing.parallel_cores``), and the per-action
+    host overhead measured on the same plan with a near-zero-compute model whose compute is
+    timed the same way (``_overhead_run``, ``calibration.solve_overhead``). For comparison: the
+    same with the plain layer timing (``calibration.layer_costs``), with all the machine's
+    cores, and without the overhead; as a diagnostic, the layer shape rescaled to the compute
+    spans the run measured (``calibration.in_run_costs``: on CPU virtual devices those include
+    the time a device thread waits for a core or the GIL, so they overstate compute;
+    benchmarks/RESULTS.md)."""
     from benchmarks import calibration as cal
+    from benchmarks.executor_timing import executor_costs, parallel_cores
 
     engine.synchronize()
     plan = engine.planner
     n = plan.num_devices
-    costs = cal.layer_costs(model, preset["mbs"], preset["seq"], threads=cal.default_threads(n))
+    mbs, seq, threads = preset["mbs"], preset["seq"], cal.default_threads(n)
+    costs = cal.layer_costs(model, mbs, seq, threads=threads)
+    timing = executor_costs(model, costs, mbs, seq, threads=threads)
+    cores = parallel_cores(model, mbs, seq, workers=n, threads=threads)
     rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
     shape = {
         "schedule": plan.schedule,
@@ -324,20 +332,28 @@ def _calibrate(
         "async_optimizer": async_optimizer,
     }
     tiny_costs, tiny_rate, tiny_ms = _overhead_run(preset, shape, n)
-    solved = cal.solve_overhead(tiny_costs, cal.cpu_machine(n, None, tiny_rate), tiny_ms, **shape)
-    machine = cal.cpu_machine(n, args.pcie_gbps, rate, solved["overhead_ms"])
+    tiny_machine = cal.cpu_machine(n, None, tiny_rate, cores=cores["cores"])
+    solved = cal.solve_overhead(tiny_costs, tiny_machine, tiny_ms, **shape)
+    overhead = solved["overhead_ms"]
+    machine = cal.cpu_machine(n, args.pcie_gbps, rate, overhead, cores=cores["cores"])
 
     def predict(c: Any, m: Any = machine) -> dict[str, Any]:
         return cal.predict_ms(c, m, **shape)
 
-    pred = predict(costs)
-    bare = predict(costs, cal.cpu_machine(n, args.pcie_gbps, rate))
-    in_run, factors = cal.in_run_costs(costs, plan.fwd_cuts, plan.bwd_cuts, window)
+    pred = predict(timing.costs)
+    bare = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, cores=cores["cores"]))
+    all_cores = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, overhead))
+    in_run, factors = cal.in_run_costs(timing.costs, plan.fwd_cuts, plan.bwd_cuts, window)
+    ex = timing.costs
     return {
         "predicted_ms": pred["iteration_ms"],
         "predicted_no_overhead_ms": bare["iteration_ms"],
-        "action_overhead_ms": solved["overhead_ms"],
+        "predicted_all_cores_ms": all_cores["iteration_ms"],
+        "predicted_layer_timing_ms": predict(costs)["iteration_ms"],
+        "action_overhead_ms": overhead,
         "overhead_run": solved,
+        "parallel_cores": cores,
+        "executor_parts_ms": timing.parts_ms,
         "predicted_in_run_ms": predict(in_run)["iteration_ms"],
         "boundary_bytes": costs.boundary_bytes,
         "batch_bytes": costs.batch_bytes,
@@ -348,6 +364,10 @@ def _calibrate(
         "layer_fwd_ms": list(costs.fwd_ms),
         "layer_bwd_ms": list(costs.bwd_ms),
         "head_ms": [costs.head_fwd_ms, costs.head_bwd_ms],
+        "executor_fwd_ms": list(ex.fwd_ms),
+        "executor_recompute_ms": list(ex.recompute_ms),
+        "executor_bwd_ms": list(ex.bwd_ms),
+        "executor_head_ms": [ex.head_fwd_ms, ex.head_bwd_ms],
         "cpu_adam_params_per_s": rate,
         "machine": machine.name,
     }
@@ -364,8 +384,8 @@ def _overhead_run(
 ) -> tuple[Any, float, float]:
     """The engine on the same plan (``shape``: schedule, cuts, round size, optimizer mode;
     same devices, micro-batches, tokens, layer count) with a near-zero-compute model and no
-    emulated link: returns that model's isolated layer costs, its CPU Adam rate and the
-    measured ms per step (timed between two synchronisations, as the real run)."""
+    emulated link: returns that model's costs timed through the executor's path, its CPU Adam
+    rate and the measured ms per step (timed between two synchronisations, as the real run)."""
     import rp_engine
     from benchmarks import calibration as cal
 
@@ -395,9 +415,13 @@ def _overhead_run(
         engine.destroy()
     if ran != (tuple(shape["fwd_cuts"]), tuple(shape["bwd_cuts"])):
         raise RuntimeError(f"overhead run planned {ran}, not the measured run's cuts")
-    costs = cal.layer_costs(
-        model, tiny["mbs"], tiny["seq"], threads=cal.default_threads(num_devices)
-    )
+    from benchmarks.executor_timing import executor_costs
+
+    threads = cal.default_threads(num_devices)
+    costs = cal.layer_costs(model, tiny["mbs"], tiny["seq"], threads=threads)
+    # the same executor path as the real prediction's compute, so its fixed per-action parts
+    # (replica load, fold, release, the wrapper) count once: in compute, not in the overhead
+    costs = executor_costs(model, costs, tiny["mbs"], tiny["seq"], threads=threads).costs
     return costs, cal.cpu_adam_rate(sum(p.numel() for p in model.parameters())), ms
 
 
@@ -435,9 +459,19 @@ def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(lines[-1][5:])
 
 
+_PREDICTIONS = (
+    "predicted_ms",
+    "predicted_in_run_ms",
+    "predicted_no_overhead_ms",
+    "predicted_all_cores_ms",
+    "predicted_layer_timing_ms",
+)
+
+
 def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per system: the median tokens/s over repeats, every repeat's figure, peaks (max), the
-    last repeat's losses, bytes and calibration."""
+    last repeat's losses and bytes; calibration: the median of each prediction over repeats
+    against the median step, each repeat's own error, the last repeat's other figures."""
     systems: dict[str, Any] = {}
     for name, rows in runs.items():
         ok = [r for r in rows if "error" not in r]
@@ -455,14 +489,24 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         )
         devs = [r["peak_device_gb"] for r in ok if r.get("peak_device_gb") is not None]
         last["peak_device_gb"] = max(devs) if devs else None
-        cal = [r["calibration"] for r in ok if "calibration" in r]
+        cal = [(r["calibration"], r["s_per_step"] * 1e3) for r in ok if "calibration" in r]
         if cal:
-            pred = statistics.median(c["predicted_ms"] for c in cal)
-            run = statistics.median(c["predicted_in_run_ms"] for c in cal)
             meas = last["s_per_step"] * 1e3
-            last["calibration"] = {**cal[-1], "predicted_ms": pred, "measured_ms": meas,
-                                   "error": (pred - meas) / meas, "predicted_in_run_ms": run,
-                                   "error_in_run": (run - meas) / meas}  # fmt: skip
+            out = {**cal[-1][0], "measured_ms": meas}
+            for key in _PREDICTIONS:  # the median over repeats, as the measured step
+                got = [c[key] for c, _ in cal if key in c]
+                if got:
+                    out[key] = statistics.median(got)
+            pred, run = out["predicted_ms"], out["predicted_in_run_ms"]
+            out.update(error=(pred - meas) / meas, error_in_run=(run - meas) / meas)
+            # each repeat against its own measured step (its cores were measured beside it)
+            out["repeats"] = [
+                {"predicted_ms": c["predicted_ms"], "measured_ms": m,
+                 "error": (c["predicted_ms"] - m) / m,
+                 "cores": c.get("parallel_cores", {}).get("cores")}
+                for c, m in cal
+            ]  # fmt: skip
+            last["calibration"] = out
         systems[name] = last
     return systems
 
@@ -533,13 +577,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, help="rounds of A B C D E (default 2, --quick 2)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, help="timed steps per run (default 5, --quick 4)")
+    p.add_argument("--steps", type=int, help="timed steps per run (default 5, --quick 6)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--system", help=argparse.SUPPRESS)  # the child process's one system
     args = p.parse_args(argv)
     args.model = args.model or ("cpu-small" if args.quick else "qwen3-1.7b")
-    args.steps = args.steps or (4 if args.quick else 5)
+    # --quick: 6 steps, not 4: on a shared 2-core machine a 4-step window of one repeat moved
+    # by 15 % against the other; a longer window averages the neighbours' load
+    args.steps = args.steps or (6 if args.quick else 5)
     args.repeats = args.repeats or 2
     if args.quick and args.pcie_gbps is None:
         # Two CPU cores against 0.1 GB/s is still ~20x more link per FLOP than an RTX 4090 on

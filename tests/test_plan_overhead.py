@@ -179,3 +179,36 @@ def test_shared_host_cores_slow_what_runs_at_once() -> None:
     assert stretched > 0
     with pytest.raises(ValueError, match="host_cores"):
         simulate.Machine("m", host_cores=0.0)
+
+
+def test_fewer_host_cores_than_devices_use_slow_only_overlapping_compute() -> None:
+    """``device_cores``: each CPU virtual device computes on its own core at its profiled speed,
+    while the host has fewer cores' worth than the devices together (shared, or Python work on
+    one interpreter lock). A device alone keeps its speed; two at once share what the host has,
+    so their compute stretches by 2 / 1.5 where it overlaps, never more, and the iteration
+    grows. With the default (None) a device's share is ``host_cores / num_devices``."""
+    plan = schedules.build(
+        "roundpipe",
+        num_iterations=1,
+        fwd_cuts=[2, 2],
+        bwd_cuts=[0, 2, 2],
+        num_devices=2,
+        num_microbatches=4,
+    )
+    own = simulate.simulate(plan, _costs(), machine=_fast(2), optimizer="sync")
+    one_each = dataclasses.replace(_fast(2), host_cores=2.0, device_cores=1.0)
+    same = simulate.simulate(plan, _costs(), machine=one_each, optimizer="sync")
+    assert same.makespan_ms == pytest.approx(own.makespan_ms)  # = the default share
+    short = dataclasses.replace(one_each, host_cores=1.5)
+    slow = simulate.simulate(plan, _costs(), machine=short, optimizer="sync")
+    assert slow.makespan_ms > own.makespan_ms
+    profiled = {(iv.action, iv.phase): iv.end_ms - iv.start_ms for iv in own.intervals if iv.busy}
+    spans = [(iv, iv.end_ms - iv.start_ms) for iv in slow.intervals if iv.busy]
+    for iv, span in spans:
+        assert profiled[(iv.action, iv.phase)] - 1e-6 <= span
+        assert span <= profiled[(iv.action, iv.phase)] * 2 / 1.5 + 1e-6
+    # the first action runs alone (device 1 waits for its input): full speed
+    first = min(spans, key=lambda x: x[0].start_ms)
+    assert first[1] == pytest.approx(profiled[(first[0].action, first[0].phase)])
+    with pytest.raises(ValueError, match="device_cores"):
+        simulate.Machine("m", host_cores=2.0, device_cores=0.0)
