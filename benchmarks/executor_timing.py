@@ -1,4 +1,4 @@
-"""Compute cost through the executor's own path, and the cores the run's devices really get.
+"""Compute cost through the executor's own path.
 
 ``executor_costs`` times each layer the way a compute action runs it (runtime/executor.py),
 on one CPU virtual device with the intra-op threads a device of the pool gets, with the
@@ -12,27 +12,24 @@ per micro-batch summed over the layers), so a difference from the plain layer ti
 masks) has no cost slot of its own: it rides with forward slot 0 and the last backward slot, as
 does layer 0, so its times are added to layer 0's.
 
-``parallel_cores`` measures how much compute the process gets done with ``workers`` device
-threads at once, against one alone: ``workers x t_one / t_all`` cores (the executor path of a
-few layers per thread, alternated a few times, median). On a 2-core machine shared with other
-processes, or where the threads' Python work queues on the interpreter lock, that is less than
-the core count, and each virtual device computes slower whenever another does. It is a property
-of the machine at the time of the run, measured beside it, never from the run's step time.
+Times are CPU time (the process's, divided by the intra-op threads): what an action costs when
+it has its cores. On a shared machine the wall time of the same work depends on what else runs
+at that moment; the simulator charges that separately, from the other processes' load measured
+during the run (``host_load.ExternalLoad``, ``Machine.host_load``), so the cost must not hold it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rp_engine.plan.partition import LayerCosts
 
-__all__ = ["ExecutorTiming", "executor_costs", "parallel_cores", "PARTS"]
+__all__ = ["ExecutorTiming", "executor_costs", "PARTS"]
 
 # the parts of a compute action, as timed (ms per micro-batch, summed over the layers)
 PARTS = (
@@ -67,12 +64,14 @@ def executor_costs(
     saved = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        return _executor_costs(model, base, mbs, seq, reps)
+        return _executor_costs(model, base, mbs, seq, reps, max(1, threads))
     finally:
         torch.set_num_threads(saved)
 
 
-def _executor_costs(model: Any, base: LayerCosts, mbs: int, seq: int, reps: int) -> ExecutorTiming:
+def _executor_costs(
+    model: Any, base: LayerCosts, mbs: int, seq: int, reps: int, threads: int
+) -> ExecutorTiming:
     import torch
 
     from rp_engine.device.cpu import CPUPool
@@ -85,7 +84,7 @@ def _executor_costs(model: Any, base: LayerCosts, mbs: int, seq: int, reps: int)
     ids = torch.randint(0, model.config.vocab_size, (mbs, seq))
     batch = {"input_ids": ids, "labels": ids.clone()}
     with CPUPool(1) as pool:
-        path = _Path(pool[0], reps)
+        path = _Path(pool[0], reps, threads)
         with torch.no_grad():
             state = prefix(dict(batch))
         pre = path.prefix(prefix, batch, state["hidden"])
@@ -118,9 +117,11 @@ def _executor_costs(model: Any, base: LayerCosts, mbs: int, seq: int, reps: int)
 class _Path:
     """The executor's compute path for one layer at a time, each part timed (median ms)."""
 
-    def __init__(self, device: Any, reps: int) -> None:
+    def __init__(self, device: Any, reps: int, threads: int) -> None:
         self.device, self.reps = device, reps
         self.seen: list[dict[str, float]] = []  # per block, for the parts' totals
+        # CPU time of the process (the pool's threads idle meanwhile), per intra-op thread
+        self.clock: Callable[[], float] = lambda: time.process_time() / threads
 
     def _upload(self, module: Any) -> Any:
         from rp_engine.transfer import WeightUpload
@@ -144,7 +145,7 @@ class _Path:
 
         replica, weights = Replica(block), self._upload(block)
         grad = torch.ones_like(state["hidden"])  # a real (contiguous) upstream gradient
-        clock = time.perf_counter
+        clock = self.clock
 
         def run(out: dict[str, list[float]]) -> None:
             t0 = clock()
@@ -186,7 +187,7 @@ class _Path:
         import torch
 
         grad = torch.ones_like(hidden)
-        clock = time.perf_counter
+        clock = self.clock
 
         def run(out: dict[str, list[float]]) -> None:
             t0 = clock()
@@ -212,7 +213,7 @@ class _Path:
         from rp_engine.runtime.replica import Replica
 
         replica, weights = Replica(head), self._upload(head)
-        clock = time.perf_counter
+        clock = self.clock
         x = {**state, "hidden": state["hidden"].detach()}
 
         def run(out: dict[str, list[float]]) -> None:
@@ -244,63 +245,3 @@ def _with_grad_input(state: dict[str, Any]) -> dict[str, Any]:
     out = {k: v.detach() for k, v in state.items()}
     out["hidden"].requires_grad_(True)
     return out
-
-
-def parallel_cores(
-    model: Any,
-    mbs: int,
-    seq: int,
-    *,
-    workers: int,
-    threads: int,
-    rounds: int = 5,
-    layers_per_worker: int = 2,
-) -> dict[str, Any]:
-    """Cores' worth of compute ``workers`` device threads get at once (module docstring).
-
-    Each thread (``threads`` intra-op threads, as a device of the pool) runs the executor path
-    (load, call, recompute, backward, fold, release) of its own ``layers_per_worker`` blocks;
-    one thread alone, then all at once, ``rounds`` times alternated. Returns ``cores`` (the
-    median of ``workers x t_one / t_all``, within [threads, workers x threads]) and the rounds'
-    figures."""
-    import torch
-
-    from rp_engine.device.cpu import CPUPool
-    from rp_engine.model.layers import to_layers
-
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    seq_layers = list(to_layers(model).modules())
-    prefix, blocks = seq_layers[0], seq_layers[1:-1]
-    ids = torch.randint(0, model.config.vocab_size, (mbs, seq))
-    with torch.no_grad():
-        state = prefix({"input_ids": ids, "labels": ids.clone()})
-    picks = [
-        [blocks[(w * layers_per_worker + i) % len(blocks)] for i in range(layers_per_worker)]
-        for w in range(workers)
-    ]
-    ratios: list[float] = []
-    with CPUPool(1) as pool:  # one device: its copy thread only clones the weights
-        path = _Path(pool[0], reps=1)
-
-        def work(mine: Sequence[Any]) -> None:
-            torch.set_num_threads(max(1, threads))  # per thread, as the pool's workers do
-            for block in mine:
-                path.block(block, state)
-
-        def timed(groups: Sequence[Sequence[Any]]) -> float:
-            ts = [threading.Thread(target=work, args=(g,)) for g in groups]
-            start = time.perf_counter()
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-            return time.perf_counter() - start
-
-        timed(picks[:1])  # warm-up
-        for _ in range(rounds):
-            one = timed(picks[:1])
-            both = timed(picks)
-            ratios.append(workers * one / both)
-    cores = min(max(statistics.median(ratios), float(threads)), float(workers * threads))
-    return {"cores": cores, "ratios": ratios, "workers": workers, "threads": threads}

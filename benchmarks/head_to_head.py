@@ -23,9 +23,9 @@ drift hits all alike; each process warms up, then times one window of steps sync
 its two ends. Reported: tokens/s (median over repeats), the ratio to DeepSpeed, per-step losses
 (DeepSpeed vs rp_engine sync must agree within 1e-3 relative in fp32), peak host RSS, peak device
 memory, bytes moved per step, and for every rp_engine run the simulator's predicted iteration
-time from each compute action timed through the executor's own path, the link model, the cores
-the devices get at once and the per-action host overhead measured on the same plan with a
-near-zero-compute model (``benchmarks.calibration``, ``benchmarks.executor_timing``).
+time from each compute action timed through the executor's own path, the link model, the other
+processes' load on the cores during the window and the per-action host overhead measured on the
+same plan with a near-zero-compute model (``benchmarks.calibration``, ``executor_timing``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.host_load import ExternalLoad
 
 SYSTEMS = ("deepspeed", "roundpipe", "roundpipe_sync", "mobius", "torch")
 RP_SYSTEMS = ("roundpipe", "roundpipe_sync", "mobius")
@@ -142,11 +144,13 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        losses.append(step_fn())  # device tensors: no synchronisation inside the window
-    sync()
-    seconds = time.perf_counter() - start
+    with ExternalLoad() as load:  # other processes' demand for the cores meanwhile
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            losses.append(step_fn())  # device tensors: no synchronisation inside the window
+        sync()
+        seconds = time.perf_counter() - start
+    args.external_load = load.mean  # the calibration's machine model takes it (extra())
     tokens = args.steps * preset["gas"] * preset["mbs"] * preset["seq"]
     row: dict[str, Any] = {
         "system": system,
@@ -158,6 +162,7 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
         "peak_device_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "bytes_per_step": 0,
+        "external_load": load.mean,
     }
     row.update(extra())
     return row
@@ -303,17 +308,17 @@ def _calibrate(
     window: list[tuple[str, float]],
 ) -> dict[str, Any]:
     """Predict this run's iteration with the link model, each compute action's cost timed
-    through the executor's own path (``executor_timing.executor_costs``), the cores the devices
-    get at once measured beside the run (``executor_timing.parallel_cores``), and the per-action
-    host overhead measured on the same plan with a near-zero-compute model whose compute is
-    timed the same way (``_overhead_run``, ``calibration.solve_overhead``). For comparison: the
-    same with the plain layer timing (``calibration.layer_costs``), with all the machine's
-    cores, and without the overhead; as a diagnostic, the layer shape rescaled to the compute
+    through the executor's own path (``executor_timing.executor_costs``, CPU time), the other
+    processes' load on the cores measured over the run's window (``host_load.ExternalLoad``),
+    and the per-action host overhead measured on the same plan with a near-zero-compute model
+    whose compute is timed the same way (``_overhead_run``, ``calibration.solve_overhead``).
+    For comparison: the same with the plain layer timing (``calibration.layer_costs``), without
+    the load, and without the overhead; as a diagnostic, the layer shape rescaled to the compute
     spans the run measured (``calibration.in_run_costs``: on CPU virtual devices those include
     the time a device thread waits for a core or the GIL, so they overstate compute;
     benchmarks/RESULTS.md)."""
     from benchmarks import calibration as cal
-    from benchmarks.executor_timing import executor_costs, parallel_cores
+    from benchmarks.executor_timing import executor_costs
 
     engine.synchronize()
     plan = engine.planner
@@ -321,8 +326,8 @@ def _calibrate(
     mbs, seq, threads = preset["mbs"], preset["seq"], cal.default_threads(n)
     costs = cal.layer_costs(model, mbs, seq, threads=threads)
     timing = executor_costs(model, costs, mbs, seq, threads=threads)
-    cores = parallel_cores(model, mbs, seq, workers=n, threads=threads)
     rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
+    load = getattr(args, "external_load", 0.0)  # measured over this run's window
     shape = {
         "schedule": plan.schedule,
         "fwd_cuts": plan.fwd_cuts,
@@ -331,28 +336,29 @@ def _calibrate(
         "round_size": plan.round_size,
         "async_optimizer": async_optimizer,
     }
-    tiny_costs, tiny_rate, tiny_ms = _overhead_run(preset, shape, n)
-    tiny_machine = cal.cpu_machine(n, None, tiny_rate, cores=cores["cores"])
+    tiny_costs, tiny_rate, tiny_ms, tiny_load = _overhead_run(preset, shape, n)
+    tiny_machine = cal.cpu_machine(n, None, tiny_rate, host_load=tiny_load)
     solved = cal.solve_overhead(tiny_costs, tiny_machine, tiny_ms, **shape)
+    solved["external_load"] = tiny_load
     overhead = solved["overhead_ms"]
-    machine = cal.cpu_machine(n, args.pcie_gbps, rate, overhead, cores=cores["cores"])
+    machine = cal.cpu_machine(n, args.pcie_gbps, rate, overhead, host_load=load)
 
     def predict(c: Any, m: Any = machine) -> dict[str, Any]:
         return cal.predict_ms(c, m, **shape)
 
     pred = predict(timing.costs)
-    bare = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, cores=cores["cores"]))
-    all_cores = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, overhead))
+    bare = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, host_load=load))
+    no_load = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, overhead))
     in_run, factors = cal.in_run_costs(timing.costs, plan.fwd_cuts, plan.bwd_cuts, window)
     ex = timing.costs
     return {
         "predicted_ms": pred["iteration_ms"],
         "predicted_no_overhead_ms": bare["iteration_ms"],
-        "predicted_all_cores_ms": all_cores["iteration_ms"],
+        "predicted_no_load_ms": no_load["iteration_ms"],
         "predicted_layer_timing_ms": predict(costs)["iteration_ms"],
         "action_overhead_ms": overhead,
+        "external_load": load,
         "overhead_run": solved,
-        "parallel_cores": cores,
         "executor_parts_ms": timing.parts_ms,
         "predicted_in_run_ms": predict(in_run)["iteration_ms"],
         "boundary_bytes": costs.boundary_bytes,
@@ -381,11 +387,12 @@ OVERHEAD_SHAPE = {  # the near-zero-compute model of the overhead run: the layer
 
 def _overhead_run(
     preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int = 2, steps: int = 6
-) -> tuple[Any, float, float]:
+) -> tuple[Any, float, float, float]:
     """The engine on the same plan (``shape``: schedule, cuts, round size, optimizer mode;
     same devices, micro-batches, tokens, layer count) with a near-zero-compute model and no
     emulated link: returns that model's costs timed through the executor's path, its CPU Adam
-    rate and the measured ms per step (timed between two synchronisations, as the real run)."""
+    rate, the measured ms per step (timed between two synchronisations, as the real run) and the
+    other processes' load meanwhile."""
     import rp_engine
     from benchmarks import calibration as cal
 
@@ -405,11 +412,12 @@ def _overhead_run(
         for _ in range(warmup):
             engine.train_batch(it)
         engine.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.train_batch(it)
-        engine.synchronize()
-        ms = (time.perf_counter() - start) / steps * 1e3
+        with ExternalLoad() as load:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.train_batch(it)
+            engine.synchronize()
+            ms = (time.perf_counter() - start) / steps * 1e3
         ran = (tuple(engine.planner.fwd_cuts), tuple(engine.planner.bwd_cuts))
     finally:
         engine.destroy()
@@ -422,7 +430,8 @@ def _overhead_run(
     # the same executor path as the real prediction's compute, so its fixed per-action parts
     # (replica load, fold, release, the wrapper) count once: in compute, not in the overhead
     costs = executor_costs(model, costs, tiny["mbs"], tiny["seq"], threads=threads).costs
-    return costs, cal.cpu_adam_rate(sum(p.numel() for p in model.parameters())), ms
+    rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
+    return costs, rate, ms, load.mean
 
 
 _SETUP = {
@@ -463,7 +472,7 @@ _PREDICTIONS = (
     "predicted_ms",
     "predicted_in_run_ms",
     "predicted_no_overhead_ms",
-    "predicted_all_cores_ms",
+    "predicted_no_load_ms",
     "predicted_layer_timing_ms",
 )
 
@@ -499,11 +508,11 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                     out[key] = statistics.median(got)
             pred, run = out["predicted_ms"], out["predicted_in_run_ms"]
             out.update(error=(pred - meas) / meas, error_in_run=(run - meas) / meas)
-            # each repeat against its own measured step (its cores were measured beside it)
+            # each repeat against its own measured step (its load was measured during it)
             out["repeats"] = [
                 {"predicted_ms": c["predicted_ms"], "measured_ms": m,
                  "error": (c["predicted_ms"] - m) / m,
-                 "cores": c.get("parallel_cores", {}).get("cores")}
+                 "external_load": c.get("external_load")}
                 for c, m in cal
             ]  # fmt: skip
             last["calibration"] = out

@@ -181,12 +181,11 @@ def test_shared_host_cores_slow_what_runs_at_once() -> None:
         simulate.Machine("m", host_cores=0.0)
 
 
-def test_fewer_host_cores_than_devices_use_slow_only_overlapping_compute() -> None:
-    """``device_cores``: each CPU virtual device computes on its own core at its profiled speed,
-    while the host has fewer cores' worth than the devices together (shared, or Python work on
-    one interpreter lock). A device alone keeps its speed; two at once share what the host has,
-    so their compute stretches by 2 / 1.5 where it overlaps, never more, and the iteration
-    grows. With the default (None) a device's share is ``host_cores / num_devices``."""
+def test_other_processes_load_shares_the_host_cores() -> None:
+    """``host_load``: other processes' runnable threads are equal sharers of the host cores. A
+    device computing alone beside one of them still has its core (2 cores, 2 sharers); with
+    three of them each of the run's tasks gets 2 / (n + 3) cores, so compute stretches, by at
+    most (2 + 3) / 2 with both devices busy, and the iteration grows with the load."""
     plan = schedules.build(
         "roundpipe",
         num_iterations=1,
@@ -195,20 +194,23 @@ def test_fewer_host_cores_than_devices_use_slow_only_overlapping_compute() -> No
         num_devices=2,
         num_microbatches=4,
     )
-    own = simulate.simulate(plan, _costs(), machine=_fast(2), optimizer="sync")
-    one_each = dataclasses.replace(_fast(2), host_cores=2.0, device_cores=1.0)
-    same = simulate.simulate(plan, _costs(), machine=one_each, optimizer="sync")
-    assert same.makespan_ms == pytest.approx(own.makespan_ms)  # = the default share
-    short = dataclasses.replace(one_each, host_cores=1.5)
-    slow = simulate.simulate(plan, _costs(), machine=short, optimizer="sync")
-    assert slow.makespan_ms > own.makespan_ms
+    cores = dataclasses.replace(_fast(2), host_cores=2.0)
+    own = simulate.simulate(plan, _costs(), machine=cores, optimizer="sync")
+    spans = {}
+    for load in (0.0, 1.0, 3.0):
+        m = dataclasses.replace(cores, host_load=load)
+        got = simulate.simulate(plan, _costs(), machine=m, optimizer="sync")
+        spans[load] = got
     profiled = {(iv.action, iv.phase): iv.end_ms - iv.start_ms for iv in own.intervals if iv.busy}
-    spans = [(iv, iv.end_ms - iv.start_ms) for iv in slow.intervals if iv.busy]
-    for iv, span in spans:
-        assert profiled[(iv.action, iv.phase)] - 1e-6 <= span
-        assert span <= profiled[(iv.action, iv.phase)] * 2 / 1.5 + 1e-6
-    # the first action runs alone (device 1 waits for its input): full speed
-    first = min(spans, key=lambda x: x[0].start_ms)
-    assert first[1] == pytest.approx(profiled[(first[0].action, first[0].phase)])
-    with pytest.raises(ValueError, match="device_cores"):
-        simulate.Machine("m", host_cores=2.0, device_cores=0.0)
+    first = min((iv for iv in own.intervals if iv.busy), key=lambda iv: iv.start_ms)
+    alone = next(
+        iv for iv in spans[1.0].intervals if (iv.action, iv.phase) == (first.action, first.phase)
+    )
+    assert alone.end_ms - alone.start_ms == pytest.approx(profiled[(first.action, first.phase)])
+    assert own.makespan_ms <= spans[1.0].makespan_ms < spans[3.0].makespan_ms
+    for iv in spans[3.0].intervals:
+        if iv.busy:
+            span, base = iv.end_ms - iv.start_ms, profiled[(iv.action, iv.phase)]
+            assert base * 2 - 1e-6 <= span <= base * 5 / 2 + 1e-6  # 2 / (1 + 3) .. 2 / (2 + 3)
+    with pytest.raises(ValueError, match="host_load"):
+        simulate.Machine("m", host_load=-1.0)

@@ -33,9 +33,8 @@ and the host overhead all run on the same few cores. Each is then work in core-m
 profiled time x its share of the cores, the pool's intra-op split; an optimizer step's time x
 all cores, as DeepSpeed's CPU Adam was timed; the overhead x one core), served like bytes on a
 link: at most its own cores, and an equal share of the host's when more want them than exist.
-A device's own cores are ``Machine.device_cores`` when given (its intra-op threads; the host
-then has fewer cores' worth than the devices' sum when it is shared or the threads' Python work
-queues on the interpreter lock: a device computes at full speed alone, slower beside another).
+On a shared host, ``Machine.host_load`` other processes' runnable threads are equal sharers of
+the host's cores too: n of the run's tasks on them get ``host_cores / (n + host_load)`` each.
 
 A backward action is two phases: recompute (needs the saved input) and backward (needs the
 upstream gradient). RoundPipe starts the recompute as soon as its input exists ("early"); bound
@@ -94,8 +93,8 @@ class Machine:
     holds the one interpreter lock; the CPU virtual devices), instead of on each stream's own.
     ``host_cores``: the devices are CPU virtual devices computing on this many host cores, which
     the host optimizer and the host overhead use too (see the module docstring); None: devices
-    have their own compute (GPUs). ``device_cores``: the cores one such device computes on (its
-    profiled speed); None: an equal share, ``host_cores / num_devices``.
+    have their own compute (GPUs). ``host_load``: other processes' runnable threads sharing those
+    cores (measured during a run: benchmarks/host_load.py); 0 on a machine of its own.
     """
 
     name: str
@@ -113,7 +112,7 @@ class Machine:
     action_overhead_ms: float = 0.0
     serial_overhead: bool = False  # every lane's overhead on one host lane (one interpreter lock)
     host_cores: float | None = None  # devices compute on the host's cores (CPU virtual devices)
-    device_cores: float | None = None  # one device's own cores (default: its share of them)
+    host_load: float = 0.0  # other processes' runnable threads on those cores
     info: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -131,11 +130,11 @@ class Machine:
             positive["host_link_gbps"] = self.host_link_gbps
         if self.host_cores is not None:
             positive["host_cores"] = self.host_cores
-        if self.device_cores is not None:
-            positive["device_cores"] = self.device_cores
         bad = {k: v for k, v in positive.items() if not v > 0}
         if bad:
             raise ValueError(f"machine {self.name!r}: these must be > 0: {bad}")
+        if not self.host_load >= 0:
+            raise ValueError(f"machine {self.name!r}: host_load must be >= 0, got {self.host_load}")
         if not self.action_overhead_ms >= 0:
             raise ValueError(
                 f"machine {self.name!r}: action_overhead_ms must be >= 0, got "
@@ -446,7 +445,7 @@ class _Builder:
     def _compute(self, a: Action, phase: str, ms: float) -> int:
         lane = ("compute", a.device)
         task = _Task(a, phase, lane, ms=ms * self.scale, busy=True)
-        share = _device_cores(self.machine, self.plan.num_devices) if self.machine else 0.0
+        share = (self.machine.host_cores or 0.0) / self.plan.num_devices if self.machine else 0.0
         return self._add(self._on_cores(task, share, ("devcpu", a.device)))
 
     def _fwd(self, a: Action) -> list[int]:
@@ -625,6 +624,10 @@ class _Engine:
     def __init__(self, tasks: list[_Task], plan: Plan, machine: Machine | None) -> None:
         self.tasks, self.plan = tasks, plan
         self.caps = _link_caps(machine, plan.num_devices) if machine else {}
+        # other processes' runnable threads: equal sharers of the host's cores
+        self.extra_load = (
+            {("cores", 0): machine.host_load} if machine and machine.host_cores else {}
+        )
         self.waiting = [len(t.deps) for t in tasks]
         self.ready_at = [0.0] * len(tasks)
         self.succ: list[list[tuple[int, float]]] = [[] for _ in tasks]
@@ -725,10 +728,13 @@ class _Engine:
             self.copies[i] -= self.rates[i] * dt
 
     def _rebalance(self) -> None:
-        load: dict[tuple[str, int], int] = defaultdict(int)
+        load: dict[tuple[str, int], float] = defaultdict(float)
         for i in self.copies:
             for link in self.tasks[i].links:
                 load[link] += 1
+        for link, extra in self.extra_load.items():
+            if link in load:
+                load[link] += extra
         self.rates = {
             i: min(self.caps[link] / load[link] for link in self.tasks[i].links)
             for i in self.copies
@@ -783,15 +789,8 @@ def _link_caps(machine: Machine, num_devices: int) -> dict[tuple[str, int], floa
         caps[("cores", 0)] = caps[("optcpu", 0)] = machine.host_cores
         caps[("gil", 0)] = 1.0
         for d in range(num_devices):
-            caps[("devcpu", d)] = _device_cores(machine, num_devices)
+            caps[("devcpu", d)] = machine.host_cores / num_devices
     return caps
-
-
-def _device_cores(machine: Machine, num_devices: int) -> float:
-    """Cores one of the plan's ``num_devices`` CPU virtual devices computes on."""
-    if machine.device_cores is not None:
-        return machine.device_cores
-    return (machine.host_cores or 0.0) / num_devices
 
 
 # ---- simulate ----------------------------------------------------------------------------------
