@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks.emulated_link import EmulatedZeroLink
+from benchmarks.executor_timing import PARTS
 from benchmarks.head_to_head import SYSTEMS, format_table, loss_agreement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +42,9 @@ def test_head_to_head_reduced_run_reports_all_five_systems(tmp_path: Path) -> No
         cal = row["calibration"]  # the overhead is measured on the same plan, and charged
         assert cal["action_overhead_ms"] >= 0
         assert cal["predicted_no_overhead_ms"] > 0
+        # compute through the executor's path (its parts), and the other processes' load
+        assert set(cal["executor_parts_ms"]) == set(PARTS) and cal["external_load"] >= 0
+        assert cal["predicted_no_load_ms"] > 0 and cal["predicted_layer_timing_ms"] > 0
     assert result["systems"]["deepspeed"]["bytes_modelled"] is True
     assert "| mobius |" in proc.stdout and "vs DeepSpeed" in proc.stdout
 
