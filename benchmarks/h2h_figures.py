@@ -53,7 +53,8 @@ def timelines(result: dict[str, Any], prefix: str) -> list[str]:
 
 def simulated(result: dict[str, Any], prefix: str) -> list[str]:
     """The simulator's Gantt of each calibrated rp_engine run, beside the measured one: the
-    layer times recorded by the run, byte sizes from the preset's model, the run's plan."""
+    compute times, overhead and load recorded by the run (its last repeat), byte sizes from the
+    preset's model, the run's plan."""
     from benchmarks import calibration as cal
     from benchmarks.head_to_head import PRESETS, build_model
     from rp_engine.plan.partition import LayerCosts
@@ -70,12 +71,14 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
         c = row.get("calibration")
         if not c:
             continue
+        ex = "executor_fwd_ms" in c  # compute timed through the executor's path (newer runs)
         costs = LayerCosts(
-            fwd_ms=tuple(c["layer_fwd_ms"]),
-            bwd_ms=tuple(c["layer_bwd_ms"]),
+            fwd_ms=tuple(c["executor_fwd_ms" if ex else "layer_fwd_ms"]),
+            bwd_ms=tuple(c["executor_bwd_ms" if ex else "layer_bwd_ms"]),
+            recompute_ms=tuple(c["executor_recompute_ms"]) if ex else (),
             param_bytes=tuple(nbytes),
-            head_fwd_ms=c["head_ms"][0],
-            head_bwd_ms=c["head_ms"][1],
+            head_fwd_ms=c["executor_head_ms" if ex else "head_ms"][0],
+            head_bwd_ms=c["executor_head_ms" if ex else "head_ms"][1],
             head_param_bytes=head,
             boundary_bytes=c.get("boundary_bytes", hidden),
             boundary_grad_bytes=hidden,
@@ -87,6 +90,7 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
             result["config"]["pcie_gbps"],
             c["cpu_adam_params_per_s"],
             c.get("action_overhead_ms", 0.0),
+            host_load=c.get("external_load", 0.0),
         )
         pred = cal.predict_ms(
             costs,
