@@ -206,13 +206,13 @@ def cpu_machine(
     pcie_gbps: float | None,
     adam_rate: float,
     overhead_ms: float = 0.0,
-    host_load: float = 0.0,
+    host_share: tuple[float, ...] = (),
 ) -> Machine:
     """CPU virtual devices: each direction of each device one emulated link, no shared host
     link (the emulation has none), fp32 weights (4 B/param), ``overhead_ms`` per action, taken
     in turn on one host lane (one Python process: its threads' Python work is serial), and the
-    devices' compute, the optimizer and that overhead all on this machine's cores, shared with
-    ``host_load`` runnable threads of other processes (``host_load.ExternalLoad``)."""
+    devices' compute, the optimizer and that overhead all on this machine's cores, of which
+    other processes leave ``host_share`` (``host_load.CoreShare``; empty: all of them)."""
     gbps = pcie_gbps or NO_LINK_GBPS
     return Machine(
         name=f"{num_devices} CPU virtual devices, emulated link {pcie_gbps or 'none'} GB/s",
@@ -225,7 +225,7 @@ def cpu_machine(
         action_overhead_ms=overhead_ms,
         serial_overhead=True,  # the devices' worker threads share one interpreter lock
         host_cores=float(os.cpu_count() or 1),  # devices, optimizer and overhead share them
-        host_load=host_load,
+        host_share=tuple(host_share),
     )
 
 

@@ -14,8 +14,9 @@ does layer 0, so its times are added to layer 0's.
 
 Times are CPU time (the process's, divided by the intra-op threads): what an action costs when
 it has its cores. On a shared machine the wall time of the same work depends on what else runs
-at that moment; the simulator charges that separately, from the other processes' load measured
-during the run (``host_load.ExternalLoad``, ``Machine.host_load``), so the cost must not hold it.
+at that moment; the simulator charges that separately, from the share of the cores other
+processes left the run (``host_load.CoreShare``, ``Machine.host_share``), so the cost must not
+hold it.
 """
 
 from __future__ import annotations

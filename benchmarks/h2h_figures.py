@@ -53,7 +53,7 @@ def timelines(result: dict[str, Any], prefix: str) -> list[str]:
 
 def simulated(result: dict[str, Any], prefix: str) -> list[str]:
     """The simulator's Gantt of each calibrated rp_engine run, beside the measured one: the
-    compute times, overhead and load recorded by the run (its last repeat), byte sizes from the
+    compute times, overhead and core share recorded by the run (its last repeat), byte sizes from the
     preset's model, the run's plan."""
     from benchmarks import calibration as cal
     from benchmarks.head_to_head import PRESETS, build_model
@@ -90,7 +90,7 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
             result["config"]["pcie_gbps"],
             c["cpu_adam_params_per_s"],
             c.get("action_overhead_ms", 0.0),
-            host_load=c.get("external_load", 0.0),
+            host_share=tuple(c.get("host_share", ())),
         )
         pred = cal.predict_ms(
             costs,

@@ -23,9 +23,10 @@ drift hits all alike; each process warms up, then times one window of steps sync
 its two ends. Reported: tokens/s (median over repeats), the ratio to DeepSpeed, per-step losses
 (DeepSpeed vs rp_engine sync must agree within 1e-3 relative in fp32), peak host RSS, peak device
 memory, bytes moved per step, and for every rp_engine run the simulator's predicted iteration
-time from each compute action timed through the executor's own path, the link model, the other
-processes' load on the cores during the window and the per-action host overhead measured on the
-same plan with a near-zero-compute model (``benchmarks.calibration``, ``executor_timing``).
+time from each compute action timed through the executor's own path, the link model, the share
+of the cores other processes left the run during its window and the per-action host overhead
+measured on the same plan with a near-zero-compute model (``benchmarks.calibration``,
+``executor_timing``, ``host_load``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.host_load import ExternalLoad
+from benchmarks.host_load import CoreShare
 
 SYSTEMS = ("deepspeed", "roundpipe", "roundpipe_sync", "mobius", "torch")
 RP_SYSTEMS = ("roundpipe", "roundpipe_sync", "mobius")
@@ -144,13 +145,13 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    with ExternalLoad() as load:  # other processes' demand for the cores meanwhile
+    with CoreShare() as load:  # other processes' demand for the cores meanwhile
         start = time.perf_counter()
         for _ in range(args.steps):
             losses.append(step_fn())  # device tensors: no synchronisation inside the window
         sync()
         seconds = time.perf_counter() - start
-    args.external_load = load.mean  # the calibration's machine model takes it (extra())
+    args.core_share = load  # the calibration's machine model takes it (extra())
     tokens = args.steps * preset["gas"] * preset["mbs"] * preset["seq"]
     row: dict[str, Any] = {
         "system": system,
@@ -162,7 +163,7 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
         "peak_device_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "bytes_per_step": 0,
-        "external_load": load.mean,
+        "external_load": {"threads": load.mean_threads, "sessions": load.mean_sessions},
     }
     row.update(extra())
     return row
@@ -308,8 +309,8 @@ def _calibrate(
     window: list[tuple[str, float]],
 ) -> dict[str, Any]:
     """Predict this run's iteration with the link model, each compute action's cost timed
-    through the executor's own path (``executor_timing.executor_costs``, CPU time), the other
-    processes' load on the cores measured over the run's window (``host_load.ExternalLoad``),
+    through the executor's own path (``executor_timing.executor_costs``, CPU time), the share
+    of the cores other processes left it over the run's window (``host_load.CoreShare``),
     and the per-action host overhead measured on the same plan with a near-zero-compute model
     whose compute is timed the same way (``_overhead_run``, ``calibration.solve_overhead``).
     For comparison: the same with the plain layer timing (``calibration.layer_costs``), without
@@ -327,7 +328,9 @@ def _calibrate(
     costs = cal.layer_costs(model, mbs, seq, threads=threads)
     timing = executor_costs(model, costs, mbs, seq, threads=threads)
     rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
-    load = getattr(args, "external_load", 0.0)  # measured over this run's window
+    window_share = getattr(args, "core_share", None) or CoreShare()  # over this run's window
+    cores, k_max = float(os.cpu_count() or 1), n + 2  # devices, host overhead, optimizer
+    share = window_share.shares(cores, k_max)
     shape = {
         "schedule": plan.schedule,
         "fwd_cuts": plan.fwd_cuts,
@@ -336,18 +339,18 @@ def _calibrate(
         "round_size": plan.round_size,
         "async_optimizer": async_optimizer,
     }
-    tiny_costs, tiny_rate, tiny_ms, tiny_load = _overhead_run(preset, shape, n)
-    tiny_machine = cal.cpu_machine(n, None, tiny_rate, host_load=tiny_load)
+    tiny_costs, tiny_rate, tiny_ms, tiny_share = _overhead_run(preset, shape, n)
+    tiny_machine = cal.cpu_machine(n, None, tiny_rate, host_share=tiny_share.shares(cores, k_max))
     solved = cal.solve_overhead(tiny_costs, tiny_machine, tiny_ms, **shape)
-    solved["external_load"] = tiny_load
+    solved["host_share"] = list(tiny_machine.host_share)
     overhead = solved["overhead_ms"]
-    machine = cal.cpu_machine(n, args.pcie_gbps, rate, overhead, host_load=load)
+    machine = cal.cpu_machine(n, args.pcie_gbps, rate, overhead, host_share=share)
 
     def predict(c: Any, m: Any = machine) -> dict[str, Any]:
         return cal.predict_ms(c, m, **shape)
 
     pred = predict(timing.costs)
-    bare = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, host_load=load))
+    bare = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, host_share=share))
     no_load = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, overhead))
     in_run, factors = cal.in_run_costs(timing.costs, plan.fwd_cuts, plan.bwd_cuts, window)
     ex = timing.costs
@@ -357,7 +360,11 @@ def _calibrate(
         "predicted_no_load_ms": no_load["iteration_ms"],
         "predicted_layer_timing_ms": predict(costs)["iteration_ms"],
         "action_overhead_ms": overhead,
-        "external_load": load,
+        "host_share": list(share),
+        "external_load": {
+            "threads": window_share.mean_threads,
+            "sessions": window_share.mean_sessions,
+        },
         "overhead_run": solved,
         "executor_parts_ms": timing.parts_ms,
         "predicted_in_run_ms": predict(in_run)["iteration_ms"],
@@ -387,12 +394,12 @@ OVERHEAD_SHAPE = {  # the near-zero-compute model of the overhead run: the layer
 
 def _overhead_run(
     preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int = 2, steps: int = 6
-) -> tuple[Any, float, float, float]:
+) -> tuple[Any, float, float, CoreShare]:
     """The engine on the same plan (``shape``: schedule, cuts, round size, optimizer mode;
     same devices, micro-batches, tokens, layer count) with a near-zero-compute model and no
     emulated link: returns that model's costs timed through the executor's path, its CPU Adam
     rate, the measured ms per step (timed between two synchronisations, as the real run) and the
-    other processes' load meanwhile."""
+    other processes' demand for the cores meanwhile."""
     import rp_engine
     from benchmarks import calibration as cal
 
@@ -412,7 +419,7 @@ def _overhead_run(
         for _ in range(warmup):
             engine.train_batch(it)
         engine.synchronize()
-        with ExternalLoad() as load:
+        with CoreShare() as load:
             start = time.perf_counter()
             for _ in range(steps):
                 engine.train_batch(it)
@@ -431,7 +438,7 @@ def _overhead_run(
     # (replica load, fold, release, the wrapper) count once: in compute, not in the overhead
     costs = executor_costs(model, costs, tiny["mbs"], tiny["seq"], threads=threads).costs
     rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
-    return costs, rate, ms, load.mean
+    return costs, rate, ms, load
 
 
 _SETUP = {
@@ -508,11 +515,11 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                     out[key] = statistics.median(got)
             pred, run = out["predicted_ms"], out["predicted_in_run_ms"]
             out.update(error=(pred - meas) / meas, error_in_run=(run - meas) / meas)
-            # each repeat against its own measured step (its load was measured during it)
+            # each repeat against its own measured step (its core share was measured during it)
             out["repeats"] = [
                 {"predicted_ms": c["predicted_ms"], "measured_ms": m,
                  "error": (c["predicted_ms"] - m) / m,
-                 "external_load": c.get("external_load")}
+                 "host_share": c.get("host_share")}
                 for c, m in cal
             ]  # fmt: skip
             last["calibration"] = out

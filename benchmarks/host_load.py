@@ -1,65 +1,98 @@
-"""Other processes' demand for this machine's cores while a measured window runs.
+"""The share of this machine's cores a run gets beside other processes, measured during it.
 
 On a shared machine the run's CPU virtual devices compete for the cores with whatever else runs.
-``ExternalLoad`` samples, on a background thread, the system's runnable threads (``/proc/loadavg``
-field 4, ``running/total``) and this process's own (``/proc/self/task/*/stat`` in state R), and
-reports the mean of the difference: the other processes' runnable threads. That is demand, not
-consumption: a thread of theirs counts whether or not it got a core, so the figure does not grow
-when this process idles (the CPU time they used would: they take what it leaves). The simulator
-takes it as ``Machine.host_load`` (each such thread one more equal sharer of the host cores).
-Linux only; elsewhere ``mean`` is 0 and ``samples`` 0.
+Linux shares the cores fairly between *sessions* first (autogroups, on by default:
+``/proc/sys/kernel/sched_autogroup_enabled``), then between the threads of each: a process with
+two busy threads beside two other busy sessions gets 2/3 of the 2 cores, not 2 x 2/(2 + 2).
+(Measured here: at 5.5 runnable threads of others, the run's compute threads ran 1.8x slower
+than their CPU time, where per-thread fairness says 3.3-3.8x.)
+
+``CoreShare`` samples, on a background thread, every thread of every other session in state R
+(``/proc/*/task/*/stat``: state and session), i.e. each session's *demand* in threads. A thread
+counts whether or not it got a core, so the figure does not grow when this process idles (the
+CPU time the others used would: they take what it leaves). ``share(cores, k)`` is then the mean
+over samples of the cores this process gets when ``k`` of its threads want them, water-filling
+the cores between the sessions' demands; ``Machine.host_share`` takes it (k = 1, 2, ...).
+Linux only; elsewhere there are no samples and the share is all the cores.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["ExternalLoad", "runnable_counts"]
+__all__ = ["CoreShare", "other_sessions_demand", "water_fill"]
 
-_LOADAVG = Path("/proc/loadavg")
-_TASKS = Path("/proc/self/task")
+_PROC = Path("/proc")
 
 
-def runnable_counts() -> tuple[int, int] | None:
-    """(runnable threads system-wide, runnable threads of this process), or None without /proc."""
+def other_sessions_demand() -> list[int] | None:
+    """Runnable threads per session other than this process's, or None without /proc."""
+    me = os.getsid(0)
+    per: Counter[int] = Counter()
     try:
-        running = int(_LOADAVG.read_text().split()[3].split("/")[0])
-        mine = 0
-        for task in os.listdir(_TASKS):
-            try:
-                stat = (_TASKS / task / "stat").read_text()
-            except OSError:  # the thread ended meanwhile
-                continue
-            mine += stat[stat.rindex(")") + 2] == "R"  # the state follows the "(name)"
-    except (OSError, IndexError, ValueError):
+        pids = [p for p in os.listdir(_PROC) if p.isdigit()]
+    except OSError:
         return None
-    return running, mine
+    for pid in pids:
+        try:
+            tasks = os.listdir(_PROC / pid / "task")
+        except OSError:  # the process ended meanwhile
+            continue
+        for task in tasks:
+            try:
+                stat = (_PROC / pid / "task" / task / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # state ppid pgrp session ...
+            if fields[0] == "R" and int(fields[3]) != me:
+                per[int(fields[3])] += 1
+    return list(per.values())
 
 
-class ExternalLoad:
-    """``with ExternalLoad() as load: ...`` then ``load.mean``: the other processes' runnable
-    threads, averaged over samples every ``interval_s`` (and one at each end). The sampler itself
-    is a thread of this process, so it never counts as external."""
+def water_fill(cores: float, demands: list[float]) -> list[float]:
+    """Cores each demand gets: equal shares, a demand below its share gets just that, and what
+    it leaves goes to the others (max-min fairness)."""
+    got = [0.0] * len(demands)
+    left, todo = cores, sorted(range(len(demands)), key=lambda i: demands[i])
+    while todo:
+        fair = left / len(todo)
+        i = todo[0]
+        if demands[i] <= fair:
+            got[i] = demands[i]
+            left -= demands[i]
+            todo.pop(0)
+        else:
+            for j in todo:
+                got[j] = fair
+            break
+    return got
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+
+class CoreShare:
+    """``with CoreShare() as s: ...`` then ``s.share(cores, k)`` (see the module docstring),
+    ``s.mean_threads`` (the others' runnable threads) and ``s.mean_sessions`` (how many other
+    sessions had one), averaged over samples every ``interval_s`` and one at each end."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
         self.interval_s = interval_s
-        self._values: list[int] = []
+        self.samples: list[list[int]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="external-load", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="core-share", daemon=True)
 
     def _sample(self) -> None:
-        got = runnable_counts()
+        got = other_sessions_demand()
         if got is not None:
-            self._values.append(max(got[0] - got[1], 0))
+            self.samples.append(got)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
-    def __enter__(self) -> ExternalLoad:
+    def __enter__(self) -> CoreShare:
         self._sample()
         self._thread.start()
         return self
@@ -75,9 +108,21 @@ class ExternalLoad:
         self._sample()
 
     @property
-    def samples(self) -> int:
-        return len(self._values)
+    def mean_threads(self) -> float:
+        return sum(map(sum, self.samples)) / len(self.samples) if self.samples else 0.0
 
     @property
-    def mean(self) -> float:
-        return sum(self._values) / len(self._values) if self._values else 0.0
+    def mean_sessions(self) -> float:
+        return sum(map(len, self.samples)) / len(self.samples) if self.samples else 0.0
+
+    def share(self, cores: float, k: int) -> float:
+        """Mean cores this process gets with ``k`` threads wanting them (``cores`` without
+        samples), never more than ``min(k, cores)``."""
+        if not self.samples:
+            return min(float(k), cores)
+        got = [water_fill(cores, [float(k), *map(float, s)])[0] for s in self.samples]
+        return sum(got) / len(got)
+
+    def shares(self, cores: float, k_max: int) -> tuple[float, ...]:
+        """``share(cores, k)`` for k = 1 .. ``k_max`` (``Machine.host_share``)."""
+        return tuple(self.share(cores, k) for k in range(1, k_max + 1))

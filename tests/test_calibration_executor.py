@@ -8,7 +8,7 @@ import pytest
 from benchmarks import calibration
 from benchmarks.executor_timing import PARTS, executor_costs
 from benchmarks.head_to_head import PRESETS, build_model
-from benchmarks.host_load import ExternalLoad, runnable_counts
+from benchmarks.host_load import CoreShare, other_sessions_demand, water_fill
 
 TINY = PRESETS["tiny"]
 
@@ -41,21 +41,34 @@ def test_executor_costs_refuse_base_costs_of_another_model(model) -> None:  # ty
         executor_costs(model, other, TINY["mbs"], TINY["seq"], threads=1, reps=1)
 
 
-def test_external_load_counts_other_processes_not_this_one() -> None:
-    """This process's own busy thread is never external load; a figure is always there."""
+def test_water_fill_gives_each_session_its_fair_share_or_its_demand() -> None:
+    assert water_fill(2.0, [2, 2, 1]) == pytest.approx([2 / 3] * 3)  # three busy sessions
+    assert water_fill(2.0, [2, 0.5]) == pytest.approx([1.5, 0.5])  # a light one leaves the rest
+    assert water_fill(2.0, [1]) == [1]  # one thread: one core, however many there are
+    assert water_fill(2.0, []) == []
+
+
+def test_core_share_counts_other_sessions_not_this_one() -> None:
+    """This process's own busy thread is never another session's demand; without samples (or
+    with no one else) the run has every core it asks for."""
     import time
 
-    with ExternalLoad(interval_s=0.01) as load:
+    with CoreShare(interval_s=0.01) as got:
         end = time.perf_counter() + 0.1
         while time.perf_counter() < end:  # this process runnable throughout
             pass
-    assert load.samples >= 2 and load.mean >= 0
-    got = runnable_counts()
-    if got is not None:  # Linux: the system's runnable threads include this one
-        assert got[0] >= got[1] >= 1
+    assert len(got.samples) >= 2 and got.mean_threads >= got.mean_sessions >= 0
+    idle = CoreShare()
+    assert idle.shares(2.0, 3) == (1.0, 2.0, 2.0)
+    idle.samples = [[1], [1, 1]]  # one, then two other sessions with a busy thread
+    assert idle.share(2.0, 1) == pytest.approx((1.0 + 2 / 3) / 2)
+    assert idle.share(2.0, 2) == pytest.approx((1.0 + 2 / 3) / 2)
+    demand = other_sessions_demand()
+    if demand is not None:  # Linux
+        assert all(n >= 1 for n in demand)
 
 
-def test_cpu_machine_takes_the_measured_load() -> None:
-    m = calibration.cpu_machine(2, 0.1, 1e9, 0.5, host_load=1.5)
-    assert (m.host_load, m.action_overhead_ms, m.serial_overhead) == (1.5, 0.5, True)
-    assert calibration.cpu_machine(2, None, 1e9).host_load == 0.0
+def test_cpu_machine_takes_the_measured_share() -> None:
+    m = calibration.cpu_machine(2, 0.1, 1e9, 0.5, host_share=(1.0, 1.5))
+    assert (m.host_share, m.action_overhead_ms, m.serial_overhead) == ((1.0, 1.5), 0.5, True)
+    assert calibration.cpu_machine(2, None, 1e9).host_share == ()

@@ -33,8 +33,9 @@ and the host overhead all run on the same few cores. Each is then work in core-m
 profiled time x its share of the cores, the pool's intra-op split; an optimizer step's time x
 all cores, as DeepSpeed's CPU Adam was timed; the overhead x one core), served like bytes on a
 link: at most its own cores, and an equal share of the host's when more want them than exist.
-On a shared host, ``Machine.host_load`` other processes' runnable threads are equal sharers of
-the host's cores too: n of the run's tasks on them get ``host_cores / (n + host_load)`` each.
+On a shared host, ``Machine.host_share[k - 1]`` is the cores' worth the run gets while k of its
+tasks want them (other processes take the rest; measured during a run); k beyond the table
+takes its last entry.
 
 A backward action is two phases: recompute (needs the saved input) and backward (needs the
 upstream gradient). RoundPipe starts the recompute as soon as its input exists ("early"); bound
@@ -93,8 +94,8 @@ class Machine:
     holds the one interpreter lock; the CPU virtual devices), instead of on each stream's own.
     ``host_cores``: the devices are CPU virtual devices computing on this many host cores, which
     the host optimizer and the host overhead use too (see the module docstring); None: devices
-    have their own compute (GPUs). ``host_load``: other processes' runnable threads sharing those
-    cores (measured during a run: benchmarks/host_load.py); 0 on a machine of its own.
+    have their own compute (GPUs). ``host_share``: on a shared host, the cores the run gets while
+    k = 1, 2, ... of its tasks want them (benchmarks/host_load.py); empty: all ``host_cores``.
     """
 
     name: str
@@ -112,7 +113,7 @@ class Machine:
     action_overhead_ms: float = 0.0
     serial_overhead: bool = False  # every lane's overhead on one host lane (one interpreter lock)
     host_cores: float | None = None  # devices compute on the host's cores (CPU virtual devices)
-    host_load: float = 0.0  # other processes' runnable threads on those cores
+    host_share: tuple[float, ...] = ()  # cores the run gets with k = 1, 2, ... tasks on them
     info: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -133,8 +134,8 @@ class Machine:
         bad = {k: v for k, v in positive.items() if not v > 0}
         if bad:
             raise ValueError(f"machine {self.name!r}: these must be > 0: {bad}")
-        if not self.host_load >= 0:
-            raise ValueError(f"machine {self.name!r}: host_load must be >= 0, got {self.host_load}")
+        if any(not v > 0 for v in self.host_share):
+            raise ValueError(f"machine {self.name!r}: host_share must be > 0: {self.host_share}")
         if not self.action_overhead_ms >= 0:
             raise ValueError(
                 f"machine {self.name!r}: action_overhead_ms must be >= 0, got "
@@ -150,6 +151,8 @@ class Machine:
         kwargs = {k: v for k, v in data.items() if k in names}
         if kwargs.get("device_order") is not None:
             kwargs["device_order"] = tuple(kwargs["device_order"])
+        if kwargs.get("host_share") is not None:
+            kwargs["host_share"] = tuple(kwargs["host_share"])
         return cls(**kwargs)
 
 
@@ -625,9 +628,8 @@ class _Engine:
         self.tasks, self.plan = tasks, plan
         self.caps = _link_caps(machine, plan.num_devices) if machine else {}
         # other processes' runnable threads: equal sharers of the host's cores
-        self.extra_load = (
-            {("cores", 0): machine.host_load} if machine and machine.host_cores else {}
-        )
+        # the cores' worth the run gets beside other processes, by how many of its tasks want them
+        self.share = tuple(machine.host_share) if machine and machine.host_cores else ()
         self.waiting = [len(t.deps) for t in tasks]
         self.ready_at = [0.0] * len(tasks)
         self.succ: list[list[tuple[int, float]]] = [[] for _ in tasks]
@@ -728,16 +730,17 @@ class _Engine:
             self.copies[i] -= self.rates[i] * dt
 
     def _rebalance(self) -> None:
-        load: dict[tuple[str, int], float] = defaultdict(float)
+        load: dict[tuple[str, int], int] = defaultdict(int)
         for i in self.copies:
             for link in self.tasks[i].links:
                 load[link] += 1
-        for link, extra in self.extra_load.items():
-            if link in load:
-                load[link] += extra
+        caps = self.caps
+        k = load.get(("cores", 0), 0)
+        if self.share and k:  # what other processes leave the run's k tasks on the cores
+            got = self.share[min(k, len(self.share)) - 1]
+            caps = {**caps, ("cores", 0): min(caps[("cores", 0)], got)}
         self.rates = {
-            i: min(self.caps[link] / load[link] for link in self.tasks[i].links)
-            for i in self.copies
+            i: min(caps[link] / load[link] for link in self.tasks[i].links) for i in self.copies
         }
 
     def _finish_copies(self, now: float) -> None:
