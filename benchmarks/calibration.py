@@ -240,8 +240,11 @@ def predict_ms(
     round_size: int,
     async_optimizer: bool,
     iterations: int = 4,
+    global_norm: bool = False,
 ) -> dict[str, Any]:
-    """The simulator's steady-state iteration (ms) for the engine's plan on ``machine``."""
+    """The simulator's steady-state iteration (ms) for the engine's plan on ``machine``;
+    ``global_norm``: the run clips by the global norm, so no layer steps before every gradient
+    of its iteration is in (``simulate``)."""
     kwargs: dict[str, Any] = {
         "fwd_cuts": tuple(fwd_cuts),
         "num_devices": machine.num_devices,
@@ -253,7 +256,11 @@ def predict_ms(
         kwargs.update(bwd_cuts=tuple(bwd_cuts), round_size=round_size)
     plan = schedules.build(schedule, num_iterations=iterations, **kwargs)
     result = simulate(
-        plan, costs, machine=machine, optimizer="async" if async_optimizer else "sync"
+        plan,
+        costs,
+        machine=machine,
+        optimizer="async" if async_optimizer else "sync",
+        global_norm=global_norm,
     )
     return {
         "iteration_ms": result.iteration_ms,

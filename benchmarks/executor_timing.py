@@ -21,16 +21,17 @@ hold it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from rp_engine.plan.partition import LayerCosts
 
-__all__ = ["ExecutorTiming", "executor_costs", "PARTS"]
+__all__ = ["ExecutorTiming", "executor_costs", "compute_cpu_spans", "PARTS"]
 
 # the parts of a compute action, as timed (ms per micro-batch, summed over the layers)
 PARTS = (
@@ -246,3 +247,37 @@ def _with_grad_input(state: dict[str, Any]) -> dict[str, Any]:
     out = {k: v.detach() for k, v in state.items()}
     out["hidden"].requires_grad_(True)
     return out
+
+
+@contextlib.contextmanager
+def compute_cpu_spans(wall: bool = False) -> Iterator[list[tuple[str, float]]]:
+    """Within the block, every compute action an rp_engine ``Executor`` runs appends (its text,
+    e.g. "B2.3@1", seconds) to the yielded list: the CPU time of its body on its device's
+    compute thread (``time.thread_time``: its work, not the time it waited for a core or the
+    interpreter lock), or its wall time with ``wall`` (a device with several intra-op threads,
+    whose work the compute thread alone does not hold). The body is the executor's own path:
+    replica loads, the stage call through the layer wrapper, recompute and backward.
+
+    It wraps ``Executor._launch`` (private: the one place a compute action's body is known) for
+    the block only; a benchmark's instrument, not part of the engine."""
+    from rp_engine.runtime.executor import Executor
+
+    spans: list[tuple[str, float]] = []
+    clock = time.perf_counter if wall else time.thread_time
+    launch = Executor._launch
+
+    def timed_launch(
+        self: Any, ctx: Any, a: Any, layers: Any, inputs: Any, body: Any, **kw: Any
+    ) -> Any:
+        def timed(device: Any, weights: Any) -> None:
+            start = clock()
+            body(device, weights)
+            spans.append((str(a), clock() - start))
+
+        return launch(self, ctx, a, layers, inputs, timed, **kw)
+
+    Executor._launch = timed_launch  # type: ignore[method-assign]
+    try:
+        yield spans
+    finally:
+        Executor._launch = launch  # type: ignore[method-assign]

@@ -71,14 +71,15 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
         c = row.get("calibration")
         if not c:
             continue
-        ex = "executor_fwd_ms" in c  # compute timed through the executor's path (newer runs)
+        # the prediction's compute: in-engine CPU cost of the executor path (newer runs)
+        ex = "engine_fwd_ms" in c
         costs = LayerCosts(
-            fwd_ms=tuple(c["executor_fwd_ms" if ex else "layer_fwd_ms"]),
-            bwd_ms=tuple(c["executor_bwd_ms" if ex else "layer_bwd_ms"]),
-            recompute_ms=tuple(c["executor_recompute_ms"]) if ex else (),
+            fwd_ms=tuple(c["engine_fwd_ms" if ex else "layer_fwd_ms"]),
+            bwd_ms=tuple(c["engine_bwd_ms" if ex else "layer_bwd_ms"]),
+            recompute_ms=tuple(c["engine_recompute_ms"]) if ex else (),
             param_bytes=tuple(nbytes),
-            head_fwd_ms=c["executor_head_ms" if ex else "head_ms"][0],
-            head_bwd_ms=c["executor_head_ms" if ex else "head_ms"][1],
+            head_fwd_ms=c["engine_head_ms" if ex else "head_ms"][0],
+            head_bwd_ms=c["engine_head_ms" if ex else "head_ms"][1],
             head_param_bytes=head,
             boundary_bytes=c.get("boundary_bytes", hidden),
             boundary_grad_bytes=hidden,
@@ -101,6 +102,7 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
             num_microbatches=preset["gas"],
             round_size=row["round_size"],
             async_optimizer=name == "roundpipe",
+            global_norm=ex,  # clipping 1.0: modelled in runs from this version on
         )
         path = f"{prefix}_simulated_{name}.png"
         render.write_png(pred["result"], path, title=f"{name} (simulated, 4 iterations)")

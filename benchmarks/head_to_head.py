@@ -308,29 +308,26 @@ def _calibrate(
     async_optimizer: bool,
     window: list[tuple[str, float]],
 ) -> dict[str, Any]:
-    """Predict this run's iteration with the link model, each compute action's cost timed
-    through the executor's own path (``executor_timing.executor_costs``, CPU time), the share
-    of the cores other processes left it over the run's window (``host_load.CoreShare``),
-    and the per-action host overhead measured on the same plan with a near-zero-compute model
-    whose compute is timed the same way (``_overhead_run``, ``calibration.solve_overhead``).
-    For comparison: the same with the plain layer timing (``calibration.layer_costs``), without
-    the load, and without the overhead; as a diagnostic, the layer shape rescaled to the compute
-    spans the run measured (``calibration.in_run_costs``: on CPU virtual devices those include
-    the time a device thread waits for a core or the GIL, so they overstate compute;
-    benchmarks/RESULTS.md)."""
+    """Predict this run's iteration (benchmarks/RESULTS.md, "Calibration") from:
+
+    - compute: each compute action's body through the executor's own path, as CPU time. Timed
+      in isolation, by part (``executor_timing.executor_costs``), then rescaled per kind of slot
+      to the CPU time the same actions took inside the engine on the same plan, run again with
+      this model and no emulated link (``_plan_run``); never the measured run's own figures;
+    - the link model, and the share of the cores other sessions left the run over its measured
+      window (``host_load.CoreShare``);
+    - the per-action host overhead, solved on the same plan run with a near-zero-compute model
+      whose compute is taken the same way (``_overhead_run``, ``calibration.solve_overhead``).
+
+    For comparison: the isolated executor path alone, the plain layer timing
+    (``calibration.layer_costs``), without the other sessions, without the overhead; as a
+    diagnostic, the layer shape rescaled to the measured run's own compute spans (wall time:
+    they include waits for a core or the GIL, so they overstate compute)."""
     from benchmarks import calibration as cal
-    from benchmarks.executor_timing import executor_costs
 
     engine.synchronize()
     plan = engine.planner
     n = plan.num_devices
-    mbs, seq, threads = preset["mbs"], preset["seq"], cal.default_threads(n)
-    costs = cal.layer_costs(model, mbs, seq, threads=threads)
-    timing = executor_costs(model, costs, mbs, seq, threads=threads)
-    rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
-    window_share = getattr(args, "core_share", None) or CoreShare()  # over this run's window
-    cores, k_max = float(os.cpu_count() or 1), n + 2  # devices, host overhead, optimizer
-    share = window_share.shares(cores, k_max)
     shape = {
         "schedule": plan.schedule,
         "fwd_cuts": plan.fwd_cuts,
@@ -338,7 +335,14 @@ def _calibrate(
         "num_microbatches": plan.num_microbatches,
         "round_size": plan.round_size,
         "async_optimizer": async_optimizer,
+        "global_norm": True,  # gradient_clipping 1.0 (ds_config): steps wait for the global norm
     }
+    rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
+    window_share = getattr(args, "core_share", None) or CoreShare()  # over this run's window
+    cores, k_max = float(os.cpu_count() or 1), n + 2  # devices, host overhead, optimizer
+    share = window_share.shares(cores, k_max)
+    twin, _, _, spans = _plan_run(preset, shape, n, warmup=2, steps=3)
+    plain, timing, costs, engine_factors = _in_engine_costs(twin, preset, shape, n, spans)
     tiny_costs, tiny_rate, tiny_ms, tiny_share = _overhead_run(preset, shape, n)
     tiny_machine = cal.cpu_machine(n, None, tiny_rate, host_share=tiny_share.shares(cores, k_max))
     solved = cal.solve_overhead(tiny_costs, tiny_machine, tiny_ms, **shape)
@@ -349,16 +353,17 @@ def _calibrate(
     def predict(c: Any, m: Any = machine) -> dict[str, Any]:
         return cal.predict_ms(c, m, **shape)
 
-    pred = predict(timing.costs)
-    bare = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, host_share=share))
-    no_load = predict(timing.costs, cal.cpu_machine(n, args.pcie_gbps, rate, overhead))
+    pred = predict(costs)
+    bare = predict(costs, cal.cpu_machine(n, args.pcie_gbps, rate, host_share=share))
+    no_load = predict(costs, cal.cpu_machine(n, args.pcie_gbps, rate, overhead))
     in_run, factors = cal.in_run_costs(timing.costs, plan.fwd_cuts, plan.bwd_cuts, window)
     ex = timing.costs
     return {
         "predicted_ms": pred["iteration_ms"],
         "predicted_no_overhead_ms": bare["iteration_ms"],
         "predicted_no_load_ms": no_load["iteration_ms"],
-        "predicted_layer_timing_ms": predict(costs)["iteration_ms"],
+        "predicted_isolated_ms": predict(ex)["iteration_ms"],
+        "predicted_layer_timing_ms": predict(plain)["iteration_ms"],
         "action_overhead_ms": overhead,
         "host_share": list(share),
         "external_load": {
@@ -367,20 +372,25 @@ def _calibrate(
         },
         "overhead_run": solved,
         "executor_parts_ms": timing.parts_ms,
+        "in_engine_factors": engine_factors,
         "predicted_in_run_ms": predict(in_run)["iteration_ms"],
-        "boundary_bytes": costs.boundary_bytes,
-        "batch_bytes": costs.batch_bytes,
+        "boundary_bytes": plain.boundary_bytes,
+        "batch_bytes": plain.batch_bytes,
         "in_run_factors": factors,
         "predicted_compute_ms": pred["compute_ms_per_iteration"],
         "predicted_bubble": pred["bubble_ratio"],
         "predicted_bytes": pred["bytes_moved_per_iteration"],
-        "layer_fwd_ms": list(costs.fwd_ms),
-        "layer_bwd_ms": list(costs.bwd_ms),
-        "head_ms": [costs.head_fwd_ms, costs.head_bwd_ms],
+        "layer_fwd_ms": list(plain.fwd_ms),
+        "layer_bwd_ms": list(plain.bwd_ms),
+        "head_ms": [plain.head_fwd_ms, plain.head_bwd_ms],
         "executor_fwd_ms": list(ex.fwd_ms),
         "executor_recompute_ms": list(ex.recompute_ms),
         "executor_bwd_ms": list(ex.bwd_ms),
         "executor_head_ms": [ex.head_fwd_ms, ex.head_bwd_ms],
+        "engine_fwd_ms": list(costs.fwd_ms),
+        "engine_recompute_ms": list(costs.recompute_ms),
+        "engine_bwd_ms": list(costs.bwd_ms),
+        "engine_head_ms": [costs.head_fwd_ms, costs.head_bwd_ms],
         "cpu_adam_params_per_s": rate,
         "machine": machine.name,
     }
@@ -392,19 +402,19 @@ OVERHEAD_SHAPE = {  # the near-zero-compute model of the overhead run: the layer
 }  # fmt: skip
 
 
-def _overhead_run(
-    preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int = 2, steps: int = 6
-) -> tuple[Any, float, float, CoreShare]:
-    """The engine on the same plan (``shape``: schedule, cuts, round size, optimizer mode;
-    same devices, micro-batches, tokens, layer count) with a near-zero-compute model and no
-    emulated link: returns that model's costs timed through the executor's path, its CPU Adam
-    rate, the measured ms per step (timed between two synchronisations, as the real run) and the
-    other processes' demand for the cores meanwhile."""
+def _plan_run(
+    preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int, steps: int
+) -> tuple[Any, float, CoreShare, list[tuple[str, float]]]:
+    """The engine on the measured run's plan (``shape``: schedule, cuts, round size, optimizer
+    mode; same devices, micro-batches, tokens, layer count) with ``preset``'s model and no
+    emulated link. Returns the model, the ms per step (timed between two synchronisations, as
+    the real run), the cores other sessions left it meanwhile, and the CPU time of each compute
+    action's body in the timed steps (``executor_timing.compute_cpu_spans``)."""
     import rp_engine
     from benchmarks import calibration as cal
+    from benchmarks.executor_timing import compute_cpu_spans
 
-    tiny = {**preset, **OVERHEAD_SHAPE}
-    cfg = ds_config(tiny, devices=f"cpu:{num_devices}", pcie_gbps=None)
+    cfg = ds_config(preset, devices=f"cpu:{num_devices}", pcie_gbps=None)
     cfg["roundpipe"].update(
         async_optimizer=shape["async_optimizer"],
         schedule=shape["schedule"],
@@ -412,14 +422,15 @@ def _overhead_run(
     )
     if shape["schedule"] != "mobius":  # Mobius binds its blocks itself (the same cuts)
         cfg["roundpipe"].update(fwd_cuts=list(shape["fwd_cuts"]), bwd_cuts=list(shape["bwd_cuts"]))
-    model = build_model(tiny)
+    model = build_model(preset)
     engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+    wall = cal.default_threads(num_devices) > 1  # the compute thread alone holds its CPU time
     try:
-        it = iter(batches(tiny, (warmup + steps) * tiny["gas"]))
+        it = iter(batches(preset, (warmup + steps) * preset["gas"]))
         for _ in range(warmup):
             engine.train_batch(it)
         engine.synchronize()
-        with CoreShare() as load:
+        with CoreShare() as load, compute_cpu_spans(wall) as spans:
             start = time.perf_counter()
             for _ in range(steps):
                 engine.train_batch(it)
@@ -429,14 +440,38 @@ def _overhead_run(
     finally:
         engine.destroy()
     if ran != (tuple(shape["fwd_cuts"]), tuple(shape["bwd_cuts"])):
-        raise RuntimeError(f"overhead run planned {ran}, not the measured run's cuts")
+        raise RuntimeError(f"a calibration run planned {ran}, not the measured run's cuts")
+    return model, ms, load, spans
+
+
+def _in_engine_costs(
+    model: Any, preset: dict[str, Any], shape: dict[str, Any], num_devices: int, spans: list
+) -> tuple[Any, Any, Any, dict[str, float]]:
+    """``model``'s plain layer costs, its executor-path costs (isolated, by part) and the same
+    rescaled, per kind of slot, to the CPU time its compute actions took inside the engine
+    (``spans``: ``calibration.in_run_costs``), with the factors."""
+    from benchmarks import calibration as cal
     from benchmarks.executor_timing import executor_costs
 
     threads = cal.default_threads(num_devices)
-    costs = cal.layer_costs(model, tiny["mbs"], tiny["seq"], threads=threads)
-    # the same executor path as the real prediction's compute, so its fixed per-action parts
-    # (replica load, fold, release, the wrapper) count once: in compute, not in the overhead
-    costs = executor_costs(model, costs, tiny["mbs"], tiny["seq"], threads=threads).costs
+    plain = cal.layer_costs(model, preset["mbs"], preset["seq"], threads=threads)
+    timing = executor_costs(model, plain, preset["mbs"], preset["seq"], threads=threads)
+    costs, factors = cal.in_run_costs(timing.costs, shape["fwd_cuts"], shape["bwd_cuts"], spans)
+    return plain, timing, costs, factors
+
+
+def _overhead_run(
+    preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int = 2, steps: int = 6
+) -> tuple[Any, float, float, CoreShare]:
+    """``_plan_run`` with a near-zero-compute model (``OVERHEAD_SHAPE``): returns its compute
+    costs as they ran in the engine (``_in_engine_costs``, so the fixed per-action parts of a
+    compute body count once: in compute, not in the overhead), its CPU Adam rate, the measured
+    ms per step and the cores other sessions left it."""
+    from benchmarks import calibration as cal
+
+    tiny = {**preset, **OVERHEAD_SHAPE}
+    model, ms, load, spans = _plan_run(tiny, shape, num_devices, warmup, steps)
+    _, _, costs, _ = _in_engine_costs(model, tiny, shape, num_devices, spans)
     rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
     return costs, rate, ms, load
 
@@ -480,6 +515,7 @@ _PREDICTIONS = (
     "predicted_in_run_ms",
     "predicted_no_overhead_ms",
     "predicted_no_load_ms",
+    "predicted_isolated_ms",
     "predicted_layer_timing_ms",
 )
 

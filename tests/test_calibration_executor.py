@@ -72,3 +72,30 @@ def test_cpu_machine_takes_the_measured_share() -> None:
     m = calibration.cpu_machine(2, 0.1, 1e9, 0.5, host_share=(1.0, 1.5))
     assert (m.host_share, m.action_overhead_ms, m.serial_overhead) == ((1.0, 1.5), 0.5, True)
     assert calibration.cpu_machine(2, None, 1e9).host_share == ()
+
+
+def test_compute_cpu_spans_record_every_compute_action_of_a_step() -> None:
+    """Inside the block each compute action the engine runs is recorded once (its text and
+    its CPU time); outside it the executor is untouched."""
+    import rp_engine
+    from benchmarks.executor_timing import compute_cpu_spans
+    from benchmarks.head_to_head import batches, ds_config
+    from rp_engine.plan.actions import Op, parse_action
+    from rp_engine.runtime.executor import Executor
+
+    launch = Executor._launch
+    cfg = ds_config(TINY, devices="cpu:2", pcie_gbps=None)
+    engine, _, _, _ = rp_engine.initialize(model=build_model(TINY), config=cfg)
+    try:
+        it = iter(batches(TINY, 2 * TINY["gas"]))
+        engine.train_batch(it)
+        engine.synchronize()
+        with compute_cpu_spans() as spans:
+            engine.train_batch(it)
+            engine.synchronize()
+        timeline = [r.action for r in engine.last_timeline() if r.stream == "compute"]
+    finally:
+        engine.destroy()
+    assert Executor._launch is launch
+    assert sorted(text for text, _ in spans) == sorted(timeline)
+    assert all(parse_action(t).op in (Op.FWD, Op.HEAD, Op.BWD) and s >= 0 for t, s in spans)

@@ -806,6 +806,7 @@ def simulate(
     early_recompute: bool | None = None,
     align_recompute: bool = True,
     comm_ms: float | None = None,
+    global_norm: bool = False,
 ) -> SimResult:
     """Simulate ``plan`` (one or several iterations) with ``costs``.
 
@@ -814,7 +815,10 @@ def simulate(
     lowered first (transfers, optimizer steps) and every transfer moves bytes over links.
     ``optimizer`` "sync": iteration i computes on the weights of step i-1; "async" (staleness
     1): on those of step i-2, so the optimizer overlaps the next iteration. Default: the
-    plan's, else "sync".
+    plan's, else "sync". ``global_norm``: no layer's optimizer step starts before every
+    gradient of its iteration is in (global-norm clipping, fp16 overflow checks, a non-finite
+    guard: optim/stepper.py steps them at ``close_step``); else each layer steps as soon as its
+    own gradient is complete.
     """
     optimizer = optimizer or plan.optimizer or "sync"
     if optimizer not in ("sync", "async"):
@@ -832,10 +836,25 @@ def simulate(
     tasks = builder.build()
     if not any(a.op is Op.OPT for a in plan.actions):
         _add_weight_gates(tasks, builder, OPTIMIZER_LAG[optimizer])
+    elif global_norm:
+        _add_step_barrier(tasks, builder)
     _Engine(tasks, plan, machine).run()
     if align_recompute:
         _align_recompute(tasks)
     return _result(plan, tasks, builder)
+
+
+def _add_step_barrier(tasks: list[_Task], builder: _Builder) -> None:
+    """Every OPT of an iteration waits for what any OPT of that iteration waits for (all the
+    iteration's gradients: the global norm is known only then)."""
+    plan = builder.plan
+    needs: dict[int, set[int]] = defaultdict(set)
+    for a in plan.actions:
+        if a.op is Op.OPT:
+            needs[a.iteration].update(builder.last[d] for d in plan.deps[a])
+    for a in plan.actions:
+        if a.op is Op.OPT:
+            tasks[builder.first[a]].deps.extend((i, 0.0) for i in sorted(needs[a.iteration]))
 
 
 def _add_weight_gates(tasks: list[_Task], builder: _Builder, lag: int) -> None:
