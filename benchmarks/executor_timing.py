@@ -17,6 +17,9 @@ it has its cores. On a shared machine the wall time of the same work depends on 
 at that moment; the simulator charges that separately, from the share of the cores other
 processes left the run (``host_load.CoreShare``, ``Machine.host_share``), so the cost must not
 hold it.
+
+``compute_cpu_spans`` records the same bodies' CPU time inside a running engine; the head-to-head
+calibration rescales the isolated costs to it, per kind of slot (forward / backward / head).
 """
 
 from __future__ import annotations
