@@ -202,12 +202,17 @@ def cpu_adam_rate(num_params: int, reps: int = 3) -> float:
 
 
 def cpu_machine(
-    num_devices: int, pcie_gbps: float | None, adam_rate: float, overhead_ms: float = 0.0
+    num_devices: int,
+    pcie_gbps: float | None,
+    adam_rate: float,
+    overhead_ms: float = 0.0,
+    host_share: tuple[float, ...] = (),
 ) -> Machine:
     """CPU virtual devices: each direction of each device one emulated link, no shared host
     link (the emulation has none), fp32 weights (4 B/param), ``overhead_ms`` per action, taken
     in turn on one host lane (one Python process: its threads' Python work is serial), and the
-    devices' compute, the optimizer and that overhead all on this machine's cores."""
+    devices' compute, the optimizer and that overhead all on this machine's cores, of which
+    other processes leave ``host_share`` (``host_load.CoreShare``; empty: all of them)."""
     gbps = pcie_gbps or NO_LINK_GBPS
     return Machine(
         name=f"{num_devices} CPU virtual devices, emulated link {pcie_gbps or 'none'} GB/s",
@@ -220,6 +225,7 @@ def cpu_machine(
         action_overhead_ms=overhead_ms,
         serial_overhead=True,  # the devices' worker threads share one interpreter lock
         host_cores=float(os.cpu_count() or 1),  # devices, optimizer and overhead share them
+        host_share=tuple(host_share),
     )
 
 
@@ -234,8 +240,11 @@ def predict_ms(
     round_size: int,
     async_optimizer: bool,
     iterations: int = 4,
+    global_norm: bool = False,
 ) -> dict[str, Any]:
-    """The simulator's steady-state iteration (ms) for the engine's plan on ``machine``."""
+    """The simulator's steady-state iteration (ms) for the engine's plan on ``machine``;
+    ``global_norm``: the run clips by the global norm, so no layer steps before every gradient
+    of its iteration is in (``simulate``)."""
     kwargs: dict[str, Any] = {
         "fwd_cuts": tuple(fwd_cuts),
         "num_devices": machine.num_devices,
@@ -247,7 +256,11 @@ def predict_ms(
         kwargs.update(bwd_cuts=tuple(bwd_cuts), round_size=round_size)
     plan = schedules.build(schedule, num_iterations=iterations, **kwargs)
     result = simulate(
-        plan, costs, machine=machine, optimizer="async" if async_optimizer else "sync"
+        plan,
+        costs,
+        machine=machine,
+        optimizer="async" if async_optimizer else "sync",
+        global_norm=global_norm,
     )
     return {
         "iteration_ms": result.iteration_ms,

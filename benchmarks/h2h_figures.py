@@ -53,7 +53,8 @@ def timelines(result: dict[str, Any], prefix: str) -> list[str]:
 
 def simulated(result: dict[str, Any], prefix: str) -> list[str]:
     """The simulator's Gantt of each calibrated rp_engine run, beside the measured one: the
-    layer times recorded by the run, byte sizes from the preset's model, the run's plan."""
+    compute times, overhead and core share recorded by the run (its last repeat), byte sizes from the
+    preset's model, the run's plan."""
     from benchmarks import calibration as cal
     from benchmarks.head_to_head import PRESETS, build_model
     from rp_engine.plan.partition import LayerCosts
@@ -70,12 +71,15 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
         c = row.get("calibration")
         if not c:
             continue
+        # the prediction's compute: in-engine CPU cost of the executor path (newer runs)
+        ex = "engine_fwd_ms" in c
         costs = LayerCosts(
-            fwd_ms=tuple(c["layer_fwd_ms"]),
-            bwd_ms=tuple(c["layer_bwd_ms"]),
+            fwd_ms=tuple(c["engine_fwd_ms" if ex else "layer_fwd_ms"]),
+            bwd_ms=tuple(c["engine_bwd_ms" if ex else "layer_bwd_ms"]),
+            recompute_ms=tuple(c["engine_recompute_ms"]) if ex else (),
             param_bytes=tuple(nbytes),
-            head_fwd_ms=c["head_ms"][0],
-            head_bwd_ms=c["head_ms"][1],
+            head_fwd_ms=c["engine_head_ms" if ex else "head_ms"][0],
+            head_bwd_ms=c["engine_head_ms" if ex else "head_ms"][1],
             head_param_bytes=head,
             boundary_bytes=c.get("boundary_bytes", hidden),
             boundary_grad_bytes=hidden,
@@ -87,6 +91,7 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
             result["config"]["pcie_gbps"],
             c["cpu_adam_params_per_s"],
             c.get("action_overhead_ms", 0.0),
+            host_share=tuple(c.get("host_share", ())),
         )
         pred = cal.predict_ms(
             costs,
@@ -97,6 +102,7 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
             num_microbatches=preset["gas"],
             round_size=row["round_size"],
             async_optimizer=name == "roundpipe",
+            global_norm=ex,  # clipping 1.0: modelled in runs from this version on
         )
         path = f"{prefix}_simulated_{name}.png"
         render.write_png(pred["result"], path, title=f"{name} (simulated, 4 iterations)")

@@ -23,8 +23,10 @@ drift hits all alike; each process warms up, then times one window of steps sync
 its two ends. Reported: tokens/s (median over repeats), the ratio to DeepSpeed, per-step losses
 (DeepSpeed vs rp_engine sync must agree within 1e-3 relative in fp32), peak host RSS, peak device
 memory, bytes moved per step, and for every rp_engine run the simulator's predicted iteration
-time from directly timed layer costs, the link model and the per-action host overhead measured
-on the same plan with a near-zero-compute model (``benchmarks.calibration``).
+time from each compute action timed through the executor's own path, the link model, the share
+of the cores other processes left the run during its window and the per-action host overhead
+measured on the same plan with a near-zero-compute model (``benchmarks.calibration``,
+``executor_timing``, ``host_load``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.host_load import CoreShare
 
 SYSTEMS = ("deepspeed", "roundpipe", "roundpipe_sync", "mobius", "torch")
 RP_SYSTEMS = ("roundpipe", "roundpipe_sync", "mobius")
@@ -141,11 +145,13 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        losses.append(step_fn())  # device tensors: no synchronisation inside the window
-    sync()
-    seconds = time.perf_counter() - start
+    with CoreShare() as load:  # other processes' demand for the cores meanwhile
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            losses.append(step_fn())  # device tensors: no synchronisation inside the window
+        sync()
+        seconds = time.perf_counter() - start
+    args.core_share = load  # the calibration's machine model takes it (extra())
     tokens = args.steps * preset["gas"] * preset["mbs"] * preset["seq"]
     row: dict[str, Any] = {
         "system": system,
@@ -157,6 +163,7 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
         "peak_device_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "bytes_per_step": 0,
+        "external_load": {"threads": load.mean_threads, "sessions": load.mean_sessions},
     }
     row.update(extra())
     return row
@@ -301,20 +308,26 @@ def _calibrate(
     async_optimizer: bool,
     window: list[tuple[str, float]],
 ) -> dict[str, Any]:
-    """Predict this run's iteration with the link model from directly timed layers and the
-    per-action host overhead measured on the same plan with a near-zero-compute model
-    (``_overhead_run``, ``calibration.solve_overhead``), and, as a diagnostic, from the same
-    layer shape rescaled to the compute spans the run measured (``calibration.in_run_costs``).
-    On CPU virtual devices the in-run spans include the time a device thread waits for a core or
-    the GIL while other threads work, so they overstate compute; the isolated timing is the
-    calibration figure (benchmarks/RESULTS.md)."""
+    """Predict this run's iteration (benchmarks/RESULTS.md, "Calibration") from:
+
+    - compute: each compute action's body through the executor's own path, as CPU time. Timed
+      in isolation, by part (``executor_timing.executor_costs``), then rescaled per kind of slot
+      to the CPU time the same actions took inside the engine on the same plan, run again with
+      this model and no emulated link (``_plan_run``); never the measured run's own figures;
+    - the link model, and the share of the cores other sessions left the run over its measured
+      window (``host_load.CoreShare``);
+    - the per-action host overhead, solved on the same plan run with a near-zero-compute model
+      whose compute is taken the same way (``_overhead_run``, ``calibration.solve_overhead``).
+
+    For comparison: the isolated executor path alone, the plain layer timing
+    (``calibration.layer_costs``), without the other sessions, without the overhead; as a
+    diagnostic, the layer shape rescaled to the measured run's own compute spans (wall time:
+    they include waits for a core or the GIL, so they overstate compute)."""
     from benchmarks import calibration as cal
 
     engine.synchronize()
     plan = engine.planner
     n = plan.num_devices
-    costs = cal.layer_costs(model, preset["mbs"], preset["seq"], threads=cal.default_threads(n))
-    rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
     shape = {
         "schedule": plan.schedule,
         "fwd_cuts": plan.fwd_cuts,
@@ -322,32 +335,62 @@ def _calibrate(
         "num_microbatches": plan.num_microbatches,
         "round_size": plan.round_size,
         "async_optimizer": async_optimizer,
+        "global_norm": True,  # gradient_clipping 1.0 (ds_config): steps wait for the global norm
     }
-    tiny_costs, tiny_rate, tiny_ms = _overhead_run(preset, shape, n)
-    solved = cal.solve_overhead(tiny_costs, cal.cpu_machine(n, None, tiny_rate), tiny_ms, **shape)
-    machine = cal.cpu_machine(n, args.pcie_gbps, rate, solved["overhead_ms"])
+    rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
+    window_share = getattr(args, "core_share", None) or CoreShare()  # over this run's window
+    cores, k_max = float(os.cpu_count() or 1), n + 2  # devices, host overhead, optimizer
+    share = window_share.shares(cores, k_max)
+    twin, _, _, spans = _plan_run(preset, shape, n, warmup=2, steps=3)
+    plain, timing, costs, engine_factors = _in_engine_costs(twin, preset, shape, n, spans)
+    tiny_costs, tiny_rate, tiny_ms, tiny_share = _overhead_run(preset, shape, n)
+    tiny_machine = cal.cpu_machine(n, None, tiny_rate, host_share=tiny_share.shares(cores, k_max))
+    solved = cal.solve_overhead(tiny_costs, tiny_machine, tiny_ms, **shape)
+    solved["host_share"] = list(tiny_machine.host_share)
+    overhead = solved["overhead_ms"]
+    machine = cal.cpu_machine(n, args.pcie_gbps, rate, overhead, host_share=share)
 
     def predict(c: Any, m: Any = machine) -> dict[str, Any]:
         return cal.predict_ms(c, m, **shape)
 
     pred = predict(costs)
-    bare = predict(costs, cal.cpu_machine(n, args.pcie_gbps, rate))
-    in_run, factors = cal.in_run_costs(costs, plan.fwd_cuts, plan.bwd_cuts, window)
+    bare = predict(costs, cal.cpu_machine(n, args.pcie_gbps, rate, host_share=share))
+    no_load = predict(costs, cal.cpu_machine(n, args.pcie_gbps, rate, overhead))
+    in_run, factors = cal.in_run_costs(timing.costs, plan.fwd_cuts, plan.bwd_cuts, window)
+    ex = timing.costs
     return {
         "predicted_ms": pred["iteration_ms"],
         "predicted_no_overhead_ms": bare["iteration_ms"],
-        "action_overhead_ms": solved["overhead_ms"],
+        "predicted_no_load_ms": no_load["iteration_ms"],
+        "predicted_isolated_ms": predict(ex)["iteration_ms"],
+        "predicted_layer_timing_ms": predict(plain)["iteration_ms"],
+        "action_overhead_ms": overhead,
+        "host_share": list(share),
+        "external_load": {
+            "threads": window_share.mean_threads,
+            "sessions": window_share.mean_sessions,
+        },
         "overhead_run": solved,
+        "executor_parts_ms": timing.parts_ms,
+        "in_engine_factors": engine_factors,
         "predicted_in_run_ms": predict(in_run)["iteration_ms"],
-        "boundary_bytes": costs.boundary_bytes,
-        "batch_bytes": costs.batch_bytes,
+        "boundary_bytes": plain.boundary_bytes,
+        "batch_bytes": plain.batch_bytes,
         "in_run_factors": factors,
         "predicted_compute_ms": pred["compute_ms_per_iteration"],
         "predicted_bubble": pred["bubble_ratio"],
         "predicted_bytes": pred["bytes_moved_per_iteration"],
-        "layer_fwd_ms": list(costs.fwd_ms),
-        "layer_bwd_ms": list(costs.bwd_ms),
-        "head_ms": [costs.head_fwd_ms, costs.head_bwd_ms],
+        "layer_fwd_ms": list(plain.fwd_ms),
+        "layer_bwd_ms": list(plain.bwd_ms),
+        "head_ms": [plain.head_fwd_ms, plain.head_bwd_ms],
+        "executor_fwd_ms": list(ex.fwd_ms),
+        "executor_recompute_ms": list(ex.recompute_ms),
+        "executor_bwd_ms": list(ex.bwd_ms),
+        "executor_head_ms": [ex.head_fwd_ms, ex.head_bwd_ms],
+        "engine_fwd_ms": list(costs.fwd_ms),
+        "engine_recompute_ms": list(costs.recompute_ms),
+        "engine_bwd_ms": list(costs.bwd_ms),
+        "engine_head_ms": [costs.head_fwd_ms, costs.head_bwd_ms],
         "cpu_adam_params_per_s": rate,
         "machine": machine.name,
     }
@@ -359,18 +402,19 @@ OVERHEAD_SHAPE = {  # the near-zero-compute model of the overhead run: the layer
 }  # fmt: skip
 
 
-def _overhead_run(
-    preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int = 2, steps: int = 6
-) -> tuple[Any, float, float]:
-    """The engine on the same plan (``shape``: schedule, cuts, round size, optimizer mode;
-    same devices, micro-batches, tokens, layer count) with a near-zero-compute model and no
-    emulated link: returns that model's isolated layer costs, its CPU Adam rate and the
-    measured ms per step (timed between two synchronisations, as the real run)."""
+def _plan_run(
+    preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int, steps: int
+) -> tuple[Any, float, CoreShare, list[tuple[str, float]]]:
+    """The engine on the measured run's plan (``shape``: schedule, cuts, round size, optimizer
+    mode; same devices, micro-batches, tokens, layer count) with ``preset``'s model and no
+    emulated link. Returns the model, the ms per step (timed between two synchronisations, as
+    the real run), the cores other sessions left it meanwhile, and the CPU time of each compute
+    action's body in the timed steps (``executor_timing.compute_cpu_spans``)."""
     import rp_engine
     from benchmarks import calibration as cal
+    from benchmarks.executor_timing import compute_cpu_spans
 
-    tiny = {**preset, **OVERHEAD_SHAPE}
-    cfg = ds_config(tiny, devices=f"cpu:{num_devices}", pcie_gbps=None)
+    cfg = ds_config(preset, devices=f"cpu:{num_devices}", pcie_gbps=None)
     cfg["roundpipe"].update(
         async_optimizer=shape["async_optimizer"],
         schedule=shape["schedule"],
@@ -378,27 +422,58 @@ def _overhead_run(
     )
     if shape["schedule"] != "mobius":  # Mobius binds its blocks itself (the same cuts)
         cfg["roundpipe"].update(fwd_cuts=list(shape["fwd_cuts"]), bwd_cuts=list(shape["bwd_cuts"]))
-    model = build_model(tiny)
+    model = build_model(preset)
     engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+    wall = cal.default_threads(num_devices) > 1  # the compute thread alone holds its CPU time
     try:
-        it = iter(batches(tiny, (warmup + steps) * tiny["gas"]))
+        it = iter(batches(preset, (warmup + steps) * preset["gas"]))
         for _ in range(warmup):
             engine.train_batch(it)
         engine.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.train_batch(it)
-        engine.synchronize()
-        ms = (time.perf_counter() - start) / steps * 1e3
+        with CoreShare() as load, compute_cpu_spans(wall) as spans:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.train_batch(it)
+            engine.synchronize()
+            ms = (time.perf_counter() - start) / steps * 1e3
         ran = (tuple(engine.planner.fwd_cuts), tuple(engine.planner.bwd_cuts))
     finally:
         engine.destroy()
     if ran != (tuple(shape["fwd_cuts"]), tuple(shape["bwd_cuts"])):
-        raise RuntimeError(f"overhead run planned {ran}, not the measured run's cuts")
-    costs = cal.layer_costs(
-        model, tiny["mbs"], tiny["seq"], threads=cal.default_threads(num_devices)
-    )
-    return costs, cal.cpu_adam_rate(sum(p.numel() for p in model.parameters())), ms
+        raise RuntimeError(f"a calibration run planned {ran}, not the measured run's cuts")
+    return model, ms, load, spans
+
+
+def _in_engine_costs(
+    model: Any, preset: dict[str, Any], shape: dict[str, Any], num_devices: int, spans: list
+) -> tuple[Any, Any, Any, dict[str, float]]:
+    """``model``'s plain layer costs, its executor-path costs (isolated, by part) and the same
+    rescaled, per kind of slot, to the CPU time its compute actions took inside the engine
+    (``spans``: ``calibration.in_run_costs``), with the factors."""
+    from benchmarks import calibration as cal
+    from benchmarks.executor_timing import executor_costs
+
+    threads = cal.default_threads(num_devices)
+    plain = cal.layer_costs(model, preset["mbs"], preset["seq"], threads=threads)
+    timing = executor_costs(model, plain, preset["mbs"], preset["seq"], threads=threads)
+    costs, factors = cal.in_run_costs(timing.costs, shape["fwd_cuts"], shape["bwd_cuts"], spans)
+    return plain, timing, costs, factors
+
+
+def _overhead_run(
+    preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int = 2, steps: int = 6
+) -> tuple[Any, float, float, CoreShare]:
+    """``_plan_run`` with a near-zero-compute model (``OVERHEAD_SHAPE``): returns its compute
+    costs as they ran in the engine (``_in_engine_costs``, so the fixed per-action parts of a
+    compute body count once: in compute, not in the overhead), its CPU Adam rate, the measured
+    ms per step and the cores other sessions left it."""
+    from benchmarks import calibration as cal
+
+    tiny = {**preset, **OVERHEAD_SHAPE}
+    model, ms, load, spans = _plan_run(tiny, shape, num_devices, warmup, steps)
+    _, _, costs, _ = _in_engine_costs(model, tiny, shape, num_devices, spans)
+    rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
+    return costs, rate, ms, load
 
 
 _SETUP = {
@@ -435,9 +510,20 @@ def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(lines[-1][5:])
 
 
+_PREDICTIONS = (
+    "predicted_ms",
+    "predicted_in_run_ms",
+    "predicted_no_overhead_ms",
+    "predicted_no_load_ms",
+    "predicted_isolated_ms",
+    "predicted_layer_timing_ms",
+)
+
+
 def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per system: the median tokens/s over repeats, every repeat's figure, peaks (max), the
-    last repeat's losses, bytes and calibration."""
+    last repeat's losses and bytes; calibration: the median of each prediction over repeats
+    against the median step, each repeat's own error, the last repeat's other figures."""
     systems: dict[str, Any] = {}
     for name, rows in runs.items():
         ok = [r for r in rows if "error" not in r]
@@ -455,14 +541,24 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         )
         devs = [r["peak_device_gb"] for r in ok if r.get("peak_device_gb") is not None]
         last["peak_device_gb"] = max(devs) if devs else None
-        cal = [r["calibration"] for r in ok if "calibration" in r]
+        cal = [(r["calibration"], r["s_per_step"] * 1e3) for r in ok if "calibration" in r]
         if cal:
-            pred = statistics.median(c["predicted_ms"] for c in cal)
-            run = statistics.median(c["predicted_in_run_ms"] for c in cal)
             meas = last["s_per_step"] * 1e3
-            last["calibration"] = {**cal[-1], "predicted_ms": pred, "measured_ms": meas,
-                                   "error": (pred - meas) / meas, "predicted_in_run_ms": run,
-                                   "error_in_run": (run - meas) / meas}  # fmt: skip
+            out = {**cal[-1][0], "measured_ms": meas}
+            for key in _PREDICTIONS:  # the median over repeats, as the measured step
+                got = [c[key] for c, _ in cal if key in c]
+                if got:
+                    out[key] = statistics.median(got)
+            pred, run = out["predicted_ms"], out["predicted_in_run_ms"]
+            out.update(error=(pred - meas) / meas, error_in_run=(run - meas) / meas)
+            # each repeat against its own measured step (its core share was measured during it)
+            out["repeats"] = [
+                {"predicted_ms": c["predicted_ms"], "measured_ms": m,
+                 "error": (c["predicted_ms"] - m) / m,
+                 "host_share": c.get("host_share")}
+                for c, m in cal
+            ]  # fmt: skip
+            last["calibration"] = out
         systems[name] = last
     return systems
 
@@ -533,13 +629,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, help="rounds of A B C D E (default 2, --quick 2)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, help="timed steps per run (default 5, --quick 4)")
+    p.add_argument("--steps", type=int, help="timed steps per run (default 5, --quick 6)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--system", help=argparse.SUPPRESS)  # the child process's one system
     args = p.parse_args(argv)
     args.model = args.model or ("cpu-small" if args.quick else "qwen3-1.7b")
-    args.steps = args.steps or (4 if args.quick else 5)
+    # --quick: 6 steps, not 4: on a shared 2-core machine a 4-step window of one repeat moved
+    # by 15 % against the other; a longer window averages the neighbours' load
+    args.steps = args.steps or (6 if args.quick else 5)
     args.repeats = args.repeats or 2
     if args.quick and args.pcie_gbps is None:
         # Two CPU cores against 0.1 GB/s is still ~20x more link per FLOP than an RTX 4090 on

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks.emulated_link import EmulatedZeroLink
+from benchmarks.executor_timing import PARTS
 from benchmarks.head_to_head import SYSTEMS, format_table, loss_agreement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +42,15 @@ def test_head_to_head_reduced_run_reports_all_five_systems(tmp_path: Path) -> No
         cal = row["calibration"]  # the overhead is measured on the same plan, and charged
         assert cal["action_overhead_ms"] >= 0
         assert cal["predicted_no_overhead_ms"] > 0
+        # compute through the executor's path (its parts, in-engine factors), the cores other
+        # sessions left (k = 1 .. devices + 2), and the predictions it is compared with
+        assert set(cal["executor_parts_ms"]) == set(PARTS) and set(cal["in_engine_factors"]) == {
+            "k_f", "k_b", "k_h",
+        }  # fmt: skip
+        assert len(cal["host_share"]) == 4 and cal["external_load"]["sessions"] >= 0
+        for key in ("no_load", "isolated", "layer_timing"):
+            assert cal[f"predicted_{key}_ms"] > 0
+        assert len(cal["repeats"]) == 1 and cal["repeats"][0]["measured_ms"] > 0
     assert result["systems"]["deepspeed"]["bytes_modelled"] is True
     assert "| mobius |" in proc.stdout and "vs DeepSpeed" in proc.stdout
 

@@ -179,3 +179,70 @@ def test_shared_host_cores_slow_what_runs_at_once() -> None:
     assert stretched > 0
     with pytest.raises(ValueError, match="host_cores"):
         simulate.Machine("m", host_cores=0.0)
+
+
+def test_the_share_other_processes_leave_slows_what_runs_at_once() -> None:
+    """``host_share``: the cores' worth the run gets while k of its tasks want them. With
+    (1, 1) a device alone keeps its core, two devices at once share one core: each runs at half
+    speed where they overlap, never slower, and the iteration grows; with a share of all cores
+    nothing changes."""
+    plan = schedules.build(
+        "roundpipe",
+        num_iterations=1,
+        fwd_cuts=[2, 2],
+        bwd_cuts=[0, 2, 2],
+        num_devices=2,
+        num_microbatches=4,
+    )
+    cores = dataclasses.replace(_fast(2), host_cores=2.0)
+    own = simulate.simulate(plan, _costs(), machine=cores, optimizer="sync")
+    full = dataclasses.replace(cores, host_share=(1.0, 2.0))
+    same = simulate.simulate(plan, _costs(), machine=full, optimizer="sync")
+    assert same.makespan_ms == pytest.approx(own.makespan_ms)
+    half = dataclasses.replace(cores, host_share=(1.0, 1.0))
+    slow = simulate.simulate(plan, _costs(), machine=half, optimizer="sync")
+    assert slow.makespan_ms > own.makespan_ms
+    profiled = {(iv.action, iv.phase): iv.end_ms - iv.start_ms for iv in own.intervals if iv.busy}
+    spans = [(iv, iv.end_ms - iv.start_ms) for iv in slow.intervals if iv.busy]
+    for iv, span in spans:
+        base = profiled[(iv.action, iv.phase)]
+        assert base - 1e-6 <= span <= 2 * base + 1e-6
+    first = min(spans, key=lambda x: x[0].start_ms)  # device 1 waits for its input: alone
+    assert first[1] == pytest.approx(profiled[(first[0].action, first[0].phase)])
+    assert any(span > profiled[(iv.action, iv.phase)] + 1e-6 for iv, span in spans)
+    with pytest.raises(ValueError, match="host_share"):
+        simulate.Machine("m", host_cores=2.0, host_share=(0.0,))
+
+
+def test_global_norm_holds_every_optimizer_step_until_the_last_gradient() -> None:
+    """``global_norm`` (clipping by the global norm, as optim/stepper.py steps at close_step):
+    no layer's OPT starts before the iteration's last gradient download ends. Without it the
+    first layers to finish step while other gradients are still on their way, and a sync
+    iteration (whose next uploads wait for the steps) ends sooner."""
+    plan = schedules.build(
+        "roundpipe",
+        num_iterations=2,
+        fwd_cuts=[2, 2],
+        bwd_cuts=[0, 2, 2],
+        num_devices=2,
+        num_microbatches=4,
+    )
+    costs = dataclasses.replace(_costs(), param_bytes=(2_000_000,) * 4)
+    machine = dataclasses.replace(_fast(2), h2d_gbps=1.0, d2h_gbps=1.0, cpu_adam_params_per_s=1e9)
+    free = simulate.simulate(plan, costs, machine=machine, optimizer="sync")
+    held = simulate.simulate(plan, costs, machine=machine, optimizer="sync", global_norm=True)
+
+    def spans(result: simulate.SimResult, phase: str) -> dict[int, list[simulate.Interval]]:
+        out: dict[int, list[simulate.Interval]] = {}
+        for iv in result.intervals:
+            if iv.phase == phase:
+                out.setdefault(iv.action.iteration, []).append(iv)
+        return out
+
+    for result, barrier in ((free, False), (held, True)):
+        downloads, steps = spans(result, "download"), spans(result, "opt")
+        for it, opts in steps.items():
+            last = max(iv.end_ms for iv in downloads[it])
+            early = [iv for iv in opts if iv.start_ms < last - 1e-6]
+            assert bool(early) is not barrier, (barrier, it)
+    assert held.makespan_ms > free.makespan_ms

@@ -33,6 +33,9 @@ and the host overhead all run on the same few cores. Each is then work in core-m
 profiled time x its share of the cores, the pool's intra-op split; an optimizer step's time x
 all cores, as DeepSpeed's CPU Adam was timed; the overhead x one core), served like bytes on a
 link: at most its own cores, and an equal share of the host's when more want them than exist.
+On a shared host, ``Machine.host_share[k - 1]`` is the cores' worth the run gets while k of its
+tasks want them (other processes take the rest; measured during a run); k beyond the table
+takes its last entry.
 
 A backward action is two phases: recompute (needs the saved input) and backward (needs the
 upstream gradient). RoundPipe starts the recompute as soon as its input exists ("early"); bound
@@ -91,7 +94,8 @@ class Machine:
     holds the one interpreter lock; the CPU virtual devices), instead of on each stream's own.
     ``host_cores``: the devices are CPU virtual devices computing on this many host cores, which
     the host optimizer and the host overhead use too (see the module docstring); None: devices
-    have their own compute (GPUs).
+    have their own compute (GPUs). ``host_share``: on a shared host, the cores the run gets while
+    k = 1, 2, ... of its tasks want them (benchmarks/host_load.py); empty: all ``host_cores``.
     """
 
     name: str
@@ -109,6 +113,7 @@ class Machine:
     action_overhead_ms: float = 0.0
     serial_overhead: bool = False  # every lane's overhead on one host lane (one interpreter lock)
     host_cores: float | None = None  # devices compute on the host's cores (CPU virtual devices)
+    host_share: tuple[float, ...] = ()  # cores the run gets with k = 1, 2, ... tasks on them
     info: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +134,8 @@ class Machine:
         bad = {k: v for k, v in positive.items() if not v > 0}
         if bad:
             raise ValueError(f"machine {self.name!r}: these must be > 0: {bad}")
+        if any(not v > 0 for v in self.host_share):
+            raise ValueError(f"machine {self.name!r}: host_share must be > 0: {self.host_share}")
         if not self.action_overhead_ms >= 0:
             raise ValueError(
                 f"machine {self.name!r}: action_overhead_ms must be >= 0, got "
@@ -144,6 +151,8 @@ class Machine:
         kwargs = {k: v for k, v in data.items() if k in names}
         if kwargs.get("device_order") is not None:
             kwargs["device_order"] = tuple(kwargs["device_order"])
+        if kwargs.get("host_share") is not None:
+            kwargs["host_share"] = tuple(kwargs["host_share"])
         return cls(**kwargs)
 
 
@@ -618,6 +627,9 @@ class _Engine:
     def __init__(self, tasks: list[_Task], plan: Plan, machine: Machine | None) -> None:
         self.tasks, self.plan = tasks, plan
         self.caps = _link_caps(machine, plan.num_devices) if machine else {}
+        # other processes' runnable threads: equal sharers of the host's cores
+        # the cores' worth the run gets beside other processes, by how many of its tasks want them
+        self.share = tuple(machine.host_share) if machine and machine.host_cores else ()
         self.waiting = [len(t.deps) for t in tasks]
         self.ready_at = [0.0] * len(tasks)
         self.succ: list[list[tuple[int, float]]] = [[] for _ in tasks]
@@ -722,9 +734,13 @@ class _Engine:
         for i in self.copies:
             for link in self.tasks[i].links:
                 load[link] += 1
+        caps = self.caps
+        k = load.get(("cores", 0), 0)
+        if self.share and k:  # what other processes leave the run's k tasks on the cores
+            got = self.share[min(k, len(self.share)) - 1]
+            caps = {**caps, ("cores", 0): min(caps[("cores", 0)], got)}
         self.rates = {
-            i: min(self.caps[link] / load[link] for link in self.tasks[i].links)
-            for i in self.copies
+            i: min(caps[link] / load[link] for link in self.tasks[i].links) for i in self.copies
         }
 
     def _finish_copies(self, now: float) -> None:
@@ -790,6 +806,7 @@ def simulate(
     early_recompute: bool | None = None,
     align_recompute: bool = True,
     comm_ms: float | None = None,
+    global_norm: bool = False,
 ) -> SimResult:
     """Simulate ``plan`` (one or several iterations) with ``costs``.
 
@@ -798,7 +815,10 @@ def simulate(
     lowered first (transfers, optimizer steps) and every transfer moves bytes over links.
     ``optimizer`` "sync": iteration i computes on the weights of step i-1; "async" (staleness
     1): on those of step i-2, so the optimizer overlaps the next iteration. Default: the
-    plan's, else "sync".
+    plan's, else "sync". ``global_norm``: no layer's optimizer step starts before every
+    gradient of its iteration is in (global-norm clipping, fp16 overflow checks, a non-finite
+    guard: optim/stepper.py steps them at ``close_step``); else each layer steps as soon as its
+    own gradient is complete.
     """
     optimizer = optimizer or plan.optimizer or "sync"
     if optimizer not in ("sync", "async"):
@@ -816,10 +836,25 @@ def simulate(
     tasks = builder.build()
     if not any(a.op is Op.OPT for a in plan.actions):
         _add_weight_gates(tasks, builder, OPTIMIZER_LAG[optimizer])
+    elif global_norm:
+        _add_step_barrier(tasks, builder)
     _Engine(tasks, plan, machine).run()
     if align_recompute:
         _align_recompute(tasks)
     return _result(plan, tasks, builder)
+
+
+def _add_step_barrier(tasks: list[_Task], builder: _Builder) -> None:
+    """Every OPT of an iteration waits for what any OPT of that iteration waits for (all the
+    iteration's gradients: the global norm is known only then)."""
+    plan = builder.plan
+    needs: dict[int, set[int]] = defaultdict(set)
+    for a in plan.actions:
+        if a.op is Op.OPT:
+            needs[a.iteration].update(builder.last[d] for d in plan.deps[a])
+    for a in plan.actions:
+        if a.op is Op.OPT:
+            tasks[builder.first[a]].deps.extend((i, 0.0) for i in sorted(needs[a.iteration]))
 
 
 def _add_weight_gates(tasks: list[_Task], builder: _Builder, lag: int) -> None:
