@@ -259,20 +259,25 @@ def _roundpipe(async_optimizer: bool, schedule: str) -> Any:
         model = build_model(preset)
         engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
         it = iter(data)
-        spans: list[list[tuple[str, float]]] = []  # per step: the compute spans it ran
+        by_step: dict[int, list[tuple[str, float]]] = {}  # per step: the compute spans it ran
+
+        def note_finished() -> None:
+            # the newest finished step (one call late with overlapping iterations); reading
+            # last_timeline() here would finish the step in flight every call
+            report = engine.step_report()
+            if report is not None:
+                by_step[report.step] = [
+                    (r.action, r.end - r.start) for r in report.timeline if r.stream == "compute"
+                ]
 
         def step() -> Any:
             loss = engine.train_batch(it)
-            spans.append(
-                [
-                    (r.action, r.end - r.start)
-                    for r in engine.last_timeline()
-                    if r.stream == "compute"
-                ]
-            )
+            note_finished()
             return loss
 
         def extra() -> dict[str, Any]:
+            note_finished()  # after the window's synchronize: the last step too
+            spans = [by_step[k] for k in sorted(by_step)]
             stats = engine.last_step_stats()
             plan = engine.planner
             peaks = [d.memory_stats().get("peak", 0) for d in engine.pool.devices]
