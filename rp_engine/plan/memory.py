@@ -224,8 +224,7 @@ def consecutive(plan: Plan, then: Plan) -> Plan:
         raise ValueError("consecutive: both runs need the same cuts, devices and prefetch depth")
     shift = _shift(plan, then)
     moved = tuple(
-        dataclasses.replace(a, iteration=a.iteration + shift) if shift else a
-        for a in then.actions
+        dataclasses.replace(a, iteration=a.iteration + shift) if shift else a for a in then.actions
     )
     return dataclasses.replace(
         plan, actions=plan.actions + moved, next_start_device=then.next_start_device
@@ -237,7 +236,7 @@ def cross_run_gates(previous: Plan, plan: Plan) -> dict[Action, list[Action]]:
     of ``previous`` it must wait for, so a device holds no more than ``walk_peak`` over
     ``consecutive(previous, plan)`` says. Same shape: the holdings' rule across the two runs
     (an upload waits for the holdings ended ``prefetch_depth + 1`` groups before its first).
-    Different shapes (the planner changed the round size or prefetch depth between them): every
+    Another prefetch depth (the planner changed it between them; ``consecutive`` refuses): every
     upload without a gate in ``plan`` waits for all of ``previous``'s FREEs on its device, so
     the seam holds no more than either run alone."""
     try:
@@ -259,9 +258,9 @@ def cross_run_gates(previous: Plan, plan: Plan) -> dict[Action, list[Action]]:
         for h in holdings:
             if h.upload is None or h.upload.iteration in mine:
                 continue
-            frees = [g.free for g in h.gates if g.free is not None and g.free.iteration in mine]
-            if frees:
-                out[dataclasses.replace(h.upload, iteration=h.upload.iteration - shift)] = frees
+            gates = [g.free for g in h.gates if g.free is not None and g.free.iteration in mine]
+            if gates:
+                out[dataclasses.replace(h.upload, iteration=h.upload.iteration - shift)] = gates
     return out
 
 
