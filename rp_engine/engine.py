@@ -156,6 +156,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             async_optimizer=self.stepper.async_mode,
             round_size=rp.round_size,
             link_gbps=rp.pcie_gbps,
+            overlap_iterations=self._overlap,  # memory validated with two runs in flight
         )
         self._executor = self._make_executor()
         self._batches = BatchAdapter(self.seq, compute_dtype(cfg), pin=self.pool.kind == "cuda")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -145,3 +146,57 @@ def assert_same_weights(
     """Every parameter of ``a`` close to ``b``'s, in order (fp32 tolerances by default)."""
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
+
+
+def measured_peak_with_runs_in_flight(
+    engine: Any, batches: Callable[[int], list[Any]], *, steps: int = 3, wait_s: float = 1.0
+) -> int:
+    """Train ``steps`` steps and return the largest device peak of the last step's run
+    (``Executor.start`` resets the peaks), after a drain. With overlapping iterations the run
+    before it is still in flight when it is issued; its last compute on each device is held
+    until the last run has landed ``prefetch_depth + 1`` weight uploads there (or ``wait_s``
+    passed: the executor may rightly make them wait for that very compute's FREE), so the two
+    runs' weights meet on the device as they may on a GPU, where the last backward slots are
+    slow. Without overlap nothing is held (nothing of the last run starts before the drain)."""
+    from rp_engine.device.base import StreamRole
+
+    executor = engine._executor
+    held_step, last_step = engine.global_steps + steps - 1, engine.global_steps + steps
+    wanted = engine.planner.prefetch_depth + 1
+    landed = {d.index: 0 for d in engine.pool}
+    enough = {d.index: threading.Event() for d in engine.pool}
+    lock = threading.Lock()
+    upload, launch = executor._upload, executor._launch
+
+    def counted_upload(ctx: Any, a: Any) -> None:
+        upload(ctx, a)
+        if ctx.spec.step != last_step:
+            return
+
+        def count() -> None:
+            with lock:
+                landed[a.device] += 1
+                if landed[a.device] >= wanted:
+                    enough[a.device].set()
+
+        executor.devices[a.device].stream(StreamRole.H2D_PARAM).submit(count, label="probe")
+
+    def held_launch(ctx: Any, a: Any, layers: Any, inputs: Any, body: Any, **kw: Any) -> Any:
+        mine = [x for x in ctx.spec.plan.per_device(a.device) if x.is_compute]
+        if engine._overlap and ctx.spec.step == held_step and a == mine[-1]:
+            inner = body
+
+            def body(device: Any, weights: Any) -> None:
+                enough[device.index].wait(timeout=wait_s)
+                inner(device, weights)
+
+        return launch(ctx, a, layers, inputs, body, **kw)
+
+    executor._upload, executor._launch = counted_upload, held_launch
+    try:
+        for i in range(steps):
+            engine.train_batch(iter(batches(i)))
+        engine.synchronize()
+    finally:
+        executor._upload, executor._launch = upload, launch
+    return max(d.memory_stats()["peak"] for d in engine.pool)

@@ -12,7 +12,14 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import assert_same_weights, config, engine_for, reference_losses, run_losses
+from engine_helpers import (
+    assert_same_weights,
+    config,
+    engine_for,
+    measured_peak_with_runs_in_flight,
+    reference_losses,
+    run_losses,
+)
 from models import mlp_batch, random_batch, tiny_mlp, tiny_qwen3
 
 from rp_engine.plan.actions import Op
@@ -282,21 +289,26 @@ def test_resident_slots_on_two_devices_reuse_their_upload() -> None:
     assert stats["uploads"] == plan.num_slots * 4 // 2  # one per slot and device, not per round
 
 
-def test_measured_device_peak_is_within_the_validated_one() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["drained", "overlapped"])
+def test_measured_device_peak_is_within_the_validated_one(overlap: bool) -> None:
     """Prefetch depth 2, rounds of one micro-batch: what a device really holds stays within what
     the planner validated (weights and gradients, every timing) plus the 2 x M_R boundary states
     it reserves for activations. The walk used to count an upload at its place in the device's
-    order, though it starts as soon as its gate is freed: measured 954 KB, validated 676 KB."""
+    order, though it starts as soon as its gate is freed: measured 954 KB, validated 676 KB.
+    Overlapped, with two runs in flight (the earlier one's last backward slots held): the next
+    run's first uploads used to start at once, beside the earlier run's last weights and
+    gradients (measured 1.25 MB against 954 KB + 18 KB); they now wait for its FREEs by the prefetch
+    rule, which the validated peak walks over the two runs."""
     engine = engine_for(
         tiny_qwen3(0, layers=16),
         config(devices=2, gas=2, fwd_cuts=[2] * 8, bwd_cuts=[0] + [1] * 16,
-               roundpipe={"device_memory_gb": 1.0, "round_size": 1}),
+               roundpipe={"device_memory_gb": 1.0, "round_size": 1, "on_nonfinite": "ignore",
+                          "overlap_iterations": overlap}),
     )  # fmt: skip
     try:
         engine.planner.set_residency(False)
-        assert engine.planner.prefetch_depth == 2
-        engine.train_batch(iter(_lm_batches(2)))
-        measured = max(d.memory_stats()["peak"] for d in engine.pool)
+        assert engine.planner.prefetch_depth == 2 and engine._overlap == overlap
+        measured = measured_peak_with_runs_in_flight(engine, lambda i: _lm_batches(2, 10 * i))
         planner = engine.planner
         claimed = planner.validated_peak() + 2 * planner.round_size * planner.boundary_bytes
     finally:

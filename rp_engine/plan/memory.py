@@ -29,17 +29,36 @@ gradients with ``held_bound``: at each compute action, the most the holdings can
 the executor's orderings (uploads in issue order on one stream, each after its gates' FREEs;
 frees without a download on the compute stream, right after their group; frees after a
 download in issue order on the download stream).
+
+Iterations overlap: ``train_batch`` t+1 issues its run while run t's backward tail, gradient
+downloads and FREEs are still in flight (engine_pipeline.py). The executor continues the
+round-robin across the two runs as one plan would: run t+1's first UPLOADs on a device wait for
+run t's last FREEs there, with the prefetch depth's rule (``weight_holdings`` of the two runs
+back to back; runtime/executor.py), and its first inputs arrive no earlier than the run t
+action two before their consumer (the SEND rule). ``consecutive(plan, plan_next)`` is that pair
+as one plan; ``walk_peak`` over it bounds what a device holds with two runs in flight (run
+t+1's actions carry the next iteration's number, "#1", in messages). Runs never overlap
+deeper: run t+2 is issued after run t has finished.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
 from .actions import Action, Holding, Op, Plan, compute_groups, weight_holdings
 from .costs import StageCosts
 
-__all__ = ["MemoryEvent", "memory_events", "static_bytes", "walk_peak", "held_bound"]
+__all__ = [
+    "MemoryEvent",
+    "memory_events",
+    "static_bytes",
+    "walk_peak",
+    "held_bound",
+    "consecutive",
+    "cross_run_gates",
+]
 
 
 @dataclass(frozen=True)
@@ -186,6 +205,68 @@ def held_bound(plan: Plan, st: StageCosts, device: int) -> dict[Action, int]:
         for a in group:
             out[a] = best
     return out
+
+
+def consecutive(plan: Plan, then: Plan) -> Plan:
+    """Two runs issued back to back, as one plan: ``then``'s actions, renumbered to the
+    iterations after ``plan``'s, follow ``plan``'s (each device's order is its order in
+    ``plan`` and then in ``then``). Its ``weight_holdings`` gate ``then``'s first uploads on a
+    device on ``plan``'s last FREEs there, with the prefetch depth's rule: the cross-run gates
+    the executor adds when iterations overlap. Both must be the same plan shape (cuts, devices,
+    prefetch depth, lowering); ``then`` may start on another device (the rolling start)."""
+    same = (plan.fwd_cuts, plan.bwd_cuts, plan.num_devices, plan.prefetch_depth) == (
+        then.fwd_cuts,
+        then.bwd_cuts,
+        then.num_devices,
+        then.prefetch_depth,
+    )
+    if not same:
+        raise ValueError("consecutive: both runs need the same cuts, devices and prefetch depth")
+    shift = _shift(plan, then)
+    moved = tuple(
+        dataclasses.replace(a, iteration=a.iteration + shift) if shift else a for a in then.actions
+    )
+    return dataclasses.replace(
+        plan, actions=plan.actions + moved, next_start_device=then.next_start_device
+    )
+
+
+def cross_run_gates(previous: Plan, plan: Plan) -> dict[Action, list[Action]]:
+    """Per UPLOAD of ``plan`` issued right after ``previous`` (runs that may overlap): the FREEs
+    of ``previous`` it must wait for, so a device holds no more than ``walk_peak`` over
+    ``consecutive(previous, plan)`` says. Same shape: the holdings' rule across the two runs
+    (an upload waits for the holdings ended ``prefetch_depth + 1`` groups before its first).
+    Another prefetch depth (the planner changed it between them; ``consecutive`` refuses): every
+    upload without a gate in ``plan`` waits for all of ``previous``'s FREEs on its device, so
+    the seam holds no more than either run alone."""
+    try:
+        both = consecutive(previous, plan)
+    except ValueError:
+        frees: dict[int, list[Action]] = defaultdict(list)
+        for a in previous.actions:
+            if a.op is Op.FREE:
+                frees[a.device].append(a)
+        gated = {h.upload for hs in weight_holdings(plan).values() for h in hs if h.gates}
+        return {
+            a: list(frees[a.device])
+            for a in plan.actions
+            if a.op is Op.UPLOAD and a not in gated and frees[a.device]
+        }
+    mine, shift = set(previous.iterations), _shift(previous, plan)
+    out: dict[Action, list[Action]] = {}
+    for holdings in weight_holdings(both).values():
+        for h in holdings:
+            if h.upload is None or h.upload.iteration in mine:
+                continue
+            gates = [g.free for g in h.gates if g.free is not None and g.free.iteration in mine]
+            if gates:
+                out[dataclasses.replace(h.upload, iteration=h.upload.iteration - shift)] = gates
+    return out
+
+
+def _shift(plan: Plan, then: Plan) -> int:
+    """What ``consecutive`` adds to ``then``'s iteration numbers (after ``plan``'s)."""
+    return max(plan.iterations, default=-1) + 1 - min(then.iterations, default=0)
 
 
 def _lowered(plan: Plan) -> bool:

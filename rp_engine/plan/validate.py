@@ -2,14 +2,16 @@
 
 Complete (every compute action once, on a real device), topologically ordered, every UPLOAD
 released by a FREE and every compute action on an uploading device fed by an UPLOAD, and, given
-costs and a budget, each device's peak memory (the rule of memory.py) within the budget.
+costs and a budget, each device's peak memory (the rule of memory.py) within the budget; with
+``then`` (the run issued next, which may overlap this one's tail), the peak over both runs back
+to back (``memory.consecutive``: what a device holds with iterations overlapping).
 """
 
 from __future__ import annotations
 
 from .actions import HOST, Action, Op, Plan, PlanError, format_bytes, format_grid
 from .costs import LayerCosts
-from .memory import memory_events, walk_peak
+from .memory import consecutive, memory_events, walk_peak
 
 __all__ = ["validate"]
 
@@ -19,28 +21,34 @@ def validate(
     *,
     costs: LayerCosts | None = None,
     memory_budget_bytes: int | None = None,
+    then: Plan | None = None,
 ) -> tuple[int, ...]:
     """Check a plan; raise PlanError (with the device x step grid, failing step marked) if
     actions are missing or duplicated, on bad devices, issued before what they depend on,
     an upload is never released, or (given costs and a budget) a device exceeds its memory.
+    ``then``: the run issued right after this one (checked alike), overlapping its tail; the
+    memory peak is then over both runs back to back (its actions are marked "#1" and up).
 
     Returns the estimated peak memory per device in bytes (zeros without costs).
     """
-    _check_complete(plan)
-    _check_order(plan)
-    _check_uploads(plan)
+    for p in (plan,) if then is None else (plan, then):
+        _check_complete(p)
+        _check_order(p)
+        _check_uploads(p)
     if costs is None:
         return (0,) * plan.num_devices
+    walked = plan if then is None else consecutive(plan, then)
     stages = costs.stages(plan.fwd_cuts, plan.bwd_cuts, fused_head=plan.fused_head)
-    events = memory_events(plan, stages)
+    events = memory_events(walked, stages)
     peaks = []
     for d in range(plan.num_devices):
-        peak, where = walk_peak(plan, stages, d, events)
+        peak, where = walk_peak(walked, stages, d, events)
         if memory_budget_bytes is not None and peak > memory_budget_bytes:
+            seam = "" if then is None else " (two runs in flight: iterations overlap)"
             _fail(
-                plan,
+                walked,
                 where,
-                f"device {d} needs {format_bytes(peak)} at {where}, over the "
+                f"device {d} needs {format_bytes(peak)} at {where}{seam}, over the "
                 f"budget of {format_bytes(memory_budget_bytes)}",
             )
         peaks.append(peak)

@@ -31,6 +31,13 @@ every stream, so the next run's actions, issued in between, run on the other str
 meanwhile (engine_pipeline.py). ``losses`` waits only for the HEAD actions. ``run`` is
 ``finish(start(spec))``. A run's byte counts come from its own copies, not device counters.
 
+At the seam the round-robin goes on as in one plan: a run's first UPLOADs on a device wait for
+the previous run's last FREEs there by the prefetch depth's rule (``plan.memory.cross_run_gates``),
+and its first inputs arrive no earlier than the previous run's compute two before their
+consumer. So a device never holds more than ``walk_peak`` over the two runs back to back
+(``plan.memory.consecutive``), the bound the planner validates when iterations overlap; work
+already done at issue time is not waited for.
+
 Errors: any exception on any stream comes back from ``finish`` (or ``run``) in the caller's
 thread as a DeviceError naming the device and the action ("F2.3@1"); the pool is reset so the
 next run works (a run started in between is discarded with it).
@@ -51,6 +58,7 @@ import torch
 from rp_engine.device.base import ComputeTimer, Device, DeviceError, Event, StreamRole
 from rp_engine.model.host_store import HostStore
 from rp_engine.plan.actions import Action, Op, Plan
+from rp_engine.plan.memory import cross_run_gates
 from rp_engine.runtime.grad_norm import device_norms, sole_downloads, sq_norms_by_owner
 from rp_engine.runtime.replica import Replica
 from rp_engine.runtime.stages import StageMap
@@ -319,6 +327,10 @@ class _Ctx:
         self.freed: dict[_GroupKey, Event] = {}
         self.upload_of: dict[Action, _GroupKey] = {}  # compute action -> its group
         self.computed: dict[int, list[Event]] = {}  # per device: compute ends, in issue order
+        # the previous run's work this one waits for (see the module docstring): per UPLOAD
+        # its FREEs, per device its last compute ends (not yet done when this run was issued)
+        self.after_previous: dict[Action, list[Event]] = {}
+        self.prior_computed: dict[int, list[Event]] = {}
         self.stats = RunStats()
         self._count_lock = threading.Lock()  # copy threads of every device count at once
         self.head_out: _HeadOut | None = None
@@ -371,6 +383,8 @@ class Executor:
         self.use_rng = use_rng
         self._replicas: dict[tuple[int, int], Replica] = {}
         self._saved_at = stages.saved_inputs()
+        # the last run issued: its plan, FREE events and compute ends per device (the seam)
+        self._previous: tuple[Plan, dict[_GroupKey, Event], dict[int, list[Event]]] | None = None
         self._handlers: dict[Op, Callable[[_Ctx, Action], None]] = {
             Op.UPLOAD: self._upload,
             Op.FWD: self._forward,
@@ -418,12 +432,28 @@ class Executor:
             ctx.base[device.index] = device.timer()
         if spec.carry is not None:
             self._resume_from(ctx, spec.carry)
+        self._follow_previous(ctx)
         for action in plan.actions:
             self._handlers[action.op](ctx, action)
+        self._previous = (plan, ctx.freed, ctx.computed)
         # Streams are FIFO: an event recorded on each now completes when this run's work on it
         # is done, whatever a later run queues behind it.
         ends = [d.stream(role).record() for d in self.devices for role in StreamRole]
         return RunHandle(ctx, ends)
+
+    def _follow_previous(self, ctx: _Ctx) -> None:
+        """The seam with the run issued before (possibly still in flight): what this run's
+        uploads and first inputs wait for (module docstring). Events already reached are left
+        out: nothing to wait for, and after a reset they carry the discarded work's error."""
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return
+        plan, freed, computed = previous
+        for upload, frees in cross_run_gates(plan, ctx.spec.plan).items():
+            events = [freed[_GroupKey.of(f)] for f in frees if _GroupKey.of(f) in freed]
+            ctx.after_previous[upload] = [e for e in events if not e.query()]
+        for device, ends in computed.items():
+            ctx.prior_computed[device] = [e for e in ends[-2:] if not e.query()]
 
     def losses(self, handle: RunHandle) -> list[float]:
         """The run's per-micro-batch losses, as soon as its HEAD actions are done (the backward
@@ -448,6 +478,7 @@ class Executor:
             except BaseException as exc:  # noqa: BLE001 - collected, re-raised below
                 errors.append(exc)
         if errors:
+            self._previous = None  # its events carry the error (left out anyway: reached)
             for device in self.devices:
                 device.reset()
             self._replicas_reset()
@@ -541,6 +572,7 @@ class Executor:
 
     def close(self) -> None:
         self._replicas.clear()
+        self._previous = None
 
     # --- transfer handlers --------------------------------------------------------------------
     def _upload(self, ctx: _Ctx, a: Action) -> None:
@@ -554,6 +586,7 @@ class Executor:
             for _, t in itertools.chain(hl.params, hl.buffers):
                 seen.setdefault(id(t), t)
         gates = [ctx.freed[_GroupKey.of(d)] for d in ctx.spec.plan.deps[a] if d.op is Op.FREE]
+        gates += ctx.after_previous.get(a, [])  # the previous run's FREEs (iterations overlap)
         version = ctx.spec.version
         device = self.devices[a.device]
         timer: list[ComputeTimer] = []
@@ -799,8 +832,9 @@ class Executor:
             return event
         label = str(a)
         # As the plan's SEND rule: an input arrives while the action before its consumer runs,
-        # never earlier, so a device holds the inputs of two actions at most (not of a round).
-        earlier = ctx.computed.get(device.index, [])
+        # never earlier, so a device holds the inputs of two actions at most (not of a round);
+        # a run's first actions count the previous run's last ones (iterations overlap)
+        earlier = ctx.prior_computed.get(device.index, []) + ctx.computed.get(device.index, [])
         if len(earlier) >= 2:
             device.stream(StreamRole.H2D_ACT).wait(earlier[-2])
         if src_index >= 0:  # on another device: through the host (consumer GPUs have no P2P)

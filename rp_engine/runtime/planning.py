@@ -74,8 +74,12 @@ class Planner:
         async_optimizer: bool = True,
         round_size: int | None = None,
         link_gbps: float | None = None,
+        overlap_iterations: bool = False,
     ) -> None:
         self.shape = shape
+        # train_batch may issue the next run before this one's tail is done: every memory peak
+        # is then validated over two runs back to back (plan/memory.py, ``consecutive``)
+        self.overlap_iterations = overlap_iterations
         # With a budget and no round size given, start safe (rounds of one micro-batch) and fit
         # the round to the budget once the first step has measured a boundary state.
         given = round_size if round_size is not None or memory_budget_bytes is None else 1
@@ -212,17 +216,22 @@ class Planner:
     ) -> int:
         """Validate the lowered plan of one iteration with these cuts (issue order, every
         upload freed, no compute without its upload; PlanError otherwise) and return its
-        largest per-device memory peak: weights and gradients, byte sizes of the model.
-        Defaults: the planner's round size, prefetch depth and resident slots."""
-        compute = self._schedule(self.num_microbatches, 0, round_size=round_size)
-        plan = schedules.lower(
-            compute,
-            offload=True,
-            optimizer="",
-            prefetch_depth=self.prefetch_depth if prefetch_depth is None else prefetch_depth,
-            resident=self.resident if resident is None else resident,
-        )
-        return max(schedules.validate(plan, costs=self._estimate()))
+        largest per-device memory peak: weights and gradients, byte sizes of the model. With
+        ``overlap_iterations``, the peak of that run and the next one (from the next start
+        device) back to back: what a device holds with two runs in flight. Defaults: the
+        planner's round size, prefetch depth and resident slots."""
+        depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
+        kept = self.resident if resident is None else resident
+
+        def lowered(start: int) -> Plan:
+            compute = self._schedule(self.num_microbatches, start, round_size=round_size)
+            return schedules.lower(
+                compute, offload=True, optimizer="", prefetch_depth=depth, resident=kept
+            )
+
+        plan = lowered(0)
+        then = lowered(plan.next_start_device) if self.overlap_iterations else None
+        return max(schedules.validate(plan, costs=self._estimate(), then=then))
 
     def _blocks(self) -> tuple[int, ...]:
         """A block schedule (Mobius) binds one block of layers per GPU, forward and backward
