@@ -308,7 +308,7 @@ def default_threads(num_devices: int) -> int:
 H200: dict[str, Any] = {  # shared/reference/gpu_measurements.md, 2026-11-30 (CUDA events, medians)
     "layer_fwd_ms": 1.68, "layer_bwd_ms": 3.05, "head_fwd_bwd_ms": 19.1, "pcie_gbps": 55.0,
     "layers": 28, "layer_bytes": 96e6, "hidden": 2048, "vocab": 151936, "mbs": 4, "seq": 1024,
-    "gas": 4,
+    "gas": 4, "clipping": 1.0,  # gradient_clipping of every measured run
     # measured tokens/s of whole runs, same page
     "measured": {"torch": 22755, "deepspeed": 4984, "roundpipe_landed_sync": 2826,
                  "roundpipe_landed_async": 2381},
@@ -316,7 +316,9 @@ H200: dict[str, Any] = {  # shared/reference/gpu_measurements.md, 2026-11-30 (CU
 
 
 def gpu_point() -> list[dict[str, Any]]:
-    """Predicted vs measured on the H200 (one device, GAS 4, 24 GB budget)."""
+    """Predicted vs measured on the H200 (one device, GAS 4, 24 GB budget). The runs clipped
+    at 1.0, so rp_engine's plans are simulated with clipping's step barrier (``global_norm``);
+    DeepSpeed's closed form already steps after every gradient."""
     from benchmarks.projection import SHAPES, zero_infinity_tps
 
     g = H200
@@ -347,7 +349,7 @@ def gpu_point() -> list[dict[str, Any]]:
             pred = predict_ms(
                 costs, machine, schedule="roundpipe", fwd_cuts=part.fwd_cuts,
                 bwd_cuts=part.bwd_cuts, num_microbatches=g["gas"], round_size=rs,
-                async_optimizer=async_opt,
+                async_optimizer=async_opt, global_norm=g["clipping"] > 0,
             )  # fmt: skip
             rows.append(_row(f"{label} (simulated M_R={rs})", pred["iteration_ms"], tokens,
                              g["measured"][label]))  # fmt: skip

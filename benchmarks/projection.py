@@ -37,6 +37,13 @@ micro-batches per iteration:
   layers plus 1 GB of reduce bucket; ZeRO keeps all L checkpoints of its micro-batch, Mobius the
   checkpoints of its block for its N in-flight micro-batches, RoundPipe those of one stage (the
   rest live on the host). 1.5 GB per GPU for the CUDA context and allocator slack.
+- Gradient clipping (``CLIPPING`` = 1.0: DeepSpeed's default ``gradient_clipping`` since 0.19.3
+  and the configuration measured on the H200, gpu_measurements.md). Clipping needs the global
+  norm, so rp_engine's optimizer (optim/stepper.py) steps no layer before every gradient of the
+  step is in, and the next iteration's uploads wait for those steps: the RoundPipe and Mobius
+  rows are simulated with ``simulate(global_norm=True)``. rp_engine's default
+  ``on_nonfinite: "raise"`` guards the same norm, so it holds this barrier even without
+  clipping. ZeRO-Infinity's closed form already runs its CPU Adam after every gradient.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ REF_FWD_MS, REF_BWD_MS, REF_HEAD_FWD_MS, REF_HEAD_BWD_MS = 7.43, 15.83, 22.07, 4
 MBS, SEQ = 4, 2048
 CONTEXT_BYTES = 1.5e9
 PRESETS = ("rtx4090_pcie4_8x", "a800_nvlink_8x")
+CLIPPING = 1.0  # gradient_clipping of the modelled runs (module docstring)
+GLOBAL_NORM = CLIPPING > 0  # the optimizer steps wait for every gradient of their step
 
 # published tokens/s on 8x RTX 4090 (schedules_and_baselines.md); None = OOM
 PUBLISHED_4090: dict[str, dict[str, Any]] = {
@@ -183,7 +192,9 @@ def _adam_machine(shape: Shape, machine: Machine) -> Machine:
     )
 
 
-def roundpipe_tps(shape: Shape, machine: Machine, m: int, *, async_opt: bool) -> dict[str, Any]:
+def roundpipe_tps(
+    shape: Shape, machine: Machine, m: int, *, async_opt: bool, global_norm: bool = GLOBAL_NORM
+) -> dict[str, Any]:
     costs = layer_costs(shape, machine)
     n = machine.num_devices
     part = partition(
@@ -197,7 +208,7 @@ def roundpipe_tps(shape: Shape, machine: Machine, m: int, *, async_opt: bool) ->
     )  # fmt: skip
     res = simulate(
         plan, costs, machine=_adam_machine(shape, machine),
-        optimizer="async" if async_opt else "sync",
+        optimizer="async" if async_opt else "sync", global_norm=global_norm,
     )  # fmt: skip
     return {
         "tokens_per_s": m * MBS * SEQ / (res.iteration_ms / 1e3),
@@ -207,7 +218,9 @@ def roundpipe_tps(shape: Shape, machine: Machine, m: int, *, async_opt: bool) ->
     }
 
 
-def mobius_tps(shape: Shape, machine: Machine, m: int) -> dict[str, Any]:
+def mobius_tps(
+    shape: Shape, machine: Machine, m: int, *, global_norm: bool = GLOBAL_NORM
+) -> dict[str, Any]:
     costs = layer_costs(shape, machine)
     n = machine.num_devices
     # Mobius uses K = v * N blocks: the fewest whose memory (weights, checkpoints, the
@@ -225,7 +238,10 @@ def mobius_tps(shape: Shape, machine: Machine, m: int) -> dict[str, Any]:
         "mobius", num_iterations=2, fwd_cuts=blocks, num_devices=n, num_microbatches=m,
         device_order=machine.device_order,
     )  # fmt: skip
-    res = simulate(plan, costs, machine=_adam_machine(shape, machine), optimizer="sync")
+    res = simulate(
+        plan, costs, machine=_adam_machine(shape, machine), optimizer="sync",
+        global_norm=global_norm,
+    )  # fmt: skip
     return {
         "tokens_per_s": m * MBS * SEQ / (res.iteration_ms / 1e3),
         "iteration_ms": res.iteration_ms,
@@ -303,21 +319,25 @@ def zero_calibration() -> float:
     return float(row["measured_ms"] / row["predicted_ms"])
 
 
+def project_model(shape: Shape, machine: Machine, m: int) -> dict[str, Any]:
+    """One table row: every system's projection for ``shape`` on ``machine``, ``m``
+    micro-batches per iteration, with the modelled runs' clipping (``GLOBAL_NORM``)."""
+    return {
+        "roundpipe": roundpipe_tps(shape, machine, m, async_opt=True),
+        "roundpipe_sync": roundpipe_tps(shape, machine, m, async_opt=False),
+        "mobius": mobius_tps(shape, machine, m),
+        "zero_infinity": zero_infinity_tps(shape, machine, m),
+        "max_seq": {
+            s: max_seq(s, shape, machine) for s in ("roundpipe", "mobius", "zero_infinity")
+        },
+    }
+
+
 def project(m: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"zero_calibration": zero_calibration()}
+    out: dict[str, Any] = {"zero_calibration": zero_calibration(), "clipping": CLIPPING}
     for preset in PRESETS:
         machine = load_machine(preset)
-        rows = {}
-        for key, shape in SHAPES.items():
-            rows[key] = {
-                "roundpipe": roundpipe_tps(shape, machine, m, async_opt=True),
-                "roundpipe_sync": roundpipe_tps(shape, machine, m, async_opt=False),
-                "mobius": mobius_tps(shape, machine, m),
-                "zero_infinity": zero_infinity_tps(shape, machine, m),
-                "max_seq": {
-                    s: max_seq(s, shape, machine) for s in ("roundpipe", "mobius", "zero_infinity")
-                },
-            }
+        rows = {key: project_model(shape, machine, m) for key, shape in SHAPES.items()}
         out[preset] = {"machine": machine.name, "models": rows}
     return out
 
@@ -338,7 +358,7 @@ def format_tables(result: dict[str, Any]) -> str:
     lines = []
     slow = result["zero_calibration"]
     for preset, data in result.items():
-        if preset == "zero_calibration":
+        if preset not in PRESETS:  # "zero_calibration", "clipping"
             continue
         pub = preset.startswith("rtx4090")
         note = "; published 8x RTX 4090 figures in brackets" if pub else ""
@@ -366,6 +386,10 @@ def format_tables(result: dict[str, Any]) -> str:
                 f" | {seq_text} |"
             )
         lines.append("")
+    lines.append(
+        f"Gradient clipping {result['clipping']}: RoundPipe and Mobius simulated with the "
+        "global-norm step barrier (no layer steps before the step's last gradient)."
+    )
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""The projection's model shapes, cost rate, ZeRO-Infinity formula and memory model."""
+"""The projection's model shapes, cost rate, ZeRO-Infinity formula, memory model and clipping."""
 
 from __future__ import annotations
 
@@ -121,3 +121,42 @@ def test_solve_overhead_recovers_a_known_overhead() -> None:
     assert solved["simulated_no_overhead_ms"] < measured
     fast = calibration.solve_overhead(costs, machine, solved["simulated_no_overhead_ms"], **shape)
     assert fast["overhead_ms"] == 0.0
+
+
+def test_projection_simulates_the_clipped_runs_with_the_step_barrier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The modelled runs clip (``projection.CLIPPING``): every simulated system must carry the
+    global-norm step barrier, and it must cost the sync rows time (no step before the last
+    gradient of the iteration)."""
+    assert projection.CLIPPING > 0 and projection.GLOBAL_NORM
+    seen: list[bool] = []
+    real = projection.simulate
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(bool(kwargs.get("global_norm")))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(projection, "simulate", recording)
+    shape, machine = projection.SHAPES["qwen3-1.7b"], load_machine("rtx4090_pcie4_8x")
+    rows = projection.project_model(shape, machine, 16)
+    assert seen == [True, True, True]  # async, sync, Mobius
+    free = projection.roundpipe_tps(shape, machine, 16, async_opt=False, global_norm=False)
+    assert rows["roundpipe_sync"]["tokens_per_s"] < free["tokens_per_s"]
+    free = projection.mobius_tps(shape, machine, 16, global_norm=False)
+    assert rows["mobius"]["tokens_per_s"] < free["tokens_per_s"]
+
+
+def test_gpu_calibration_point_simulates_the_clipped_runs_with_the_step_barrier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[bool] = []
+    real = calibration.predict_ms
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(bool(kwargs.get("global_norm")))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(calibration, "predict_ms", recording)
+    calibration.gpu_point()
+    assert seen and all(seen)
