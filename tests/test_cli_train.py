@@ -327,3 +327,51 @@ def test_deepspeed_config_auto_values_are_filled_and_written(tmp_path: Path, cap
     assert resolved["tensorboard"]["output_path"] == str(tmp_path / "r")
     assert _summary(tmp_path / "r")["tensorboard"] == str(tmp_path / "r" / "tensorboard")
     assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_wandb_rows_go_out_in_step_order_when_their_step_has_finished() -> None:
+    """With overlapping iterations a step finishes during the next call: its W&B row (with its
+    own gradient norm and transfer stats) is logged then, labelled with its own step, and the
+    logging never finishes a step in flight (only ``step_report()`` is read)."""
+    from rp_engine.engine_api import StepReport
+
+    class Run:
+        def __init__(self) -> None:
+            self.rows: list[tuple[int, dict[str, float]]] = []
+
+        def log(self, metrics: dict[str, float], step: int) -> None:
+            self.rows.append((step, metrics))
+
+    class Engine:  # what _log_step reads; the draining readers raise
+        pool: list[Any] = []
+        optimizer = None
+        finished = 0
+
+        def get_lr(self) -> list[float]:
+            return [0.1]
+
+        def step_report(self) -> StepReport | None:
+            if not self.finished:
+                return None
+            stats = {"h2d_bytes": 10 * self.finished}
+            return StepReport(self.finished, float(self.finished), stats, [])
+
+        def get_global_grad_norm(self) -> float:
+            raise AssertionError("logging must not finish the step in flight")
+
+        last_step_stats = last_timeline = get_global_grad_norm
+
+    job = cli._Job(cli._parser().parse_args([]))
+    job.wandb_run = run = Run()
+    engine = Engine()
+    for step in (1, 2, 3):  # train_batch `step` returned; step - 1 has finished meanwhile
+        engine.finished = step - 1
+        job._log_step(engine, step, loss=float(step), tps=1.0)
+    assert [s for s, _ in run.rows] == [1, 2]
+    engine.finished = 3  # the end drains: the last row goes out
+    job._flush_wandb(engine)
+    assert [s for s, _ in run.rows] == [1, 2, 3]
+    for step, metrics in run.rows:
+        assert metrics["train/loss"] == step
+        assert metrics["train/grad_norm"] == step  # that step's own norm
+        assert metrics["transfer/h2d_bytes"] == 10 * step
