@@ -104,15 +104,31 @@ def _batches(n: int, seed: int = 300) -> list[dict[str, torch.Tensor]]:
     return [random_batch(128, batch=2, seq=12, seed=seed + i) for i in range(n)]
 
 
+def _assert_as_pytorch(
+    model: torch.nn.Module, ref: torch.nn.Module, batches: list, losses: list, norms: list
+) -> None:
+    """Losses, global norms and final weights are those of plain PyTorch (``_reference`` on
+    ``ref``, a copy of ``model``'s initial weights) on the same batches."""
+    ref_losses, ref_norms = _reference(ref, batches)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    assert_same_weights(model, ref)
+
+
 def _train(
     model: torch.nn.Module, cfg: dict, batches: list, *, imperative: bool = False, gas: int = GAS
 ) -> tuple[list[float], list[float | None]]:
-    """(losses, global grad norms) per step; ``model`` holds the final weights. Drained unless
-    the config asks for overlap (under overlap a step's norm is known one call later)."""
-    rp = cfg.setdefault("roundpipe", {})
-    rp.setdefault("overlap_iterations", rp.get("on_nonfinite") == "ignore")
+    """(losses, global grad norms) per step; ``model`` holds the final weights. The norms are
+    read from ``step_report()`` as each step finishes, which does not finish a step in flight
+    (``get_global_grad_norm()`` would: overlapping iterations would not overlap)."""
     engine = engine_for(model, cfg)
-    losses, norms = [], []
+    losses, by_step = [], {}
+
+    def note_finished() -> None:
+        report = engine.step_report()
+        if report is not None:
+            by_step[report.step] = report.grad_norm
+
     try:
         it = iter(batches)
         for _ in range(len(batches) // gas):
@@ -126,11 +142,12 @@ def _train(
                 losses.append(total / engine.gradient_accumulation_steps())
             else:
                 losses.append(float(engine.train_batch(it)))
-            norms.append(engine.get_global_grad_norm())
+            note_finished()
         engine.synchronize()
+        note_finished()
     finally:
         engine.destroy()
-    return losses, norms
+    return losses, [by_step.get(step) for step in range(1, len(losses) + 1)]
 
 
 def _reference(model: torch.nn.Module, batches: list) -> tuple[list[float], list[float]]:
@@ -172,11 +189,8 @@ def test_whole_downloads_bring_their_norm_and_clip_as_pytorch(
     model, ref, old = (tiny_qwen3(0, layers=4) for _ in range(3))
     losses, norms = _train(model, cfg, batches)
     assert host_passes == []  # no layer's fp32 buffers were read for the norm
-    ref_losses, ref_norms = _reference(ref, batches)
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    _assert_as_pytorch(model, ref, batches, losses, norms)
     assert min(norms) > CLIP  # clipping was active in every step
-    assert_same_weights(model, ref)
     # the host pass over the very same gradients: the same norms within fp32 rounding
     _host_only(monkeypatch)
     old_losses, old_norms = _train(old, cfg, batches)
@@ -206,10 +220,7 @@ def test_split_gradients_keep_the_host_pass(
     assert len(host_passes) == STEPS * host_layers
     if tie:
         assert set(host_passes) == {0}  # the embedding's owner, also used by the head
-    ref_losses, ref_norms = _reference(ref, batches)
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
-    assert_same_weights(model, ref)
+    _assert_as_pytorch(model, ref, batches, losses, norms)
 
 
 def test_a_download_that_is_not_the_whole_gradient_falls_back_to_the_host(
@@ -227,10 +238,7 @@ def test_a_download_that_is_not_the_whole_gradient_falls_back_to_the_host(
     losses, norms = _train(model, cfg, batches, imperative=True)
     # every block and the prefix had earlier contributions; the head's download is the carry's
     assert len(host_passes) == STEPS * 6
-    ref_losses, ref_norms = _reference(ref, batches)
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
-    assert_same_weights(model, ref)
+    _assert_as_pytorch(model, ref, batches, losses, norms)
 
 
 def test_a_nonfinite_gradient_is_seen_by_the_device_norm(
@@ -289,8 +297,8 @@ def test_overlapping_iterations_take_each_steps_own_norm(
     _host_only(monkeypatch)
     old_losses, old_norms = _train(old, cfg, batches, gas=1)
     assert len(host_passes) == 2 * STEPS * 6
-    assert None not in norms[1:]  # one step late under overlap
-    torch.testing.assert_close(norms[1:], old_norms[1:], rtol=1e-6, atol=0)
+    assert None not in norms  # every step's own norm, read as it finished
+    torch.testing.assert_close(norms, old_norms, rtol=1e-6, atol=0)
     assert old_losses == losses
     assert_same_weights(model, old, rtol=1e-6, atol=1e-7)
 
