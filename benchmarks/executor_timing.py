@@ -173,12 +173,8 @@ class _Path:
             t7 = clock()
             replica.release()
             t8 = clock()
-            for key, ms in (
-                ("load", t1 - t0), ("call", t2 - t1), ("release", t3 - t2),
-                ("recompute", t5 - t4), ("backward", t6 - t5), ("fold", t7 - t6),
-            ):  # fmt: skip
-                out.setdefault(key, []).append(ms * 1e3)
-            out.setdefault("release2", []).append((t8 - t7) * 1e3)
+            _note(out, load=t1 - t0, call=t2 - t1, release=t3 - t2, recompute=t5 - t4,
+                  backward=t6 - t5, fold=t7 - t6, release2=t8 - t7)  # fmt: skip
 
         t = self._median(run)
         # a forward and a backward action each load and release the replica
@@ -205,8 +201,7 @@ class _Path:
                 torch.autograd.backward(y["hidden"], grad)
             t3 = clock()
             prefix.zero_grad(set_to_none=True)
-            for key, ms in (("fwd", t1 - t0), ("fwd_grad", t2 - t1), ("bwd", t3 - t2)):
-                out.setdefault(key, []).append(ms * 1e3)
+            _note(out, fwd=t1 - t0, fwd_grad=t2 - t1, bwd=t3 - t2)
 
         return self._median(run)
 
@@ -234,15 +229,17 @@ class _Path:
             t4 = clock()
             replica.release()
             t5 = clock()
-            for key, ms in (
-                ("load", t1 - t0), ("fwd", t2 - t1), ("fused", t3 - t2), ("fold", t4 - t3),
-                ("release", t5 - t4),
-            ):  # fmt: skip
-                out.setdefault(key, []).append(ms * 1e3)
+            _note(out, load=t1 - t0, fwd=t2 - t1, fused=t3 - t2, fold=t4 - t3, release=t5 - t4)
 
         t = self._median(run)
         weights.release(self.device)
         return t
+
+
+def _note(out: dict[str, list[float]], **seconds: float) -> None:
+    """Append each part's time of one repetition, in ms, to ``out`` (a warm-up passes {})."""
+    for key, s in seconds.items():
+        out.setdefault(key, []).append(s * 1e3)
 
 
 def _with_grad_input(state: dict[str, Any]) -> dict[str, Any]:

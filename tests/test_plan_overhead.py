@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from rp_engine.plan import schedules, simulate
-from rp_engine.plan.actions import Op
+from rp_engine.plan.actions import Op, Plan
 from rp_engine.plan.partition import LayerCosts
 
 H = 0.25  # ms of host overhead per action
@@ -38,6 +38,14 @@ def _fast(devices: int, overhead: float = 0.0) -> simulate.Machine:
         cpu_adam_params_per_s=1e18,
         action_overhead_ms=overhead,
     )
+
+
+def _two_devices(*, iterations: int, microbatches: int) -> Plan:
+    """RoundPipe on two devices, cuts [2, 2] / [0, 2, 2], ``iterations`` back to back."""
+    return schedules.build(
+        "roundpipe", num_iterations=iterations, fwd_cuts=[2, 2], bwd_cuts=[0, 2, 2],
+        num_devices=2, num_microbatches=microbatches,
+    )  # fmt: skip
 
 
 def _compute(result: simulate.SimResult, device: int) -> list[simulate.Interval]:
@@ -152,14 +160,7 @@ def test_shared_host_cores_slow_what_runs_at_once() -> None:
     devices alone run at their profiled speed; the host overhead (one core) running while both
     compute takes its core from them, so compute stretches and the iteration grows, and no
     compute ever runs faster than profiled."""
-    plan = schedules.build(
-        "roundpipe",
-        num_iterations=2,
-        fwd_cuts=[2, 2],
-        bwd_cuts=[0, 2, 2],
-        num_devices=2,
-        num_microbatches=8,
-    )
+    plan = _two_devices(iterations=2, microbatches=8)
     own = simulate.simulate(plan, _costs(), machine=_fast(2), optimizer="async")
     cores = dataclasses.replace(_fast(2), host_cores=2.0)
     alone = simulate.simulate(plan, _costs(), machine=cores, optimizer="async")
@@ -186,14 +187,7 @@ def test_the_share_other_processes_leave_slows_what_runs_at_once() -> None:
     (1, 1) a device alone keeps its core, two devices at once share one core: each runs at half
     speed where they overlap, never slower, and the iteration grows; with a share of all cores
     nothing changes."""
-    plan = schedules.build(
-        "roundpipe",
-        num_iterations=1,
-        fwd_cuts=[2, 2],
-        bwd_cuts=[0, 2, 2],
-        num_devices=2,
-        num_microbatches=4,
-    )
+    plan = _two_devices(iterations=1, microbatches=4)
     cores = dataclasses.replace(_fast(2), host_cores=2.0)
     own = simulate.simulate(plan, _costs(), machine=cores, optimizer="sync")
     full = dataclasses.replace(cores, host_share=(1.0, 2.0))
@@ -219,14 +213,7 @@ def test_global_norm_holds_every_optimizer_step_until_the_last_gradient() -> Non
     no layer's OPT starts before the iteration's last gradient download ends. Without it the
     first layers to finish step while other gradients are still on their way, and a sync
     iteration (whose next uploads wait for the steps) ends sooner."""
-    plan = schedules.build(
-        "roundpipe",
-        num_iterations=2,
-        fwd_cuts=[2, 2],
-        bwd_cuts=[0, 2, 2],
-        num_devices=2,
-        num_microbatches=4,
-    )
+    plan = _two_devices(iterations=2, microbatches=4)
     costs = dataclasses.replace(_costs(), param_bytes=(2_000_000,) * 4)
     machine = dataclasses.replace(_fast(2), h2d_gbps=1.0, d2h_gbps=1.0, cpu_adam_params_per_s=1e9)
     free = simulate.simulate(plan, costs, machine=machine, optimizer="sync")

@@ -627,7 +627,6 @@ class _Engine:
     def __init__(self, tasks: list[_Task], plan: Plan, machine: Machine | None) -> None:
         self.tasks, self.plan = tasks, plan
         self.caps = _link_caps(machine, plan.num_devices) if machine else {}
-        # other processes' runnable threads: equal sharers of the host's cores
         # the cores' worth the run gets beside other processes, by how many of its tasks want them
         self.share = tuple(machine.host_share) if machine and machine.host_cores else ()
         self.waiting = [len(t.deps) for t in tasks]
