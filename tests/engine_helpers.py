@@ -125,13 +125,20 @@ def reference_losses(
 
 
 def run_losses(
-    model: nn.Module, cfg: dict[str, Any], batches: Sequence[Any], *, steps: int
+    model: nn.Module,
+    cfg: dict[str, Any],
+    batches: Sequence[Any],
+    *,
+    steps: int,
+    overlap: bool | None = None,
 ) -> list[float]:
     """Train an engine over ``model`` with ``cfg`` for ``steps`` steps of ``batches``; the
     per-step losses. The engine is synchronized (``model`` holds the final weights) and
-    destroyed, also when training fails."""
+    destroyed, also when training fails. ``overlap`` (when given) is asserted to be whether
+    the engine overlaps iterations, so a test's drained or overlapped variant is what it says."""
     engine = engine_for(model, cfg)
     try:
+        assert overlap is None or engine._overlap is overlap, (overlap, cfg.get("roundpipe"))
         it = iter(batches)
         losses = [float(engine.train_batch(it)) for _ in range(steps)]
         engine.synchronize()

@@ -20,9 +20,10 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return [random_batch(128, batch=2, seq=12, seed=200 + i) for i in range(n)]
 
 
-# "ignore" lets iterations overlap (engine_pipeline.py): train_batch t+1 is issued while
-# iteration t's backward tail and optimizer run; "raise" (the default) drains every call
+# Iterations overlap by default (engine_pipeline.py): train_batch t+1 is issued while iteration
+# t's backward tail and optimizer run; "overlap_iterations": false is the drained control.
 OVERLAP = {"on_nonfinite": "ignore"}
+DRAINED = {"overlap_iterations": False}
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "drained"])
@@ -30,9 +31,9 @@ def test_async_matches_staleness_one_reference(overlap: bool) -> None:
     model, ref = tiny_qwen3(0, layers=4), tiny_qwen3(0, layers=4)
     batches = _batches(STEPS * GAS)
     expected = reference_losses(ref, batches, steps=STEPS, gas=GAS, lr=1e-2, staleness=1)
-    rp = OVERLAP if overlap else {}
+    rp = OVERLAP if overlap else DRAINED
     cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, roundpipe=rp, **CUTS)
-    got = run_losses(model, cfg, batches, steps=STEPS)
+    got = run_losses(model, cfg, batches, steps=STEPS, overlap=overlap)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert_same_weights(model, ref)
     # and it really is stale: the synchronous losses (which the sync engine meets, see
@@ -208,7 +209,7 @@ def test_tied_embedding_waits_for_its_owner_step(overlap: bool) -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
     batches = _batches(4 * GAS)
     expected = reference_losses(ref, batches, steps=4, gas=GAS, lr=1e-2, staleness=1)
-    rp = OVERLAP if overlap else {"overlap_iterations": False}
+    rp = OVERLAP if overlap else DRAINED
     cfg = config(devices=2, gas=GAS, lr=1e-2, async_optimizer=True, roundpipe=rp, **CUTS)
     engine = engine_for(model, cfg)
     assert engine.store.owner_layer(model.lm_head.weight) == 0
