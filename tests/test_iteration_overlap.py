@@ -455,6 +455,34 @@ def test_a_step_skipped_late_ends_where_deepspeed_would(mode: str, async_optimiz
         assert not late["errors"] and late["losses"] == drained["losses"]
 
 
+@pytest.mark.parametrize("drain", [False, True])
+def test_a_late_skips_error_is_not_lost_when_the_next_step_raises_at_once(drain: bool) -> None:
+    """Under "raise", step 2 is skipped late (finite losses, infinite gradient norm) and step 3
+    has a NaN loss. Drained, call 2 raises for step 2 and call 3 for step 3. Overlapped, both
+    errors come due at call 3 (step 2's when its close was found, by call 3 itself or by the
+    drain before it; step 3's at once): call 3 raises one error naming both steps, never only
+    step 3's (found by tests/test_overlap_soak.py)."""
+    engine = _engine(on_nonfinite="raise")
+    _poison_gradients(engine, step=2)
+    try:
+        it = iter(_batches(2 * GAS))
+        engine.train_batch(it)
+        engine.train_batch(it)  # step 2: the late skip is not known yet
+        if drain:
+            engine.get_global_grad_norm()  # finishes step 2: the error waits for a train call
+        good, bad = _batches(2, seed=700)
+        bad = {**bad, "labels": torch.full((2, 12), -100)}  # loss 0/0 = NaN
+        with pytest.raises(NonFiniteError) as raised:
+            engine.train_batch(iter([good, bad]))
+        text = str(raised.value)
+        assert "step 2: non-finite gradient norm" in text, text
+        assert "step 3: non-finite loss in micro-batch(es) 1" in text, text
+        assert (engine.global_steps, engine.skipped_steps) == (3, 2)
+        engine.train_batch(iter(_batches(GAS, seed=800)))  # nothing else owed
+    finally:
+        engine.destroy()
+
+
 def test_a_non_finite_loss_in_flight_is_skipped_at_once_and_at_shutdown() -> None:
     """A non-finite loss is known when train_batch returns: the boundary is a skipped one at
     once, and the run's close (here by the exit finaliser, no destroy) skips the step."""
