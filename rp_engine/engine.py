@@ -100,7 +100,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.device = self.pool[0].torch_device
         self.training = model.training
         # Last: it also marks the engine as fully built (attribute fall-through needs that).
-        self._box = InFlightBox()
+        self._box = InFlightBox(self._guard)
         self._finalizer = watch(self, stepper=self.stepper, pool=self.pool, inflight=self._box)
 
     def _wire(
@@ -264,10 +264,12 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         """Finish in-flight steps, publish the newest weights, stop workers and devices.
 
         Optional: the same shutdown runs when the engine is collected or the process exits
-        (runtime/shutdown.py). Idempotent.
+        (runtime/shutdown.py). Idempotent. Under on_nonfinite "raise", a step found skipped
+        late after the last training call (no call is left to raise it) is logged as an error.
         """
         try:
             self._drain_pipeline()  # the step in flight is applied, as without overlap
+            self._guard.report_unraised()  # a late skip found now: no call is left to raise it
         finally:
             self._finalizer()
         self._published_step = self.global_steps

@@ -483,6 +483,38 @@ def test_a_late_skips_error_is_not_lost_when_the_next_step_raises_at_once(drain:
         engine.destroy()
 
 
+@pytest.mark.parametrize("end", ["destroy", "save_then_destroy", "finaliser"])
+def test_a_late_skip_after_the_last_training_call_is_logged_under_raise(
+    end: str, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under "raise" the last call's step 2 is skipped late. Drained, that call raised; with
+    overlap no training call is left to raise it, so the shutdown that finds it (destroy, a
+    checkpoint's drain then destroy, or the exit finaliser without destroy) logs the error."""
+    import gc
+    import logging
+
+    engine = _engine(on_nonfinite="raise")
+    _poison_gradients(engine, step=2)
+    it = iter(_batches(2 * GAS))
+    engine.train_batch(it)
+    engine.train_batch(it)
+    with caplog.at_level(logging.ERROR, logger="rp_engine"):
+        if end == "finaliser":
+            finalizer = engine._finalizer
+            del engine, it
+            gc.collect()
+            if finalizer.alive:  # still referenced by a queued closure: run it as exit would
+                finalizer()
+        else:
+            if end == "save_then_destroy":
+                engine.save_checkpoint(str(tmp_path))  # the drain finds the skip: owed
+            assert engine.skipped_steps == (1 if end == "save_then_destroy" else 0)
+            engine.destroy()
+            assert engine.skipped_steps == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "step 2: non-finite gradient norm" in errors[0], errors
+
+
 def test_a_non_finite_loss_in_flight_is_skipped_at_once_and_at_shutdown() -> None:
     """A non-finite loss is known when train_batch returns: the boundary is a skipped one at
     once, and the run's close (here by the exit finaliser, no destroy) skips the step."""

@@ -94,6 +94,15 @@ class NonFiniteGuard:
         if failed:
             raise NonFiniteError(_text(failed))
 
+    def report_unraised(self) -> None:
+        """Log, as an error, the steps kept by :meth:`conclude` that no training call will
+        raise now: the engine is shutting down, and a step skipped late under "raise" was found
+        by the drain of ``destroy()`` or of the exit finaliser (or of a drain before them, with no
+        training call since). Drained, every error is raised by its own call and none is left."""
+        failed, self._failed = self._failed, []
+        if failed:
+            log.error("%s (found after the last training call)", _text(failed))
+
     def reset(self) -> None:
         """Forget the open window (a failed run discarded its gradients)."""
         self._bad = []
