@@ -137,8 +137,14 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         can_skip = cfg.fp16.enabled or self._guard.active  # a step may close skipped, late
         in_flight = boundary_in_flight_ok(self.lr_scheduler, can_skip=can_skip)
         wanted = rp.overlap_iterations is not False
+        # CPU devices draw dropout masks from torch's one CPU generator, which the caller's code
+        # uses between train_batch calls (a shuffling sampler's seed, torch.randint batches): a
+        # run in flight would race with it (its backward's recomputed masks differ from its
+        # forward's, and the caller's stream is rewound by the scope's restore), so it drains
+        shared_rng = self.pool.kind == "cpu" and uses_dropout(model)
         self._overlap = (
-            wanted and in_flight and self.stepper.dp is None and rp.step_journal != "on"
+            wanted and in_flight and not shared_rng and self.stepper.dp is None
+            and rp.step_journal != "on"
         )  # fmt: skip
         if self.stepper.dp is not None:
             self.stepper.journal = None

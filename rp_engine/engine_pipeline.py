@@ -38,8 +38,11 @@ What stays exact:
   again with the lowered scale (``_reissue``), as DeepSpeed would have run it.
 
 Not overlapped (each ``train_batch`` drains, as before): profiling iterations (the re-plan reads
-their timing), a scheduler that cannot be restored where steps can be skipped, and
-``roundpipe.overlap_iterations: false``.
+their timing), a scheduler that cannot be restored where steps can be skipped, a model with
+dropout on CPU devices (their dropout draws from torch's one CPU generator, which the caller's
+code between calls shares: engine.py), and ``roundpipe.overlap_iterations: false``. On GPUs the
+run in flight draws its dropout masks from each training GPU's default generator: random
+numbers the caller draws between calls should come from the CPU or its own ``torch.Generator``.
 
 Failures: a device error in run t's tail surfaces at the next call that finishes it; the steps
 in flight are then discarded (counted as skipped, weights as the last applied step) and the

@@ -137,6 +137,39 @@ def test_overlap_is_on_unless_a_late_skip_could_not_be_undone() -> None:
             engine.destroy()
 
 
+def test_dropout_on_cpu_devices_is_not_disturbed_by_the_callers_own_random_numbers() -> None:
+    """CPU devices seed torch's one CPU generator for each dropout layer; a script drawing from
+    it between train_batch calls (a shuffling sampler, torch.randint batches) ran concurrently
+    with the step in flight: the backward's recomputed masks differed from the forward's and
+    the script's own stream was rewound (found by the overlap soak with dropout). Such an
+    engine drains each call: losses, weights and the script's draws equal the drained ones."""
+    runs = []
+    for overlap in (None, False):  # None: the default
+        cfg = config(
+            devices=2, gas=GAS, lr=1e-2, async_optimizer=True,
+            roundpipe={**OVERLAP, "overlap_iterations": overlap}, **CUTS,
+        )  # fmt: skip
+        engine = engine_for(tiny_qwen3(0, layers=4, dropout=0.2), cfg)
+        overlapped = engine._overlap
+        torch.manual_seed(123)
+        losses, drawn = [], []
+        try:
+            it = iter(_batches(5 * GAS))
+            for _ in range(5):
+                losses.append(float(engine.train_batch(it)))
+                drawn.append(float(torch.randn(100_000).sum()))  # the script's own randomness
+            engine.synchronize()
+            weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        finally:
+            engine.destroy()
+        runs.append((losses, drawn, weights, overlapped))
+    (l1, d1, w1, o1), (l2, d2, w2, _) = runs
+    assert l1 == l2 and d1 == d2
+    for k in w1:
+        assert torch.equal(w1[k], w2[k]), k
+    assert o1 is False
+
+
 @pytest.mark.parametrize("async_optimizer", [True, False])
 def test_grad_norm_is_the_last_steps_and_step_report_does_not_wait(async_optimizer: bool) -> None:
     """``get_global_grad_norm()`` (and the stats, the timeline) describe the step the last call
