@@ -494,8 +494,8 @@ class RoundPipeConfig:
     # train_batch t+1 starts while iteration t's backward tail and optimizer run (no drain),
     # fp16 and on_nonfinite "raise"/"skip" included (a step skipped late is undone:
     # engine_boundary.py). null (default) / true: on; false: each train_batch drains. Off under
-    # data parallel, step_journal "on", or a client LR scheduler without state_dict where a step
-    # can be skipped
+    # data parallel, step_journal "on", a client LR scheduler without state_dict where a step
+    # can be skipped, or a model with dropout on CPU devices (one RNG shared with the caller)
     overlap_iterations: bool | None = None
     # undo log making a failed optimizer step all-or-nothing (+12 B/trainable param, Adam):
     # default: only when host memory allows (optim/step_journal.py)

@@ -100,7 +100,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.device = self.pool[0].torch_device
         self.training = model.training
         # Last: it also marks the engine as fully built (attribute fall-through needs that).
-        self._box = InFlightBox()
+        self._box = InFlightBox(self._guard)
         self._finalizer = watch(self, stepper=self.stepper, pool=self.pool, inflight=self._box)
 
     def _wire(
@@ -137,8 +137,14 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         can_skip = cfg.fp16.enabled or self._guard.active  # a step may close skipped, late
         in_flight = boundary_in_flight_ok(self.lr_scheduler, can_skip=can_skip)
         wanted = rp.overlap_iterations is not False
+        # CPU devices draw dropout masks from torch's one CPU generator, which the caller's code
+        # uses between train_batch calls (a shuffling sampler's seed, torch.randint batches): a
+        # run in flight would race with it (its backward's recomputed masks differ from its
+        # forward's, and the caller's stream is rewound by the scope's restore), so it drains
+        shared_rng = self.pool.kind == "cpu" and uses_dropout(model)
         self._overlap = (
-            wanted and in_flight and self.stepper.dp is None and rp.step_journal != "on"
+            wanted and in_flight and not shared_rng and self.stepper.dp is None
+            and rp.step_journal != "on"
         )  # fmt: skip
         if self.stepper.dp is not None:
             self.stepper.journal = None
@@ -264,10 +270,12 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         """Finish in-flight steps, publish the newest weights, stop workers and devices.
 
         Optional: the same shutdown runs when the engine is collected or the process exits
-        (runtime/shutdown.py). Idempotent.
+        (runtime/shutdown.py). Idempotent. Under on_nonfinite "raise", a step found skipped
+        late after the last training call (no call is left to raise it) is logged as an error.
         """
         try:
             self._drain_pipeline()  # the step in flight is applied, as without overlap
+            self._guard.report_unraised()  # a late skip found now: no call is left to raise it
         finally:
             self._finalizer()
         self._published_step = self.global_steps

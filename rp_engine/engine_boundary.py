@@ -15,7 +15,8 @@ step t's last gradients are still landing, so its boundary is applied *in flight
   drops), counts the step as skipped and re-freezes the next open step's hyper-parameters,
   which is exactly where DeepSpeed would have been. "raise" raises from the call that finished
   the step (the next ``train_batch``, after its own boundary) or, if a drain finished it, the
-  next training call.
+  next training call; if that call's own step has a non-finite loss, its one error names both
+  steps. With no training call left (``destroy()``, exit), the error is logged instead.
 
 fp16: the next run was issued with the loss scale of before the overflow. DeepSpeed would have
 run it with the lowered scale, so engine_pipeline.py runs it again (``_reissue``): one extra

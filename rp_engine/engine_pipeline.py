@@ -38,8 +38,11 @@ What stays exact:
   again with the lowered scale (``_reissue``), as DeepSpeed would have run it.
 
 Not overlapped (each ``train_batch`` drains, as before): profiling iterations (the re-plan reads
-their timing), a scheduler that cannot be restored where steps can be skipped, and
-``roundpipe.overlap_iterations: false``.
+their timing), a scheduler that cannot be restored where steps can be skipped, a model with
+dropout on CPU devices (their dropout draws from torch's one CPU generator, which the caller's
+code between calls shares: engine.py), and ``roundpipe.overlap_iterations: false``. On GPUs the
+run in flight draws its dropout masks from each training GPU's default generator: random
+numbers the caller draws between calls should come from the CPU or its own ``torch.Generator``.
 
 Failures: a device error in run t's tail surfaces at the next call that finishes it; the steps
 in flight are then discarded (counted as skipped, weights as the last applied step) and the
@@ -96,18 +99,22 @@ class InFlightBox:
     (runtime/shutdown.py) holds this box, never the engine, and applies the step in flight when
     a script ends (or the engine is collected) without ``destroy()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, guard: NonFiniteGuard) -> None:
         self.run: _InFlight | None = None
+        self.guard = guard  # judges a step found skipped at shutdown (no call left to raise)
 
     def finish(self, stepper: OptimizerStepper) -> None:
         """Finish the run in flight and close its step (no engine bookkeeping: the counters
-        and the LR already count it). Errors are dropped: the caller is shutting down."""
+        and the LR already count it). A step skipped late, and any error still owed, is logged
+        (``NonFiniteGuard.report_unraised``). Errors are dropped: the caller is shutting down."""
         run, self.run = self.run, None
-        if run is None:
-            return
         try:
-            run.executor.finish(run.handle)
-            stepper.close_step(step=run.step, skip=run.skip)
+            if run is not None:
+                run.executor.finish(run.handle)
+                result = stepper.close_step(step=run.step, skip=run.skip)
+                if run.before is not None and result.overflow:  # skipped late
+                    self.guard.conclude(run.step, result)
+            self.guard.report_unraised()
         except Exception as exc:  # noqa: BLE001 - shutdown goes on; the step is lost
             log.warning("the training step in flight could not be finished at shutdown: %r", exc)
 

@@ -137,6 +137,39 @@ def test_overlap_is_on_unless_a_late_skip_could_not_be_undone() -> None:
             engine.destroy()
 
 
+def test_dropout_on_cpu_devices_is_not_disturbed_by_the_callers_own_random_numbers() -> None:
+    """CPU devices seed torch's one CPU generator for each dropout layer; a script drawing from
+    it between train_batch calls (a shuffling sampler, torch.randint batches) ran concurrently
+    with the step in flight: the backward's recomputed masks differed from the forward's and
+    the script's own stream was rewound (found by the overlap soak with dropout). Such an
+    engine drains each call: losses, weights and the script's draws equal the drained ones."""
+    runs = []
+    for overlap in (None, False):  # None: the default
+        cfg = config(
+            devices=2, gas=GAS, lr=1e-2, async_optimizer=True,
+            roundpipe={**OVERLAP, "overlap_iterations": overlap}, **CUTS,
+        )  # fmt: skip
+        engine = engine_for(tiny_qwen3(0, layers=4, dropout=0.2), cfg)
+        overlapped = engine._overlap
+        torch.manual_seed(123)
+        losses, drawn = [], []
+        try:
+            it = iter(_batches(5 * GAS))
+            for _ in range(5):
+                losses.append(float(engine.train_batch(it)))
+                drawn.append(float(torch.randn(100_000).sum()))  # the script's own randomness
+            engine.synchronize()
+            weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        finally:
+            engine.destroy()
+        runs.append((losses, drawn, weights, overlapped))
+    (l1, d1, w1, o1), (l2, d2, w2, _) = runs
+    assert l1 == l2 and d1 == d2
+    for k in w1:
+        assert torch.equal(w1[k], w2[k]), k
+    assert o1 is False
+
+
 @pytest.mark.parametrize("async_optimizer", [True, False])
 def test_grad_norm_is_the_last_steps_and_step_report_does_not_wait(async_optimizer: bool) -> None:
     """``get_global_grad_norm()`` (and the stats, the timeline) describe the step the last call
@@ -453,6 +486,66 @@ def test_a_step_skipped_late_ends_where_deepspeed_would(mode: str, async_optimiz
         assert drained["losses"][2:] == late["losses"][2:]
     else:
         assert not late["errors"] and late["losses"] == drained["losses"]
+
+
+@pytest.mark.parametrize("drain", [False, True])
+def test_a_late_skips_error_is_not_lost_when_the_next_step_raises_at_once(drain: bool) -> None:
+    """Under "raise", step 2 is skipped late (finite losses, infinite gradient norm) and step 3
+    has a NaN loss. Drained, call 2 raises for step 2 and call 3 for step 3. Overlapped, both
+    errors come due at call 3 (step 2's when its close was found, by call 3 itself or by the
+    drain before it; step 3's at once): call 3 raises one error naming both steps, never only
+    step 3's (found by tests/test_overlap_soak.py)."""
+    engine = _engine(on_nonfinite="raise")
+    _poison_gradients(engine, step=2)
+    try:
+        it = iter(_batches(2 * GAS))
+        engine.train_batch(it)
+        engine.train_batch(it)  # step 2: the late skip is not known yet
+        if drain:
+            engine.get_global_grad_norm()  # finishes step 2: the error waits for a train call
+        good, bad = _batches(2, seed=700)
+        bad = {**bad, "labels": torch.full((2, 12), -100)}  # loss 0/0 = NaN
+        with pytest.raises(NonFiniteError) as raised:
+            engine.train_batch(iter([good, bad]))
+        text = str(raised.value)
+        assert "step 2: non-finite gradient norm" in text, text
+        assert "step 3: non-finite loss in micro-batch(es) 1" in text, text
+        assert (engine.global_steps, engine.skipped_steps) == (3, 2)
+        engine.train_batch(iter(_batches(GAS, seed=800)))  # nothing else owed
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("end", ["destroy", "save_then_destroy", "finaliser"])
+def test_a_late_skip_after_the_last_training_call_is_logged_under_raise(
+    end: str, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under "raise" the last call's step 2 is skipped late. Drained, that call raised; with
+    overlap no training call is left to raise it, so the shutdown that finds it (destroy, a
+    checkpoint's drain then destroy, or the exit finaliser without destroy) logs the error."""
+    import gc
+    import logging
+
+    engine = _engine(on_nonfinite="raise")
+    _poison_gradients(engine, step=2)
+    it = iter(_batches(2 * GAS))
+    engine.train_batch(it)
+    engine.train_batch(it)
+    with caplog.at_level(logging.ERROR, logger="rp_engine"):
+        if end == "finaliser":
+            finalizer = engine._finalizer
+            del engine, it
+            gc.collect()
+            if finalizer.alive:  # still referenced by a queued closure: run it as exit would
+                finalizer()
+        else:
+            if end == "save_then_destroy":
+                engine.save_checkpoint(str(tmp_path))  # the drain finds the skip: owed
+            assert engine.skipped_steps == (1 if end == "save_then_destroy" else 0)
+            engine.destroy()
+            assert engine.skipped_steps == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "step 2: non-finite gradient norm" in errors[0], errors
 
 
 def test_a_non_finite_loss_in_flight_is_skipped_at_once_and_at_shutdown() -> None:

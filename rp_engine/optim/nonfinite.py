@@ -8,7 +8,9 @@ gradient norm:
 * ``"raise"`` (default): the step is not applied (the weights and optimizer state stay as they
   were; it counts as a skipped step, like an fp16 overflow) and the call that closed it
   (``train_batch()`` or ``step()``) raises :class:`NonFiniteError` naming the step and the
-  micro-batch(es). The engine stays usable: the next step starts clean.
+  micro-batch(es). The engine stays usable: the next step starts clean. With overlapping
+  iterations two skipped steps can come due at one call (one skipped late, the next for its
+  loss: engine_boundary.py); that call raises one error naming both, none is dropped.
 * ``"skip"``: the same skip, with a warning instead of an error.
 * ``"ignore"``: the step is applied whatever its numbers (DeepSpeed's bf16/fp32 behaviour).
 
@@ -45,7 +47,9 @@ class NonFiniteGuard:
         # fp16 keeps DeepSpeed's overflow skipping; "ignore" watches nothing.
         self.active = mode != "ignore" and not fp16
         self._bad: list[tuple[int, float]] = []  # (micro-batch within the step, loss)
-        self._failed: NonFiniteError | None = None
+        # "step N: what" of each step judged under "raise" and not raised yet: with overlapping
+        # iterations a late skip and the next step's non-finite loss come due at one call
+        self._failed: list[str] = []
 
     def observe(self, losses: Sequence[float], first_microbatch: int, gas: int) -> None:
         """Losses of a training run whose first micro-batch is ``first_microbatch`` (counted
@@ -78,24 +82,38 @@ class NonFiniteGuard:
                 what += " and a non-finite gradient norm"
         else:
             what = "non-finite gradient norm (every micro-batch's loss was finite)"
-        text = (
-            f"step {step}: {what}; the step was skipped (weights and optimizer state unchanged). "
-            "Look for NaN/inf weights (a bad checkpoint), a learning rate that diverged, or a "
-            "micro-batch whose labels are all -100; roundpipe.on_nonfinite = 'skip' skips such "
-            "steps with a warning, 'ignore' applies them"
-        )
         if self.mode == "skip":
-            log.warning("%s", text)
+            log.warning("%s", _text([f"step {step}: {what}"]))
         else:
-            self._failed = NonFiniteError(text)
+            self._failed.append(f"step {step}: {what}")
 
     def raise_failed(self) -> None:
-        """Raise the error kept by :meth:`conclude` (once); call it after the engine's counters
-        are up to date, so that the engine is consistent when the error reaches the user."""
-        err, self._failed = self._failed, None
-        if err is not None:
-            raise err
+        """Raise one error for the steps kept by :meth:`conclude` (each once); call it after the
+        engine's counters are up to date, so that the engine is consistent when it raises."""
+        failed, self._failed = self._failed, []
+        if failed:
+            raise NonFiniteError(_text(failed))
+
+    def report_unraised(self) -> None:
+        """Log, as an error, the steps kept by :meth:`conclude` that no training call will
+        raise now: the engine is shutting down, and a step skipped late under "raise" was found
+        by the drain of ``destroy()`` or of the exit finaliser (or of a drain before them, with no
+        training call since). Drained, every error is raised by its own call and none is left."""
+        failed, self._failed = self._failed, []
+        if failed:
+            log.error("%s (found after the last training call)", _text(failed))
 
     def reset(self) -> None:
         """Forget the open window (a failed run discarded its gradients)."""
         self._bad = []
+
+
+def _text(failed: list[str]) -> str:
+    """The message for skipped steps, each given as "step N: what"."""
+    which = "the step was" if len(failed) == 1 else "the steps were"
+    return (
+        f"{'; '.join(failed)}; {which} skipped (weights and optimizer state unchanged). "
+        "Look for NaN/inf weights (a bad checkpoint), a learning rate that diverged, or a "
+        "micro-batch whose labels are all -100; roundpipe.on_nonfinite = 'skip' skips such "
+        "steps with a warning, 'ignore' applies them"
+    )
