@@ -9,6 +9,7 @@ with wall-clock figures; the same probe with ``overlap_iterations: false`` is th
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import pytest
@@ -621,3 +622,30 @@ def test_fp16_overflows_in_flight_follow_deepspeeds_loss_scale_sequence(
     for k, w in drained["weights"].items():
         assert torch.equal(w, late["weights"][k]), k
     assert len(late["reissued"]) == skipped  # one re-run per overflow (the last one drained)
+
+
+@pytest.mark.parametrize("async_optimizer", [True, False])
+def test_a_torch_scheduler_stepped_in_flight_does_not_warn_of_its_order(
+    async_optimizer: bool,
+) -> None:
+    """With overlap the boundary (the scheduler's step) of step t is applied while step t's
+    optimizer has yet to run; torch's "lr_scheduler.step() before optimizer.step()" warning is
+    for scripts that order them wrongly, not for an engine-driven schedule, and must not fire."""
+    cfg = config(
+        devices=2, gas=GAS, lr=1e-2, async_optimizer=async_optimizer, roundpipe=OVERLAP,
+        scheduler={"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}, **CUTS,
+    )  # fmt: skip
+    engine = engine_for(tiny_qwen3(0, layers=4), cfg)
+    try:
+        assert engine._overlap
+        it = iter(_batches(2 * GAS))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                engine.train_batch(it)
+            engine.synchronize()
+        order = [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+        assert not order, [str(w.message) for w in order]
+        assert engine.get_lr() == [pytest.approx(1e-2 * 0.25)]
+    finally:
+        engine.destroy()

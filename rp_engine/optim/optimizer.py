@@ -199,8 +199,14 @@ class HostOptimizer:
         self.hyperparams_lock = threading.Lock()
 
     def step_scheduler(self, scheduler: Any, **kwargs: Any) -> None:
-        """Step an LR scheduler, never while a torch step has swapped its groups in."""
+        """Step an LR scheduler, never while a torch step has swapped its groups in.
+
+        The engine steps the scheduler only at a step boundary, and with overlapping iterations
+        that boundary comes before the step's optimizer work has run: torch's "scheduler before
+        optimizer" warning (for scripts that order the two wrongly) does not apply, so the flag
+        it reads is set here."""
         with self.hyperparams_lock:
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
             scheduler.step(**kwargs)
 
     def snapshot(self) -> list[dict[str, Any]]:
