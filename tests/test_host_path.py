@@ -343,3 +343,31 @@ def test_the_optimizer_reads_the_oldest_sealed_step() -> None:
     assert got is not None and torch.equal(got, torch.full((4,), 2.0))
     bufs.release([0])
     assert not bufs.has(0)
+
+
+def test_the_global_norm_does_not_depend_on_the_order_layers_land() -> None:
+    """Layers land from several device threads in an order that varies between runs; the
+    step's global norm (and so the clipping coefficient and the weights) must not: the squares
+    are summed in layer order. With squares 1e16, 1, 1 a float sum in landing order gives 1e16
+    for (0, 1, 2) and 1e16 + 2 for (1, 2, 0), which it did before (summed as layers landed)."""
+    from rp_engine.optim.optimizer import build_inner_optimizer
+    from rp_engine.optim.stepper import OptimizerStepper
+
+    squares = [1e16, 1.0, 1.0]
+    norms = []
+    for order in ((0, 1, 2), (1, 2, 0), (2, 0, 1)):
+        torch.manual_seed(0)
+        store = HostStore([nn.Linear(1, 1, bias=False) for _ in squares])
+        masters = [hp.master for hp in store.owned_params()]
+        inner, per_layer = build_inner_optimizer("adamw", {"lr": 1e-2}, [{"params": masters}])
+        opt = HostOptimizer(inner, per_layer=per_layer, scaler=LossScaler(), slice_elems=1 << 14)
+        stepper = OptimizerStepper(store, opt, clip=1.0, async_mode=False, fp16=False)
+        store.take_sq_norm = lambda layer, step: squares[layer]  # type: ignore[method-assign]
+        try:
+            stepper.open_step(1)
+            for layer in order:
+                stepper.layer_ready(layer)
+            norms.append(stepper.close_step(skip=True).grad_norm)
+        finally:
+            stepper.close()
+    assert norms[0] == norms[1] == norms[2], norms

@@ -42,7 +42,7 @@ import math
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +73,14 @@ class _OpenStep:
     groups: list[dict[str, Any]]
     loss_scale: float
     ready: set[int]
-    sq_norm: float = 0.0
+    # squared gradient norm per layer, summed in layer order at close_step: layers land from
+    # several device threads in an order that varies between runs, and a float sum taken in
+    # arrival order would make the clipped step (and the weights) differ in the last bit
+    layer_sq: dict[int, float] = field(default_factory=dict)
+
+    def sq_norm(self) -> float:
+        """The step's squared global norm, summed in layer order (deterministic)."""
+        return sum((self.layer_sq[k] for k in sorted(self.layer_sq)), 0.0)
 
 
 class OptimizerStepper:
@@ -215,7 +222,7 @@ class OptimizerStepper:
             sq = self.store.grad_sq_norm(layer)
         self.store.seal_grads(layer)
         with self._cond:
-            st.sq_norm += sq
+            st.layer_sq[layer] = st.layer_sq.get(layer, 0.0) + sq
             st.ready.add(layer)
             self._sealed[layer] = max(self._sealed[layer], st.step)
             self._cond.notify_all()
@@ -229,15 +236,17 @@ class OptimizerStepper:
         change."""
         st = self._step(step)
         if self.dp is not None:  # every layer reduced; the norm and skip over all ranks
-            st.sq_norm, skip = self.dp.finish_reduce(
-                lambda layer: partial(self._layer_ready, st, layer), lambda: st.sq_norm, skip
+            reduced, skip = self.dp.finish_reduce(
+                lambda layer: partial(self._layer_ready, st, layer), st.sq_norm, skip
             )
+            st.layer_sq = {-1: reduced}  # the ranks' sum replaces this rank's per-layer parts
         missing = set(range(self._num_layers)) - st.ready
         for layer in sorted(missing):  # layers that saw no gradient (frozen, unused) still step
             self.layer_ready(layer, st.step)
         with self._cond:
             del self._open[st.step]
-        norm = math.sqrt(st.sq_norm) / st.loss_scale if math.isfinite(st.sq_norm) else math.inf
+        sq = st.sq_norm()
+        norm = math.sqrt(sq) / st.loss_scale if math.isfinite(sq) else math.inf
         overflow = skip or ((self.fp16 or self.guard_nonfinite) and not math.isfinite(norm))
         if not self.immediate:
             coef = 1.0 / st.loss_scale
