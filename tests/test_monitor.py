@@ -88,9 +88,10 @@ def test_wandb_goes_offline_without_a_key(tmp_path, monkeypatch) -> None:
 def test_cpu_adam_leaves_the_environment_alone(monkeypatch) -> None:
     from rp_engine.optim.optimizer import build_inner_optimizer, cpu_adam_cache_dir
 
-    cache = cpu_adam_cache_dir()
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    assert cpu_adam_cache_dir() == cache or cache.endswith("torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/some/where")
+    assert cpu_adam_cache_dir() == "/some/where"  # the user's choice wins
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert cpu_adam_cache_dir().endswith(os.path.join("rp_engine", "torch_extensions"))
     p = torch.nn.Parameter(torch.zeros(4))
     _, per_layer = build_inner_optimizer("adamw", {"lr": 1e-3}, [{"params": [p]}])
     assert per_layer and "TORCH_EXTENSIONS_DIR" not in os.environ
