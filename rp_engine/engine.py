@@ -141,7 +141,8 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # uses between train_batch calls (a shuffling sampler's seed, torch.randint batches): a
         # run in flight would race with it (its backward's recomputed masks differ from its
         # forward's, and the caller's stream is rewound by the scope's restore), so it drains
-        shared_rng = self.pool.kind == "cpu" and uses_dropout(model)
+        self._dropout = uses_dropout(model)  # the executor seeds each layer's RNG then
+        shared_rng = self.pool.kind == "cpu" and self._dropout
         self._overlap = (
             wanted and in_flight and not shared_rng and self.stepper.dp is None
             and rp.step_journal != "on"
@@ -178,7 +179,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
                 ready=lambda layer, step: self.stepper.layer_ready(layer, step),
             ),
             seed=self._config.roundpipe.seed,
-            use_rng=uses_dropout(self._module),
+            use_rng=self._dropout,
         )
 
     # --- PipelineEngine API (train_batch: engine_pipeline.py) ---------------------------------
@@ -275,9 +276,8 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         """
         try:
             self._drain_pipeline()  # the step in flight is applied, as without overlap
-            self._guard.report_unraised()  # a late skip found now: no call is left to raise it
         finally:
-            self._finalizer()
+            self._finalizer()  # InFlightBox.finish logs a late skip no call is left to raise
         self._published_step = self.global_steps
         self._executor.close()
         self.monitor.close()
