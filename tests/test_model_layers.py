@@ -125,6 +125,46 @@ def test_hf_without_attention_mask_and_with_position_ids() -> None:
     assert_grads_close(take_grads(model), want, **TIGHT)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["own_positions", "packed_positions"])
+def test_hf_prefix_masks_read_no_device_value_unless_positions_are_given(
+    packed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without position ids in the batch, the prefix makes its own arange for the rotary
+    embedding but gives the mask functions None: transformers' packed-sequence check
+    (find_packed_sequence_indices, whose ``if (...).all()`` syncs a GPU with the host) then never
+    runs. Its two masks (full and sliding) are what HF makes with its own arange, and the loss and
+    gradients match HF's. Position ids in the batch (two packed sequences) still reach the check,
+    and the packed mask is HF's too."""
+    import transformers.masking_utils as masking
+
+    calls: list[torch.Tensor] = []
+    real = masking.find_packed_sequence_indices
+
+    def counting(position_ids: torch.Tensor) -> torch.Tensor | None:
+        calls.append(position_ids)
+        return real(position_ids)
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", counting)
+    model = models.tiny_qwen2(sliding_window=4)
+    batch: dict[str, Any] = models.random_batch(128)  # no attention_mask: the check's case
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0)
+    seq = to_layers(model, head_chunk_tokens=7)
+    state = seq.prefix(batch)
+    assert len(calls) == (2 if packed else 0)  # once per mask kind, only for given ids
+
+    positions = batch.get("position_ids", torch.arange(16).unsqueeze(0))
+    hf = {"config": model.config, "inputs_embeds": state["hidden"], "attention_mask": None}
+    hf.update(cache=None, position_ids=positions)
+    torch.testing.assert_close(state["mask_full"], masking.create_causal_mask(**hf), rtol=0, atol=0)
+    torch.testing.assert_close(
+        state["mask_sliding"], masking.create_sliding_window_causal_mask(**hf), rtol=0, atol=0
+    )
+    want_loss, want = hf_reference(model, batch)
+    torch.testing.assert_close(run_stages(seq, batch), want_loss, **TIGHT)
+    assert_grads_close(take_grads(model), want, **TIGHT)
+
+
 def test_hf_inputs_embeds_and_num_items_in_batch() -> None:
     model = models.tiny_qwen3(layers=2)
     batch: dict[str, Any] = models.random_batch(128, padded=True)

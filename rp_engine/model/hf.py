@@ -178,17 +178,23 @@ class HFPrefix(nn.Module):
             embeds = self.embed_tokens(input_ids)  # (B, T, D)
         if self.embedding_multiplier != 1.0:
             embeds = embeds * self.embedding_multiplier
-        position_ids = batch.get("position_ids")
+        given = batch.get("position_ids")
+        position_ids = given
         if position_ids is None:
             position_ids = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
         state: State = {"hidden": embeds, "position_ids": position_ids}
         for key, make_mask in self.mask_fns.items():
+            # Only the batch's own position ids go to the mask: given ids, transformers looks
+            # for packed sequences in them (find_packed_sequence_indices), and its
+            # ``if (...).all()`` reads a device value on the host, a sync per mask per
+            # micro-batch. Our own arange holds one sequence per row, so it could only answer
+            # "not packed", which None says without the read: the same mask.
             mask = make_mask(
                 config=self.config,
                 inputs_embeds=embeds,
                 attention_mask=batch.get("attention_mask"),
                 cache=None,
-                position_ids=position_ids,
+                position_ids=given,
             )
             if mask is not None:
                 if not isinstance(mask, torch.Tensor):  # flex attention's BlockMask
