@@ -594,8 +594,9 @@ _SCRATCH = ("tiny-qwen3", "tiny-llama")  # presets trained from scratch: the def
 
 
 def _report_metrics(engine: Any, report: Any) -> dict[str, float]:
-    """W&B metrics of one finished step (``engine.step_report()``): norm, device peaks,
-    transfer stats, and the measured timeline's bubble ratio and busy fractions."""
+    """W&B metrics of one finished step (``engine.step_report()``): norm, device peaks (each
+    since the previous row: read, then reset here; the engine never resets them), transfer
+    stats, and the measured timeline's bubble ratio and busy fractions."""
     metrics: dict[str, float] = {}
     if report.grad_norm is not None:
         metrics["train/grad_norm"] = float(report.grad_norm)
@@ -603,6 +604,7 @@ def _report_metrics(engine: Any, report: Any) -> dict[str, float]:
         if device.torch_device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device.torch_device)
             metrics[f"device/{i}/peak_memory_gb"] = peak / 2**30
+            device.reset_peak()
     metrics.update(_flatten("transfer", report.stats))  # bytes, busy per device
     if report.timeline:
         from rp_engine.plan.render import measured_result

@@ -158,8 +158,8 @@ def assert_same_weights(
 def measured_peak_with_runs_in_flight(
     engine: Any, batches: Callable[[int], list[Any]], *, steps: int = 3, wait_s: float = 1.0
 ) -> int:
-    """Train ``steps`` steps and return the largest device peak of the last step's run
-    (``Executor.start`` resets the peaks), after a drain. With overlapping iterations the run
+    """Train ``steps`` steps and return the largest device peak from the last step's call
+    on (the peaks are reset just before it; the engine never resets them), after a drain. With overlapping iterations the run
     before it is still in flight when it is issued; its last compute on each device is held
     until the last run has landed ``prefetch_depth + 1`` weight uploads there (or ``wait_s``
     passed: the executor may rightly make them wait for that very compute's FREE), so the two
@@ -202,6 +202,9 @@ def measured_peak_with_runs_in_flight(
     executor._upload, executor._launch = counted_upload, held_launch
     try:
         for i in range(steps):
+            if i == steps - 1:
+                for device in engine.pool:
+                    device.reset_peak()
             engine.train_batch(iter(batches(i)))
         engine.synchronize()
     finally:

@@ -76,6 +76,46 @@ def test_device_memory_does_not_grow_with_depth(overlap: bool) -> None:
     assert 0.75 * validated <= measured <= validated + states, (validated, measured, states)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["drained", "overlapped"])
+def test_device_peak_spans_every_run_since_its_reset(overlap: bool) -> None:
+    """A device's memory peak is its user's window (a benchmark resets it at the window's start
+    and reads it at the end), not the newest run's: a step of long sequences, then one of short
+    ones, still reports the long step's peak. The executor used to reset every device's peak as
+    it issued each run, so the window reported only the short step (as a fresh window does)."""
+    engine = engine_for(
+        tiny_qwen3(0, layers=4),
+        config(devices=2, gas=2, roundpipe={"overlap_iterations": overlap}),
+    )
+
+    def peak() -> int:
+        engine.synchronize()
+        return max(d.memory_stats()["peak"] for d in engine.pool)
+
+    def reset() -> None:
+        for device in engine.pool:
+            device.reset_peak()
+
+    def long_and_short(i: int) -> list[dict[str, torch.Tensor]]:
+        seq = 96 if i == 0 else 8
+        return [random_batch(128, batch=2, seq=seq, seed=10 * i + j) for j in range(2)]
+
+    try:
+        engine.train_batch(iter(long_and_short(1)))  # cold: the weights' first uploads
+        engine.synchronize()
+        reset()
+        engine.train_batch(iter(long_and_short(0)))
+        long_peak = peak()
+        engine.train_batch(iter(long_and_short(1)))
+        window = peak()
+        reset()
+        engine.train_batch(iter(long_and_short(1)))
+        short_peak = peak()
+    finally:
+        engine.destroy()
+    assert short_peak < long_peak  # the two steps' peaks differ: the check below can bite
+    assert window == long_peak, (window, long_peak, short_peak)
+
+
 @pytest.mark.parametrize("cuts", [{}, {"fwd_cuts": [2, 2], "bwd_cuts": [0, 2, 2]}])
 def test_layer_that_cannot_fit_fails_before_training(cuts) -> None:
     """Whether the partitioner chooses or the config gives the cuts."""

@@ -141,10 +141,14 @@ class Device(Protocol):
         ...
 
     def memory_stats(self) -> dict[str, int]:
-        """{"allocated": bytes, "peak": bytes, "capacity": bytes or 0 for unlimited}."""
+        """{"allocated": bytes, "peak": bytes, "capacity": bytes or 0 for unlimited}. "peak" is
+        the most allocated at once since the device was made or since the last ``reset_peak``:
+        the runtime never resets it, so it spans every run of its user's window."""
         ...
 
-    def reset_peak(self) -> None: ...
+    def reset_peak(self) -> None:
+        """Start a new peak window at what is allocated now (CUDA: the allocator's peak too)."""
+        ...
 
     def timer(self) -> ComputeTimer:
         """Inside a COMPUTE closure: a timer started now on this device's compute stream. Call

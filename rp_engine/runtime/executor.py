@@ -427,8 +427,9 @@ class Executor:
                 ctx.sole = sole_downloads(
                     plan, functools.partial(self._slot_layers, plan), self._owners_of
                 )
+        # The devices' memory peaks are left alone: their user sets the window (a benchmark
+        # resets them at its start), and a reset here would keep only the newest run's peak.
         for device in self.devices:
-            device.reset_peak()
             ctx.base[device.index] = device.timer()
         if spec.carry is not None:
             self._resume_from(ctx, spec.carry)
