@@ -62,6 +62,8 @@ def test_loss_agreement_flags_a_diverging_step() -> None:
     }
     got = loss_agreement(systems)
     assert got["checked"] and not got["ok"] and abs(got["max_rel"] - 0.01) < 1e-9
+    bf16 = loss_agreement(systems, fp32=False)  # reported, not judged: fp32's criterion
+    assert bf16["ok"] is None and not bf16["checked"] and abs(bf16["max_rel"] - 0.01) < 1e-9
 
 
 def test_format_table_marks_a_failed_system() -> None:
