@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -14,7 +15,13 @@ import torch
 
 from benchmarks.emulated_link import EmulatedZeroLink
 from benchmarks.executor_timing import PARTS
-from benchmarks.head_to_head import SYSTEMS, format_table, loss_agreement
+from benchmarks.head_to_head import (
+    SYSTEMS,
+    _append_jsonl,
+    _child,
+    format_table,
+    loss_agreement,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +71,26 @@ def test_loss_agreement_flags_a_diverging_step() -> None:
     assert got["checked"] and not got["ok"] and abs(got["max_rel"] - 0.01) < 1e-9
     bf16 = loss_agreement(systems, fp32=False)  # reported, not judged: fp32's criterion
     assert bf16["ok"] is None and not bf16["checked"] and abs(bf16["max_rel"] - 0.01) < 1e-9
+
+
+def test_a_system_past_its_timeout_is_a_failed_row_and_the_next_one_runs(tmp_path: Path) -> None:
+    """--timeout kills a system's process (here before it has imported torch) and reports it as
+    failed; --child-log keeps its stderr; --jsonl gets the row at once, without the timeline."""
+    log, lines = tmp_path / "children.err", tmp_path / "h2h.jsonl"
+    args = argparse.Namespace(
+        model="tiny", warmup=1, steps=1, devices=None, pcie_gbps=None, calibrate=False,
+        timeout=0.2, child_log=str(log),
+    )  # fmt: skip
+    row = _child("torch", args)
+    assert row == {"system": "torch", "error": ["timed out after 0.2 s"]}
+    assert "---- torch ----" in log.read_text()
+    _append_jsonl(str(lines), "tiny", 0, row)
+    _append_jsonl(str(lines), "tiny", 0, {"system": "roundpipe", "timeline": [[0, "F0.0", 0, 1]]})
+    got = [json.loads(line) for line in lines.read_text().splitlines()]
+    assert got == [
+        {"model": "tiny", "repeat": 0, **row},
+        {"model": "tiny", "repeat": 0, "system": "roundpipe"},
+    ]
 
 
 def test_format_table_marks_a_failed_system() -> None:
