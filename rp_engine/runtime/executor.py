@@ -1062,6 +1062,12 @@ def _track(device: Device, state: State) -> None:
 
 
 def _free(device: Device, state: State) -> None:
+    """Release an activation state from the COMPUTE closure that read it last (every caller is
+    a compute body). Only COMPUTE is marked as its user: the state was made there or by an
+    H2D_ACT upload (its allocation stream, which the compute waited for), and a D2H_ACT download
+    of it (a saved input, a send) holds its own reference and marks its own stream
+    (``transfer.download_state``). Marking every stream would also hold the memory back until
+    the weight uploads and gradient downloads queued meanwhile are done."""
     for v in state.values():
         if isinstance(v, torch.Tensor):
-            device.free(v)
+            device.free(v, used_by=(StreamRole.COMPUTE,))
