@@ -47,8 +47,8 @@ on the host for something the failed run was to produce (its upload for a weight
 ``reset`` waits for every running closure. The caller wakes those first (engine_pipeline.py:
 ``OptimizerStepper.cancel``, ``HostStore.fail``), then resets::
 
-    caller   finish(t) raises | cancel, fail | reset: drain streams | ... raise
-    d0 H2D   U(t+1): wait_version(w_t) ......| raises (woken) -> stream failed, drained
+    caller        finish(t) raises | cancel, fail | reset (drains every stream) | raise
+    d0 H2D_PARAM  U(t+1): wait_version(w_t) ......| raises, woken: stream failed, drained
 """
 
 from __future__ import annotations
