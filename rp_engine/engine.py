@@ -116,7 +116,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.store = HostStore(modules, pin=cuda_pin if self.pool.kind == "cuda" else None)
         self.optimizer = build_optimizer(
             cfg, self.store, model=model, client_optimizer=optimizer,
-            model_parameters=model_parameters,
+            model_parameters=model_parameters, device_kind=self.pool.kind,
         )  # fmt: skip
         self.lr_scheduler = build_scheduler(cfg, self.optimizer, client_scheduler=lr_scheduler)
         self.stepper = OptimizerStepper(

@@ -65,7 +65,6 @@ from rp_engine.runtime.executor import Executor, RunHandle, RunSpec, RunStats
 if TYPE_CHECKING:
     from rp_engine.config import DSConfig
     from rp_engine.data import DataFeed
-    from rp_engine.device import DevicePool
     from rp_engine.monitor import Monitor
     from rp_engine.optim.nonfinite import NonFiniteGuard
     from rp_engine.optim.optimizer import HostOptimizer
@@ -151,7 +150,6 @@ class PipelinedIterations:
         monitor: Monitor
         optimizer: HostOptimizer
         planner: Planner
-        pool: DevicePool
         stepper: OptimizerStepper
 
         def _batch_of(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]: ...
@@ -300,11 +298,16 @@ class PipelinedIterations:
         runs = {id(r): r for r in (finishing, self._inflight) if r is not None}
         self._inflight = None
         reason = RuntimeError("a training run failed; the steps in flight were discarded")
+        # In this order: the reset waits for every running stream closure, and a later run's
+        # closures may be blocked waiting for the failed run's step, which will not close
+        # (sync mode: its uploads wait for w_t; async with one weight buffer: for w_{t-1},
+        # published at run t's layer_ready). Woken first, they raise, and the reset can drain.
         self.stepper.cancel(reason)  # runtime threads waiting for a step that will not close
         self.stepper.store.fail(reason)  # uploads waiting for a version that will not come
-        for device in self.pool.devices:
-            with contextlib.suppress(Exception):
-                device.reset()
+        executors = {id(r.executor): r.executor for r in runs.values()}
+        executors.setdefault(id(self._executor), self._executor)
+        for executor in executors.values():  # one pool; each executor has its own replicas
+            executor.reset()
         with contextlib.suppress(Exception):  # an optimizer failure stays, check() raises it
             self.stepper.wait_all()
         self.stepper.store.zero_grads()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -56,11 +57,29 @@ def test_streams_and_priorities(pool: DevicePool) -> None:
     assert pool.kind == "cuda" and isinstance(dev, Device)
     assert dev.torch_device == torch.device("cuda", 0)
     prio = {role: dev.raw_stream(role).priority for role in StreamRole}
-    assert len({dev.raw_stream(role) for role in StreamRole}) == 4
+    assert len({dev.raw_stream(role) for role in StreamRole}) == len(StreamRole)  # one each
     assert prio[COMPUTE] == prio[H2D_ACT] <= prio[D2H] <= prio[H2D_PARAM]
     least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
     if least != greatest:
         assert prio[COMPUTE] < prio[H2D_PARAM]
+
+
+def test_a_host_wait_for_the_gpu_sleeps_instead_of_spinning(pool: DevicePool) -> None:
+    """A thread synchronizing on an event the GPU has not passed yet sleeps (blocking events,
+    device/cuda.py): its CPU time over the wait is a small part of the wait, where a default
+    event's wait spins a core (CPU time about the wait's length). Two clocks of one wait are
+    compared; no duration is asserted."""
+    dev = device(pool)
+    compute = dev.stream(COMPUTE)
+    compute.submit(lambda: torch.cuda._sleep(8 * SLEEP_CYCLES))  # ~0.2 s of GPU time
+    event = compute.record()
+    assert isinstance(event, CUDAEvent)
+    assert event._done.wait(TIMEOUT)  # recorded by the host thread: the GPU part is left
+    assert not event.query(), "the GPU finished before the wait began: sleep longer"
+    cpu, wall = time.thread_time(), time.perf_counter()
+    sync(event)
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    assert cpu < 0.25 * wall, f"the waiting thread used {cpu:.3f} s of CPU in {wall:.3f} s"
 
 
 def test_fifo_and_closures_run_on_their_stream(pool: DevicePool) -> None:

@@ -4,6 +4,7 @@ sliced CPU Adam step (bit-identical to one kernel call, never freezing other Pyt
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -267,6 +268,41 @@ def test_slice_size_must_keep_the_kernel_simd_split() -> None:
     with pytest.raises(ValueError, match="slice_elems=1000"):
         HostOptimizer(torch.optim.SGD([torch.zeros(1)], lr=1), per_layer=False,
                       scaler=LossScaler(), slice_elems=1000)  # fmt: skip
+
+
+def test_an_engine_on_gpus_steps_cpu_adam_in_smaller_slices(monkeypatch) -> None:
+    """A call holds the GIL for its whole slice and GPU device threads launch kernels from
+    Python: an engine whose pool is CUDA steps in ``CUDA_ADAM_SLICE`` (512K) calls, one on CPU
+    virtual devices keeps ``ADAM_SLICE`` (2M). The pool's kind is what decides (the engine's
+    own wiring: a CPU pool reporting "cuda" stands in for GPUs here)."""
+    from engine_helpers import config, engine_for
+    from models import tiny_qwen3
+
+    import rp_engine.engine as engine_module
+    from rp_engine.optim.optimizer import ADAM_SLICE, CUDA_ADAM_SLICE, adam_slice
+
+    assert adam_slice("cuda") == CUDA_ADAM_SLICE == 1 << 19
+    assert adam_slice("cpu") == ADAM_SLICE == 1 << 21
+    assert CUDA_ADAM_SLICE % 128 == 0  # the kernel's SIMD split (test above)
+    with pytest.raises(ValueError, match="device_kind 'tpu'"):
+        adam_slice("tpu")
+    slices = {}
+    make_devices = engine_module.make_devices
+    for kind in ("cpu", "cuda"):
+
+        def made_of_kind(*args: Any, kind: str = kind, **kw: Any) -> Any:
+            pool = make_devices(*args, **kw)
+            pool.kind = kind
+            return pool
+
+        monkeypatch.setattr(engine_module, "make_devices", made_of_kind)
+        engine = engine_for(tiny_qwen3(0, layers=2), config(devices=1, gas=1))
+        try:
+            assert engine.pool.kind == kind
+            slices[kind] = engine.optimizer.slice_elems
+        finally:
+            engine.destroy()
+    assert slices == {"cpu": ADAM_SLICE, "cuda": CUDA_ADAM_SLICE}
 
 
 def test_adam_kernel_calls_are_bounded_slices_so_other_threads_get_the_gil() -> None:

@@ -18,6 +18,7 @@ from engine_helpers import assert_same_weights, config, engine_for, reference_lo
 from models import random_batch, tiny_qwen3
 
 import rp_engine
+from rp_engine.device.base import DeviceError
 from rp_engine.optim.nonfinite import NonFiniteError
 
 GAS = 2
@@ -345,6 +346,100 @@ def test_a_failed_run_discards_the_steps_in_flight_and_training_goes_on(where: s
             torch.testing.assert_close(hp.param.detach(), hp.master, rtol=0, atol=0)
     finally:
         engine.destroy()
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (a device failure inside a backward action)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("injected backward failure")
+
+
+def _fail_backward_of_iteration(model: Any, iteration: int) -> None:
+    """Make the backward through layer 1's MLP output raise in iteration ``iteration``'s first
+    micro-batch. Only backward recomputes run that MLP with autograd on (forwards run under
+    no_grad, the head stage holds no block with these cuts): GAS such calls per iteration. The
+    hook sits on the host module; the device replicas share its hook dict (runtime/replica.py)."""
+    calls = {"n": 0}
+
+    def hook(_module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return out
+        calls["n"] += 1
+        return _RaiseInBackward.apply(out) if calls["n"] == GAS * (iteration - 1) + 1 else out
+
+    model.model.layers[1].mlp.register_forward_hook(hook)
+
+
+def _in_thread(fn: Any, timeout_s: float) -> tuple[bool, Any]:
+    """Run ``fn`` in a daemon thread for at most ``timeout_s``: (returned, result or exception).
+    The timeout only detects a hang (a healthy call takes well under a second here)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["out"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive(), box.get("out")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async_one_buffer"])
+def test_a_failure_in_an_iterations_tail_raises_and_destroy_returns(mode: str, monkeypatch) -> None:
+    """Iteration 3's backward fails after its losses were returned; call 4 finishes run 3 with
+    run 4 already issued. Run 4's uploads wait for a weight version step 3 was to produce (sync:
+    w_3; async with one weight buffer: w_2, published at run 3's layer_ready), so the reset of
+    the devices must come after those waits are woken (cancel, fail, then reset), or call 4
+    hangs. Call 4 raises the device error, the in-flight step counts as skipped, training goes
+    on, and ``destroy()`` returns."""
+    import rp_engine.model.host_store as host_store
+
+    if mode == "async_one_buffer":  # no room for second buffers, as in the tight-memory test
+        monkeypatch.setattr(host_store, "_second_arena_fits", lambda nbytes: False)
+    model = tiny_qwen3(0, layers=4)
+    _fail_backward_of_iteration(model, iteration=3)
+    cfg = config(
+        devices=2, gas=GAS, lr=1e-2, async_optimizer=mode != "sync", roundpipe=OVERLAP, **CUTS
+    )
+    engine = engine_for(model, cfg)
+    assert engine._overlap
+    assert engine.store.weight_copies == (2 if mode == "async" else 1)
+    it = iter(_batches(6 * GAS))
+    results: list[Any] = []
+
+    def train() -> list[Any]:
+        for _ in range(6):
+            try:
+                results.append(float(engine.train_batch(it)))
+            except Exception as exc:  # noqa: BLE001 - recorded: the failing call is asserted
+                results.append(exc)
+        return results
+
+    returned, _ = _in_thread(train, timeout_s=60)
+    if not returned:  # wake the hung waits so the rest of the session can go on
+        engine.stepper.cancel(RuntimeError("test: hang"))
+        engine.store.fail(RuntimeError("test: hang"))
+        pytest.fail(f"a training call hung ({mode}); calls done: {results}")
+    error = results[3]
+    assert isinstance(error, DeviceError), results
+    assert "injected backward failure" in repr(error.__cause__) + str(error)
+    assert all(isinstance(x, float) and x == x for i, x in enumerate(results) if i != 3), results
+    assert engine.skipped_steps == 1  # step 3, counted when its losses were returned
+    assert engine.global_steps == 5  # the failed call 4 counts no step (as drained)
+    returned, out = _in_thread(engine.destroy, timeout_s=60)
+    assert returned, f"destroy() hung after the failure ({mode})"
+    assert out is None
+    for hp in engine.store.owned_params():  # destroy published the last applied step
+        torch.testing.assert_close(hp.param.detach(), hp.master, rtol=0, atol=0)
 
 
 _EXIT_SCRIPT = """

@@ -4,13 +4,14 @@ not grow with depth, errors that name the device and leave the engine usable."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
 from engine_helpers import config, engine_for, measured_peak_with_runs_in_flight
 from models import random_batch, tiny_qwen3
 
-from rp_engine.device.base import DeviceError
+from rp_engine.device.base import DeviceError, StreamRole
 from rp_engine.runtime.planning import ModelShape, Planner
 
 
@@ -114,6 +115,48 @@ def test_device_peak_spans_every_run_since_its_reset(overlap: bool) -> None:
         engine.destroy()
     assert short_peak < long_peak  # the two steps' peaks differ: the check below can bite
     assert window == long_peak, (window, long_peak, short_peak)
+
+
+def test_device_tensors_are_freed_naming_only_the_streams_that_used_them() -> None:
+    """``Device.free(t, used_by)`` marks ``t`` used by those streams (CUDA: ``record_stream``,
+    so its memory waits for their queued work); None marks all six, the weight-upload and
+    gradient-download queues included. Over overlapped steps with activations sent between
+    devices and saved for the backward, no free marks every stream, and what the compute
+    threads free (activations, folded gradients) marks COMPUTE at most: activations are made
+    there or by an H2D_ACT upload (their allocation stream), and a D2H_ACT download of one
+    marks its own stream (transfer.download_state)."""
+    engine = engine_for(
+        tiny_qwen3(0, layers=4),
+        config(devices=2, gas=2, fwd_cuts=[2, 2], bwd_cuts=[0, 2, 2],
+               roundpipe={"on_nonfinite": "ignore"}),
+    )  # fmt: skip
+    frees: list[tuple[str, tuple[StreamRole, ...] | None]] = []
+    lock = threading.Lock()
+    for device in engine.pool.devices:
+        real = device.free
+
+        def recorded(t: torch.Tensor, used_by: Any = None, real: Any = real) -> None:
+            with lock:
+                roles = None if used_by is None else tuple(used_by)
+                frees.append((threading.current_thread().name, roles))
+            real(t, used_by)
+
+        device.free = recorded  # type: ignore[method-assign]
+    try:
+        assert engine._overlap
+        it = iter(_batches(6))
+        for _ in range(3):
+            engine.train_batch(it)
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    by_compute = {roles for thread, roles in frees if thread.endswith("-compute")}
+    assert frees and by_compute, "no free recorded"
+    assert None not in {roles for _, roles in frees}, "a free marked every stream"
+    assert by_compute <= {(), (StreamRole.COMPUTE,)}, by_compute
+    assert {roles for thread, roles in frees if thread.endswith("-d2h_act")} == {
+        (StreamRole.D2H_ACT,)
+    }  # the activation downloads ran (saved inputs, sends) and mark their own stream
 
 
 @pytest.mark.parametrize("cuts", [{}, {"fwd_cuts": [2, 2], "bwd_cuts": [0, 2, 2]}])

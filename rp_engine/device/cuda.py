@@ -13,6 +13,15 @@ lowest, so activations never queue behind weight prefetch in the kernel schedule
 engines largely ignore stream priorities; ordering big weight copies into the gaps between
 activation copies is the transfer engine's job.
 
+Host waits sleep: every ``torch.cuda.Event`` here is created ``blocking=True``
+(``cudaEventBlockingSync``: the thread sleeps until the GPU passes the event). A default event,
+like ``cudaStreamSynchronize``, waits by the device's scheduling policy, which with fewer GPU
+contexts than cores (``cudaDeviceScheduleAuto``) is to spin a core at 100 % for the whole wait;
+the threads that wait (the main thread in ``losses``/``finish``, the HOST workers before adding
+up a download, ``HostStore.publish`` behind an upload) would take cores from the CPU Adam team
+and the accumulation workers. A blocking wait costs some microseconds of wake-up latency, small
+beside the millisecond copies and kernels waited for.
+
 What the runtime must do itself (CUDA's caching allocator tracks tensors per stream):
 - a tensor made on one stream (``to_device`` on H2D_PARAM) and used on another (COMPUTE) must be
   passed to ``tensor.record_stream(device.raw_stream(StreamRole.COMPUTE))``, or freed only after
@@ -125,7 +134,9 @@ class CUDAEvent(CPUEvent):
     def __init__(self, device_index: int) -> None:
         super().__init__()
         self.device_index = device_index
-        self.cuda_event = torch.cuda.Event()  # created lazily by CUDA at its first record
+        # blocking: host threads synchronize on it (module docstring); no timing (cheaper).
+        # Created lazily by CUDA at its first record.
+        self.cuda_event = torch.cuda.Event(blocking=True)
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait until recorded (``timeout`` bounds only this part), re-raise the stream's
@@ -145,12 +156,16 @@ class CUDAEvent(CPUEvent):
 
 
 class CUDATimer:
-    """Two timing events on the current stream: GPU busy time, not host issue time."""
+    """Two timing events on the current stream: GPU busy time, not host issue time.
+
+    Blocking too: ``seconds``/``offsets`` synchronize on the end event. The runtime reads them
+    after the run's end events, when it is long reached, but a read before that (a profile
+    read early) then sleeps instead of spinning; the flag costs nothing when it is reached."""
 
     def __init__(self, device_index: int) -> None:
         self.device_index = device_index
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
+        self._start = torch.cuda.Event(enable_timing=True, blocking=True)
+        self._end = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.device(device_index):  # this device's current stream
             self._start.record()
 
@@ -254,8 +269,11 @@ class CUDADevice(ThreadedDevice):
         super().free(dev)
 
     def host_sync(self) -> None:
-        """Block the calling stream thread until its stream's queued work is done."""
-        torch.cuda.current_stream(self.torch_device).synchronize()
+        """Block the calling stream thread until its stream's queued work is done: on a
+        blocking event (``cudaStreamSynchronize`` would spin, as a default event's wait does)."""
+        done = torch.cuda.Event(blocking=True)
+        done.record(torch.cuda.current_stream(self.torch_device))
+        done.synchronize()
 
     def memory_stats(self) -> dict[str, int]:
         stats = super().memory_stats()

@@ -20,7 +20,7 @@ from torch import nn
 from rp_engine.config import DSConfig
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim.loss_scaler import LossScaler
-from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer
+from rp_engine.optim.optimizer import HostOptimizer, adam_slice, build_inner_optimizer
 from rp_engine.optim.step_journal import build_journal
 
 __all__ = ["build_optimizer", "build_scheduler", "master_groups"]
@@ -60,10 +60,13 @@ def build_optimizer(
     store: HostStore,
     *,
     model: nn.Module,
+    device_kind: str,
     client_optimizer: Any = None,
     model_parameters: Iterable[Any] | None = None,
 ) -> HostOptimizer:
-    """The engine's optimizer over masters; raises ValueError when none is configured."""
+    """The engine's optimizer over masters; raises ValueError when none is configured.
+
+    ``device_kind`` ("cpu" or "cuda": the pool's) sizes CPU Adam's slices (``adam_slice``)."""
     fp16 = cfg.fp16
     scaler = LossScaler.from_fp16(
         enabled=fp16.enabled,
@@ -93,7 +96,9 @@ def build_optimizer(
             "optimizer %s steps all layers at once (only Adam/AdamW step layer by layer)",
             type(inner).__name__,
         )
-    host = HostOptimizer(inner, per_layer=per_layer, scaler=scaler)
+    host = HostOptimizer(
+        inner, per_layer=per_layer, scaler=scaler, slice_elems=adam_slice(device_kind)
+    )
     host.journal = build_journal(cfg.roundpipe.step_journal, host)
     return host
 

@@ -12,8 +12,9 @@ cannot step a subset of their parameters, so they step all layers at once (``per
 
 DeepSpeed 0.19.8 binds ``adam_update`` without releasing the GIL: one call on a large tensor
 would freeze every Python thread of the pipeline (compute, uploads, downloads) for its whole
-duration. Each parameter is therefore stepped in bounded slices (``ADAM_SLICE`` elements per
-call), bit-identical to one call: the kernel is elementwise, a slice boundary that is a multiple
+duration. Each parameter is therefore stepped in bounded slices (``adam_slice``: elements per
+call by the kind of devices trained on), bit-identical to one call: the kernel is elementwise, a
+slice boundary that is a multiple
 of its SIMD span (at most 16 lanes x 8) splits its vector and scalar parts exactly as the whole
 tensor does, and calls with the same step number leave its beta^t state untouched. The
 unscale x clip coefficient multiplies each slice of the gradient right before its Adam call,
@@ -37,6 +38,8 @@ from rp_engine.optim.step_journal import StepJournal
 
 __all__ = [
     "ADAM_SLICE",
+    "CUDA_ADAM_SLICE",
+    "adam_slice",
     "HostOptimizer",
     "build_inner_optimizer",
     "snapshot_groups",
@@ -45,10 +48,30 @@ __all__ = [
 
 log = logging.getLogger("rp_engine.optim")
 
-# Elements per adam_update call: about 5-10 ms of GIL-holding kernel time on a busy host (28 B
-# of memory traffic per element). A multiple of the kernel's widest SIMD span (16 x 8).
-ADAM_SLICE = 1 << 21
+# Elements per adam_update call (28 B of memory traffic per element), by the kind of devices
+# trained on (``adam_slice``); multiples of the kernel's widest SIMD span (16 x 8). A call holds
+# the GIL throughout: 1.5-10 ms for 2M elements on a busy host.
+ADAM_SLICE = 1 << 21  # CPU virtual devices (and the default of a HostOptimizer)
+CUDA_ADAM_SLICE = 1 << 19  # GPUs: a quarter of the GIL hold, between kernel launches
 _SIMD_SPAN = 128
+
+
+def adam_slice(device_kind: str) -> int:
+    """Elements per CPU Adam call when the engine trains on ``device_kind`` ("cpu", "cuda").
+
+    On GPUs the device threads launch every kernel and copy from Python, so each call that
+    holds the GIL stalls all launches for its length and the GPU can run dry behind it:
+    ``CUDA_ADAM_SLICE`` (512K) holds it a quarter as long as 2M, at the cost of 4x the calls
+    (about 13 us of Python each, making the four slice views, beside 0.9 ms for a 512K call on
+    one core of the 2-core CI host: 1-2 %, more where many cores make the call shorter). CPU
+    virtual devices compute on the host cores themselves, in torch ops that drop the GIL: a
+    stall there idles no accelerator, so they keep ``ADAM_SLICE`` (fewer calls)."""
+    if device_kind == "cuda":
+        return CUDA_ADAM_SLICE
+    if device_kind == "cpu":
+        return ADAM_SLICE
+    raise ValueError(f"device_kind {device_kind!r}: expected 'cpu' or 'cuda'")
+
 
 _ADAM_TYPES = {"adam", "adamw"}
 # DeepSpeed optimizer names that need GPU kernels or communication we do not have on the host.

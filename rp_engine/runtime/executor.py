@@ -38,13 +38,22 @@ consumer. So a device never holds more than ``walk_peak`` over the two runs back
 (``plan.memory.consecutive``), the bound the planner validates when iterations overlap; work
 already done at issue time is not waited for.
 
-Errors: any exception on any stream comes back from ``finish`` (or ``run``) in the caller's
-thread as a DeviceError naming the device and the action ("F2.3@1"); the pool is reset so the
-next run works (a run started in between is discarded with it).
+Errors: any exception on any stream comes back from ``finish`` (or ``losses``, ``run``) in the
+caller's thread as a DeviceError naming the device and the action ("F2.3@1"). ``run`` then resets
+the pool itself; after ``finish`` or ``losses`` the caller calls ``reset`` (which discards a run
+started in between too), once nothing can block the reset: a later run's closures may be waiting
+on the host for something the failed run was to produce (its upload for a weight version,
+``HostStore.wait_version``; its accumulation for a gradient buffer, ``GradSink.wait_free``), and
+``reset`` waits for every running closure. The caller wakes those first (engine_pipeline.py:
+``OptimizerStepper.cancel``, ``HostStore.fail``), then resets::
+
+    caller        finish(t) raises | cancel, fail | reset (drains every stream) | raise
+    d0 H2D_PARAM  U(t+1): wait_version(w_t) ......| raises, woken: stream failed, drained
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
@@ -398,8 +407,15 @@ class Executor:
 
     # --- public -----------------------------------------------------------------------------
     def run(self, spec: RunSpec) -> RunResult:
-        """Execute the lowered plan's actions; blocks until all of the run's work is done."""
-        return self.finish(self.start(spec))
+        """Execute the lowered plan's actions; blocks until all of the run's work is done. On
+        an error the devices are reset before it is raised: call it with no other run in
+        flight (a run's own closures never wait for a step that only this run would close)."""
+        handle = self.start(spec)
+        try:
+            return self.finish(handle)
+        except BaseException:
+            self.reset()
+            raise
 
     def start(self, spec: RunSpec) -> RunHandle:
         """Issue every action of the plan to the devices' streams and return at once.
@@ -463,14 +479,15 @@ class Executor:
             for event in handle.ctx.head_done:
                 event.synchronize()
         except BaseException:
-            self.finish(handle)  # resets the devices and raises the first DeviceError
+            self.finish(handle)  # raises the first DeviceError (the caller resets)
             raise
         return [float(v) for _, v in sorted(handle.ctx.losses.items())]
 
     def finish(self, handle: RunHandle) -> RunResult:
         """Wait for the run's own work (its end events, not every stream's later work), then
-        measure it. Re-raises the first device error, after resetting the devices (the work
-        of a run started later is discarded too: its events fail)."""
+        measure it. Re-raises the first device error and leaves the devices failed: the caller
+        wakes what a later run may be waiting for on the host, then calls ``reset`` (module
+        docstring). Resetting here, first, would wait forever for such a closure."""
         ctx, spec = handle.ctx, handle.ctx.spec
         errors: list[BaseException] = []
         for event in handle.ends:
@@ -480,9 +497,6 @@ class Executor:
                 errors.append(exc)
         if errors:
             self._previous = None  # its events carry the error (left out anyway: reached)
-            for device in self.devices:
-                device.reset()
-            self._replicas_reset()
             raise next((e for e in errors if isinstance(e, DeviceError)), errors[0])
         carry = None
         if spec.defer_head and spec.train:
@@ -570,6 +584,18 @@ class Executor:
         num_fwd = len(self.stages.fwd)
         action = Action(Op.DOWNLOAD, num_fwd, carry.microbatch, carry.head_device)
         self._download_grads(ctx, device, lambda: grads, head_layers, done, action=action)
+
+    def reset(self) -> None:
+        """After a failed ``finish`` or ``losses``: discard all work queued on the devices (a
+        run started later included), clear their failed state and drop the replicas' device
+        tensors, so the next run works. Blocks until every running closure has returned: wake
+        the host waits a later run may be blocked in first (module docstring). A device that
+        cannot be reset is left as it is (its next run raises again)."""
+        self._previous = None
+        for device in self.devices:
+            with contextlib.suppress(Exception):
+                device.reset()
+        self._replicas_reset()
 
     def close(self) -> None:
         self._replicas.clear()
@@ -1037,6 +1063,12 @@ def _track(device: Device, state: State) -> None:
 
 
 def _free(device: Device, state: State) -> None:
+    """Release an activation state from the COMPUTE closure that read it last (every caller is
+    a compute body). Only COMPUTE is marked as its user: the state was made there or by an
+    H2D_ACT upload (its allocation stream, which the compute waited for), and a D2H_ACT download
+    of it (a saved input, a send) holds its own reference and marks its own stream
+    (``transfer.download_state``). Marking every stream would also hold the memory back until
+    the weight uploads and gradient downloads queued meanwhile are done."""
     for v in state.values():
         if isinstance(v, torch.Tensor):
-            device.free(v)
+            device.free(v, used_by=(StreamRole.COMPUTE,))
