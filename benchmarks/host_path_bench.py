@@ -11,7 +11,9 @@
                                                       # gradient downloads: a baseline commit's
                                                       # code vs this tree's (engine runs)
 
-Old and new run interleaved in one process (A B A B ...), so machine noise hits both alike.
+Old and new run interleaved in one process (A B A B ...), so machine noise hits both alike;
+"grad_alloc" counts bytes, not time: it runs the baseline commit's rp_engine (``git archive``)
+and this tree's in two processes, same model, batches and steps.
 "tail" is what a synchronous step does after the last gradient has landed: squared norms,
 clip/unscale, CPU Adam over every parameter, fp32 -> bf16 publish (old: a separate clip pass, one
 kernel call per tensor, then zeroing every gradient). Results are JSON lines; RESULTS.md quotes
@@ -462,9 +464,11 @@ def grad_alloc_child(run: str, steps: int, warmup: int, devices: str) -> dict[st
         "d2h_bytes_per_step": (d1 - d0) // steps,
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
-    if h0 is not None and h1 is not None:
-        out["cuda_host_memory_stats_before"] = h0
-        out["cuda_host_memory_stats_after"] = h1
+    if h0 is not None and h1 is not None:  # the pinned caching allocator, per measured step
+        out["cuda_host_memory_stats_after_warmup"] = h0
+        out["cuda_host_memory_stats_delta_per_step"] = {
+            k: (h1[k] - h0[k]) / steps for k in h1 if isinstance(h1[k], int | float) and k in h0
+        }
     return out
 
 
