@@ -7,8 +7,13 @@
                                                       # CPU Adam: sliced vs one kernel call
     python benchmarks/host_path_bench.py norm         # the step's squared norm: host pass over
                                                       # the fp32 gradients vs device-side norms
+    python benchmarks/host_path_bench.py grad_alloc   # host memory allocated per step for the
+                                                      # gradient downloads: a baseline commit's
+                                                      # code vs this tree's (engine runs)
 
-Old and new run interleaved in one process (A B A B ...), so machine noise hits both alike.
+Old and new run interleaved in one process (A B A B ...), so machine noise hits both alike;
+"grad_alloc" counts bytes, not time: it runs the baseline commit's rp_engine (``git archive``)
+and this tree's in two processes, same model, batches and steps.
 "tail" is what a synchronous step does after the last gradient has landed: squared norms,
 clip/unscale, CPU Adam over every parameter, fp32 -> bf16 publish (old: a separate clip pass, one
 kernel call per tensor, then zeroing every gradient). Results are JSON lines; RESULTS.md quotes
@@ -21,6 +26,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -323,9 +332,193 @@ def project(acc: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# --- grad_alloc: host memory the gradient downloads allocate per step -----------------------
+GRAD_ALLOC_BASELINE = "1b495d5"  # issue 24's base: every download made a fresh host tensor
+# A Qwen3 small enough for 2 CPU cores, bf16 with tied embeddings like Qwen3-1.7B: the tied
+# weight gets two contributions per round (head, then embedding), the others one.
+GRAD_ALLOC_MODEL: dict[str, Any] = {
+    "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "vocab_size": 2048, "tie_word_embeddings": True,
+}  # fmt: skip
+# name -> (gradient accumulation steps, roundpipe settings); 2 CPU virtual devices
+GRAD_ALLOC_RUNS: dict[str, tuple[int, dict[str, Any]]] = {
+    # one round of 4 micro-batches per step: fp32 device gradients, sync and async optimizer
+    "sync": (4, {"async_optimizer": False}),
+    "async": (4, {"async_optimizer": True}),
+    # one micro-batch per step: bf16 device gradients
+    "sync_gas1": (1, {"async_optimizer": False}),
+    # two rounds per step: every gradient has a second contribution from the second round
+    "async_2_rounds": (4, {"async_optimizer": True, "round_size": 2}),
+}
+
+
+class _FreshHostBytes:
+    """Counts the bytes of the host tensors a device's ``to_host`` allocates itself (no ``out``),
+    by the stream thread that called it: "d2h" (gradient downloads, with the per-parameter norm
+    vector) or "d2h_act" (activations). Wraps the device class's method, so the same count runs
+    on any version of rp_engine."""
+
+    def __init__(self, device_cls: type) -> None:
+        self.bytes: dict[str, int] = {"d2h": 0, "d2h_act": 0, "other": 0}
+        self.calls: dict[str, int] = {"d2h": 0, "d2h_act": 0, "other": 0}
+        self._lock = threading.Lock()
+        self._cls = device_cls
+        self._orig = device_cls.to_host
+        counter = self
+
+        def to_host(dev_self: Any, dev: torch.Tensor, out: torch.Tensor | None = None) -> Any:
+            result = counter._orig(dev_self, dev, out)
+            if out is None:
+                name = threading.current_thread().name
+                role = name.rsplit("-", 1)[-1] if name.startswith("rp-") else "other"
+                role = role if role in counter.bytes else "other"
+                with counter._lock:
+                    counter.bytes[role] += result.numel() * result.element_size()
+                    counter.calls[role] += 1
+            return result
+
+        device_cls.to_host = to_host  # type: ignore[attr-defined]
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self._lock:
+            return dict(self.bytes), dict(self.calls)
+
+    def close(self) -> None:
+        self._cls.to_host = self._orig  # type: ignore[attr-defined]
+
+
+def _host_memory_stats() -> dict[str, Any] | None:
+    """torch's caching host (pinned) allocator counters, where this torch has them and CUDA
+    is available; None otherwise (CPU virtual devices never pin)."""
+    fn = getattr(torch.cuda, "host_memory_stats", None)
+    if fn is None or not torch.cuda.is_available():
+        return None
+    try:
+        stats = fn()
+    except Exception:  # noqa: BLE001 - an optional report, never a failure
+        return None
+    keep = ("allocations", "allocated_bytes", "reserved_bytes", "num_host_alloc")
+    return {k: v for k, v in stats.items() if any(k.startswith(p) for p in keep)}
+
+
+def grad_alloc_child(run: str, steps: int, warmup: int, devices: str) -> dict[str, Any]:
+    """One engine in this process (whatever rp_engine PYTHONPATH gives): ``warmup`` steps, then
+    ``steps`` measured ones; bytes of fresh host tensors per step, by download stream."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import rp_engine
+
+    config = Qwen3Config(**GRAD_ALLOC_MODEL, use_cache=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    mbs, seq = 2, 64
+    gas, settings = GRAD_ALLOC_RUNS[run]
+    cfg = {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "roundpipe": {
+            "devices": devices,
+            "on_nonfinite": "ignore",
+            # fixed cuts: the profile-driven planner could pick other ones for each process
+            "fwd_cuts": [2, 2],
+            "bwd_cuts": [0, 2, 2],
+            **settings,
+        },
+    }
+    engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+    gen = torch.Generator().manual_seed(1)
+
+    def batch() -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, GRAD_ALLOC_MODEL["vocab_size"], (mbs, seq), generator=gen)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    counter = _FreshHostBytes(type(engine.pool[0]))
+    try:
+        for _ in range(warmup):
+            engine.train_batch(iter([batch() for _ in range(gas)]))
+        engine.synchronize()
+        b0, c0 = counter.snapshot()
+        h0 = _host_memory_stats()
+        d0 = sum(d.memory_stats()["d2h_bytes"] for d in engine.pool)
+        for _ in range(steps):
+            engine.train_batch(iter([batch() for _ in range(gas)]))
+        engine.synchronize()
+        b1, c1 = counter.snapshot()
+        h1 = _host_memory_stats()
+        d1 = sum(d.memory_stats()["d2h_bytes"] for d in engine.pool)
+    finally:
+        counter.close()
+        engine.destroy()
+    out: dict[str, Any] = {
+        "run": run,
+        "steps": steps,
+        "grad_fresh_host_bytes_per_step": (b1["d2h"] - b0["d2h"]) // steps,
+        "grad_fresh_host_tensors_per_step": (c1["d2h"] - c0["d2h"]) / steps,
+        "act_fresh_host_bytes_per_step": (b1["d2h_act"] - b0["d2h_act"]) // steps,
+        "d2h_bytes_per_step": (d1 - d0) // steps,
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    if h0 is not None and h1 is not None:  # the pinned caching allocator, per measured step
+        out["cuda_host_memory_stats_after_warmup"] = h0
+        out["cuda_host_memory_stats_delta_per_step"] = {
+            k: (h1[k] - h0[k]) / steps for k in h1 if isinstance(h1[k], int | float) and k in h0
+        }
+    return out
+
+
+def _baseline_tree(ref: str, into: str) -> str:
+    """``rp_engine`` of commit ``ref`` extracted under ``into`` (for PYTHONPATH)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(
+        ["git", "-C", root, "archive", ref, "rp_engine"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+    return into
+
+
+def bench_grad_alloc(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per run configuration: the baseline commit's code and this tree's, each in its own
+    process (same model, batches and steps), side by side."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"before": _baseline_tree(args.baseline, tmp), "after": here}
+        for run in args.runs.split(","):
+            row: dict[str, Any] = {"bench": "grad_alloc", "run": run, "baseline": args.baseline}
+            for label, tree in trees.items():
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, here]))
+                cmd = [
+                    sys.executable, os.path.abspath(__file__), "grad_alloc", "--child", run,
+                    "--steps", str(args.steps), "--devices", args.devices,
+                    "--threads", str(args.threads),
+                ]  # fmt: skip
+                done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+                row[label] = json.loads(done.stdout.strip().splitlines()[-1])
+            b, a = row["before"], row["after"]
+            row["grad_fresh_bytes_per_step"] = {
+                "before": b["grad_fresh_host_bytes_per_step"],
+                "after": a["grad_fresh_host_bytes_per_step"],
+            }
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("what", choices=["accumulate", "tail", "all", "gil", "norm"])
+    ap.add_argument("what", choices=["accumulate", "tail", "all", "gil", "norm", "grad_alloc"])
+    ap.add_argument("--steps", type=int, default=3, help="grad_alloc: measured steps per run")
+    ap.add_argument("--devices", default="cpu:2", help="grad_alloc: the engine's devices")
+    ap.add_argument("--runs", default=",".join(GRAD_ALLOC_RUNS), help="grad_alloc: which runs")
+    ap.add_argument(
+        "--baseline", default=GRAD_ALLOC_BASELINE, help="grad_alloc: the 'before' commit"
+    )
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)  # one grad_alloc measurement
     ap.add_argument(
         "--elements", type=int, default=12_582_912, help="accumulate: 12.6M (6144x2048)"
     )
@@ -345,6 +538,13 @@ def main() -> None:
     acc = tail = None
     if args.what == "gil":
         print(json.dumps(bench_gil(args.params, args.repeats)), flush=True)
+        return
+    if args.what == "grad_alloc":
+        if args.child:
+            print(json.dumps(grad_alloc_child(args.child, args.steps, 2, args.devices)))
+            return
+        for row in bench_grad_alloc(args):
+            print(json.dumps(row), flush=True)
         return
     if args.what == "norm":
         print(json.dumps(bench_norm(args.params, args.layers, args.repeats)), flush=True)

@@ -28,6 +28,7 @@ from rp_engine.config import DSConfig
 from rp_engine.data import DataFeed, build_dataloader
 from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
+from rp_engine.device.cuda import pinned_empty
 from rp_engine.distributed import data_parallel
 from rp_engine.engine_api import DeepSpeedAccessors
 from rp_engine.engine_boundary import OptimizerBoundary, boundary_in_flight_ok
@@ -113,7 +114,12 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             model, loss_fn=getattr(model, "loss_fn", None), head_chunk_tokens=rp.head_chunk_tokens
         )
         modules = list(self.seq.modules())
-        self.store = HostStore(modules, pin=cuda_pin if self.pool.kind == "cuda" else None)
+        on_cuda = self.pool.kind == "cuda"
+        self.store = HostStore(
+            modules,
+            pin=cuda_pin if on_cuda else None,
+            alloc=pinned_empty if on_cuda else None,  # uninitialised: written before read
+        )
         self.optimizer = build_optimizer(
             cfg, self.store, model=model, client_optimizer=optimizer,
             model_parameters=model_parameters, device_kind=self.pool.kind,
@@ -176,6 +182,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             sink=GradSink(
                 self.store,
                 wait_free=lambda layer, step: self.stepper.wait_grads_free(layer, step),
+                is_free=lambda layer, step: self.stepper.grads_free(layer, step),
                 ready=lambda layer, step: self.stepper.layer_ready(layer, step),
             ),
             seed=self._config.roundpipe.seed,

@@ -8,7 +8,9 @@ Three kinds of traffic, each on its own stream so none waits behind another::
     D2H                              |= act/grad out =|
 
 Weights are uploaded in chunks packed largest-first (LPT) into a bounded number of bytes each, so
-a critical activation copy that shares the link waits at most one chunk. An activation whose next
+a critical activation copy that shares the link waits at most one chunk. A tensor larger than a
+chunk (a tied embedding of 622 MB) is first split into chunk-sized pieces of its flat storage,
+each copied into a view of one device tensor by a copy of its own. An activation whose next
 stage runs on the same device never leaves it. Everything that crosses a stage boundary is a
 ``dict[str, Tensor]`` ("state"); only ``state["hidden"]`` carries gradient.
 """
@@ -25,6 +27,7 @@ from rp_engine.model.base import State
 __all__ = [
     "State",
     "pack_largest_first",
+    "split_pieces",
     "WeightUpload",
     "upload_weights",
     "upload_state",
@@ -54,6 +57,25 @@ def pack_largest_first(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]
             chunks.append([i])
             room.append(max(chunk_bytes - sizes[i], 0))
     return chunks
+
+
+def split_pieces(
+    tensors: Sequence[torch.Tensor], chunk_bytes: int, *, dense: Sequence[bool] | None = None
+) -> list[tuple[int, int, int]]:
+    """The pieces uploads copy: ``(tensor index, first element, end element)``. A tensor of
+    more than ``chunk_bytes`` is cut into pieces of ``chunk_bytes`` (the last one shorter) when
+    it is contiguous (and ``dense[i]``, when given); any other tensor is one piece. The pieces
+    of a tensor cover it exactly once, so the bytes copied are the tensors' bytes."""
+    pieces = []
+    for i, t in enumerate(tensors):
+        n, size = t.numel(), t.element_size()
+        step = max(chunk_bytes // size, 1)
+        splittable = t.is_contiguous() and (dense is None or dense[i])
+        if n * size <= chunk_bytes or not splittable:
+            pieces.append((i, 0, n))
+            continue
+        pieces.extend((i, s, min(s + step, n)) for s in range(0, n, step))
+    return pieces
 
 
 class WeightUpload:
@@ -130,17 +152,41 @@ def upload_weights(
     reads = host_tensors if sources is None else sources
     if before is not None:
         stream.submit(before, label=label)
-    sizes = [t.numel() * t.element_size() for t in host_tensors]
-    handle.nbytes = sum(sizes)
+    handle.nbytes = sum(t.numel() * t.element_size() for t in host_tensors)
+    # a piece of a split tensor is a view of the source's flat storage: it must be dense too
+    dense = [r.is_contiguous() for r in reads]
+    pieces = split_pieces(host_tensors, chunk_bytes, dense=dense)
+    sizes = [(end - start) * host_tensors[i].element_size() for i, start, end in pieces]
     for chunk in pack_largest_first(sizes, chunk_bytes):
 
         def copy_chunk(chunk: list[int] = chunk) -> None:
-            for i in chunk:
-                handle.tensors[id(host_tensors[i])] = device.to_device(reads[i].detach())
+            for p in chunk:
+                _copy_piece(device, handle, host_tensors, reads, pieces[p])
 
         stream.submit(copy_chunk, label=label)
     handle.event = stream.record()
     return handle
+
+
+def _copy_piece(
+    device: Device,
+    handle: WeightUpload,
+    host_tensors: Sequence[torch.Tensor],
+    reads: Sequence[torch.Tensor],
+    piece: tuple[int, int, int],
+) -> None:
+    """Upload one piece (on the weight stream's thread): a whole tensor gets a device copy of
+    its own; a split one is allocated whole by its first piece to run, which every piece then
+    fills through a view (the pieces run in order on one thread)."""
+    i, start, end = piece
+    key, src = id(host_tensors[i]), reads[i].detach()
+    if start == 0 and end == src.numel():
+        handle.tensors[key] = device.to_device(src)
+        return
+    dst = handle.tensors.get(key)
+    if dst is None:
+        dst = handle.tensors[key] = device.empty(src.shape, src.dtype)
+    device.to_device(src.view(-1)[start:end], out=dst.view(-1)[start:end])
 
 
 Trace = Callable[[ComputeTimer], None]  # receives the timer of one transfer, once stopped

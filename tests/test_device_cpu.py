@@ -264,6 +264,32 @@ def test_to_device_and_to_host_copy(pool: CPUPool) -> None:
     assert dev.memory_stats()["allocated"] == 0 and dev.memory_stats()["d2h_bytes"] == 64
 
 
+def test_upload_into_an_empty_device_tensor_and_a_fence(pool: CPUPool) -> None:
+    """``empty`` counts a tensor once; ``to_device(..., out=)`` fills views of it and counts
+    only the bytes copied; ``fence`` inside a closure is already complete on CPU."""
+    dev = pool[0]
+    host = torch.arange(10.0)
+    out: dict[str, object] = {}
+
+    def upload() -> None:
+        d = out["d"] = dev.empty((10,), torch.float32)
+        assert dev.to_device(host[:6], out=d[:6]) is not None
+        dev.to_device(host[6:], out=d[6:])
+        out["fence"] = dev.fence()
+
+    s = dev.stream(H2D_PARAM)
+    s.submit(upload)
+    sync(s.record())
+    fence = out["fence"]
+    assert isinstance(fence, Event) and fence.query()
+    fence.synchronize()
+    torch.testing.assert_close(out["d"], host)
+    stats = dev.memory_stats()
+    assert stats["allocated"] == 40 and stats["h2d_bytes"] == 40
+    dev.free(out["d"])  # type: ignore[arg-type]
+    assert dev.memory_stats()["allocated"] == 0
+
+
 def test_emulated_pcie_copy_overlaps_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     # The emulated link and a compute closure must be in flight together: both meet at a
     # barrier, which only happens if neither waits for the other to finish.

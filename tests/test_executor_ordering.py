@@ -11,9 +11,10 @@ from models import random_batch, tiny_qwen3
 
 
 def test_next_backward_starts_before_the_previous_accumulation_ends() -> None:
-    """Micro-batch 0's first gradient accumulation is held until micro-batch 1's backward
-    (B1.1) has started: with accumulation on the copy thread (the landed executor) B1.1's saved
-    input queued behind it and this waited out its timeout; no wall-clock figure is asserted."""
+    """Micro-batch 0's first gradient accumulation (a direct landing: the step's first
+    contribution) is held until micro-batch 1's backward (B1.1) has started: with accumulation
+    on the copy thread (the landed executor) B1.1's saved input queued behind it and this waited
+    out its timeout; no wall-clock figure is asserted."""
     # one device, rounds of one micro-batch: F0.0 H0.0 B1.0 B2.0 F0.1 H0.1 B1.1 B2.1
     engine = engine_for(
         tiny_qwen3(0, layers=2),
@@ -22,13 +23,16 @@ def test_next_backward_starts_before_the_previous_accumulation_ends() -> None:
     b11_started = threading.Event()
     first = threading.Event()
     seen: dict[str, Any] = {"calls": 0, "overlapped": None}
-    accumulate, call = engine.store.accumulate, engine._executor._call
+    call = engine._executor._call
 
-    def held_accumulate(param: Any, grad: Any) -> None:
-        if not first.is_set():
-            first.set()
-            seen["overlapped"] = b11_started.wait(timeout=60)
-        accumulate(param, grad)
+    def held(host_work: Any) -> Any:  # the HOST worker's first landing or add waits for B1.1
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not first.is_set():
+                first.set()
+                seen["overlapped"] = b11_started.wait(timeout=60)
+            return host_work(*args, **kwargs)
+
+        return run
 
     def traced_call(ctx: Any, device: Any, layer: int, state: Any, mb: int, w: Any) -> Any:
         # backward stage 1 is block 1 (layer index 2): called by F0.1, then recomputed by B1.1
@@ -38,7 +42,8 @@ def test_next_backward_starts_before_the_previous_accumulation_ends() -> None:
                 b11_started.set()
         return call(ctx, device, layer, state, mb, w)
 
-    engine.store.accumulate = held_accumulate  # type: ignore[method-assign]
+    engine.store.land = held(engine.store.land)  # type: ignore[method-assign]
+    engine.store.accumulate = held(engine.store.accumulate)  # type: ignore[method-assign]
     engine._executor._call = traced_call  # type: ignore[method-assign]
     try:
         batches = [random_batch(128, batch=2, seq=8, seed=i) for i in range(2)]

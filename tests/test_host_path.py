@@ -144,6 +144,245 @@ def test_grad_slot_reports_the_first_contribution() -> None:
     assert not store.has_grad(bias)  # a failed write is not a contribution
 
 
+# --- direct landings: a step's first contribution copied by the device into its buffer --------
+class _Fence:
+    """A fake device event: ``synchronize`` blocks until ``done()`` (or raises ``error``)."""
+
+    def __init__(self, *, error: BaseException | None = None) -> None:
+        self._set = threading.Event()
+        self.error = error
+        self.waited = 0
+
+    def done(self) -> None:
+        self._set.set()
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        assert self._set.wait(timeout=30)
+        if self.error is not None:
+            raise self.error
+
+    def query(self) -> bool:
+        return self._set.is_set()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("chunk", [1 << 20, 1000])  # 1000: several widening chunks, ragged tail
+def test_a_landed_gradient_is_bitwise_a_converted_copy(dtype: torch.dtype, chunk: int) -> None:
+    """A 2-byte gradient lands in the upper half of its fp32 buffer and is widened in place,
+    low chunks first: exactly ``buf.copy_(grad)``, with the later adds unchanged too."""
+    masters = [torch.zeros(5), torch.zeros(37, 101), torch.zeros(3)]  # neighbours stay intact
+    bufs = GradBuffers(masters, chunk=chunk)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(37, 101, generator=gen).to(dtype) for _ in range(3)]
+    for i in (0, 2):
+        bufs.write(i, torch.full(masters[i].shape, float(i + 1)))
+    target = bufs.landing(1, dtype)
+    assert target is not None and target.dtype == dtype and target.shape == (37, 101)
+    lo, hi = bufs.buffer(1).data_ptr(), bufs.buffer(1).data_ptr() + 37 * 101 * 4
+    assert lo <= target.data_ptr() and target.data_ptr() + target.numel() * dtype.itemsize <= hi
+    target.copy_(grads[0])  # what the device's copy engine writes
+    bufs.land(1, bufs.current(1), dtype)
+    assert bufs.has(1) and torch.equal(_bits(bufs.buffer(1)), _bits(grads[0].float()))
+    for g in grads[1:]:
+        bufs.write(1, g)
+    expected = grads[0].float() + grads[1].float() + grads[2].float()
+    assert torch.equal(_bits(bufs.buffer(1)), _bits(expected))
+    assert torch.equal(bufs.buffer(0), torch.ones(5)) and torch.equal(
+        bufs.buffer(2), torch.full((3,), 3.0)
+    )
+    assert bufs.landing(1, torch.float64) is None  # no room for it: it takes a temporary
+
+
+def _land(store: HostStore, p: nn.Parameter, g: torch.Tensor, *, free: bool = True) -> bool:
+    """What the executor does for one download: announce, copy, fence, land or accumulate.
+    Returns whether the copy landed in the buffer directly."""
+    landing = store.announce(p, g, free=free)
+    if landing.target is None:
+        store.accumulate(p, g.clone(), landing=landing)
+        return False
+    landing.target.copy_(g)
+    fence = _Fence()
+    fence.done()
+    store.fenced([landing], fence)
+    store.land(landing)
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_first_contributions_land_directly_and_sum_as_before(dtype: torch.dtype) -> None:
+    """Per step, the first contribution lands in the buffer, later ones are added: the fp32
+    result is bitwise what accumulating every contribution gave, step after step."""
+    model, store = _store(dtype)
+    ref_model, reference = _store(dtype)
+    params, ref_params = list(model.parameters()), list(ref_model.parameters())
+    for step in range(3):
+        for p, q in zip(params, ref_params, strict=True):
+            grads = _bf16_grads(tuple(p.shape), 3, seed=step)
+            landed = [_land(store, p, g.to(dtype)) for g in grads]
+            assert landed == [True, False, False]
+            for g in grads:
+                reference.accumulate(q, g.to(dtype))
+            got, want = store.master_of(p).grad, reference.master_of(q).grad
+            assert got is not None and want is not None
+            assert got.data_ptr() == store.grad_buffer(p).data_ptr()  # master.grad exposed
+            assert torch.equal(_bits(got), _bits(want))
+        for s in (store, reference):
+            s.attach_grads()
+            s.zero_grads()
+
+
+def test_no_direct_landing_while_the_buffer_is_busy_or_another_contribution_is_due() -> None:
+    model, store = _store(torch.float32)
+    w = model[0].weight
+    g = torch.ones_like(w)
+    assert store.announce(w, g, free=False).target is None  # the optimizer still reads it
+    store.zero_grads()
+    due = store.announce(w, g, free=False)  # announced, not landed yet
+    assert store.announce(w, g, free=True).target is None  # it must stay the first
+    store.zero_grads()  # a failed run's announcements are forgotten
+    assert store.announce(w, g, free=True).target is not None
+    store.zero_grads()
+    store.accumulate(w, g, landing=due)  # stale: nothing to settle, it simply lands
+    assert store.announce(w, g, free=True).target is None  # a contribution is there
+    store.zero_grads()
+    assert store.announce(w, g[:-1], free=True).target is None  # wrong shape: ``write`` says so
+
+
+def test_a_contribution_added_before_the_direct_copy_landed_waits_for_it() -> None:
+    """A later contribution (another device's, for a tied weight) accumulated while the first
+    one's copy is still in flight waits for that copy's fence, lands it, then adds: never an
+    overwrite of a copy under way, nor an add into memory the copy is still writing."""
+    model, store = _store(torch.bfloat16)
+    w = model[0].weight
+    g0, g1 = _bf16_grads(tuple(w.shape), 2, seed=5)
+    first = store.announce(w, g0, free=True)
+    second = store.announce(w, g1, free=True)
+    assert first.target is not None and second.target is None
+    fence = _Fence()
+    adder = threading.Thread(target=store.accumulate, args=(w, g1), kwargs={"landing": second})
+    adder.start()  # the copy is not even issued: it waits for ``fenced``
+    adder.join(timeout=0.2)
+    assert adder.is_alive()
+    store.fenced([first], fence)
+    adder.join(timeout=0.2)
+    assert adder.is_alive() and fence.waited == 1  # now on the copy itself
+    first.target.copy_(g0)  # the copy completes
+    fence.done()
+    adder.join(timeout=30)
+    assert not adder.is_alive()
+    expected = g0.float() + g1.float()
+    assert torch.equal(_bits(store.master_of(w).grad), _bits(expected))
+    store.land(first)  # the copy thread's own landing comes late: nothing happens
+    assert torch.equal(_bits(store.master_of(w).grad), _bits(expected))
+
+
+def test_a_failed_direct_copy_fails_the_contribution_that_waits_for_it() -> None:
+    model, store = _store(torch.float32)
+    w = model[0].weight
+    g = torch.ones_like(w)
+    first = store.announce(w, g, free=True)
+    second = store.announce(w, g, free=True)
+    fence = _Fence(error=RuntimeError("copy failed"))
+    fence.done()
+    store.fenced([first], fence)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        store.accumulate(w, g, landing=second)
+    store.withdraw([first])  # the download's own host task gives it up
+    assert not store.has_grad(w)
+    assert store.announce(w, g, free=True).target is not None  # nothing is stuck
+
+
+def test_buffers_and_weights_are_pinned_and_the_arena_is_not_read_uninitialised() -> None:
+    """``pin`` reaches the layers' buffers as well as their parameters (uploads read both), in
+    place; without ``alloc`` the arena is pinned from zeros, never from uninitialised memory."""
+    seen: list[int] = []  # data_ptr of every tensor handed to pin
+    args: list[torch.Tensor] = []  # a copy of each, as pin saw it
+
+    def pin(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t.data_ptr())
+        args.append(t.clone())
+        return t.clone()  # "pinned": new storage
+
+    norm = nn.BatchNorm1d(4)
+    model = nn.Sequential(nn.Linear(4, 4), norm)
+    tensors = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    before = {name: t.data_ptr() for name, t in tensors.items()}
+    store = HostStore(list(model), pin=pin, double_buffer=False)
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    for name, t in tensors.items():
+        assert now[name] is t, name  # the modules keep their objects
+        assert before[name] in seen and t.data_ptr() != before[name], f"{name} not pinned"
+    n = store.grads.arena.numel()
+    arena_args = [a for a in args if a.dim() == 1 and a.numel() == n]
+    assert len(arena_args) == 1 and not arena_args[0].any()
+
+
+def _engine_masters(
+    monkeypatch: pytest.MonkeyPatch, *, bf16: bool, round_size: int, tie: bool, direct: bool
+) -> tuple[list[torch.Tensor], int, int]:
+    """Two steps of a tiny Qwen3 on two CPU devices (async optimizer, clipping). Returns
+    the fp32 masters, the bytes of host tensors ``to_host`` allocated itself on the gradient
+    download threads, and the gradient bytes downloaded. ``direct=False``: no buffer is ever
+    free at download time, so every gradient comes down into a fresh tensor (the old path)."""
+    from engine_helpers import config, engine_for
+    from models import random_batch, tiny_qwen3
+
+    from rp_engine.device.cpu import CPUDevice
+
+    fresh = [0]
+    real = CPUDevice.to_host
+
+    def to_host(self: CPUDevice, dev: torch.Tensor, out: torch.Tensor | None = None):
+        got = real(self, dev, out)
+        if out is None and threading.current_thread().name.endswith("-d2h"):
+            fresh[0] += got.numel() * got.element_size()
+        return got
+
+    monkeypatch.setattr(CPUDevice, "to_host", to_host)
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    cfg = config(
+        devices=2, gas=2, clip=1.0, async_optimizer=True,
+        roundpipe={"round_size": round_size}, **extra,
+    )  # fmt: skip
+    engine = engine_for(tiny_qwen3(0, tie=tie), cfg)
+    if not direct:
+        engine._executor.sink.is_free = lambda layer, step: False
+    try:
+        for step in range(2):
+            engine.train_batch(iter([random_batch(128, seed=10 * step + m) for m in range(2)]))
+        grad_bytes = 2 * engine.last_step_stats()["grad_d2h_bytes"]  # the same every step
+        engine.synchronize()  # the async optimizer's last step too
+        masters = [hp.master.clone() for hp in engine.store.owned_params()]
+    finally:
+        engine.destroy()
+        monkeypatch.setattr(CPUDevice, "to_host", real)
+    return masters, fresh[0], grad_bytes
+
+
+@pytest.mark.parametrize(("bf16", "round_size", "tie"), [(False, 2, True), (True, 1, False)])
+def test_engine_gradients_land_in_the_arena_with_bitwise_the_same_weights(
+    monkeypatch: pytest.MonkeyPatch, bf16: bool, round_size: int, tie: bool
+) -> None:
+    """End to end, the step's first contribution of every gradient comes down straight into its
+    fp32 buffer (fp32 gradients of one 2-micro-batch round, the tied embedding's second
+    contribution added from a temporary; bf16 gradients of 1-micro-batch rounds, the second
+    round's added from a temporary), and the weights are bitwise those of the old path, where
+    every gradient came down into a fresh host tensor first. (Two contributions per gradient:
+    their fp32 sum does not depend on which of two devices lands first.)"""
+    kw = {"bf16": bf16, "round_size": round_size, "tie": tie}
+    new, new_fresh, grad_bytes = _engine_masters(monkeypatch, **kw, direct=True)
+    old, old_fresh, _ = _engine_masters(monkeypatch, **kw, direct=False)
+    for a, b in zip(new, old, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert old_fresh >= grad_bytes > 0  # the measurement sees every fresh gradient tensor
+    # what still needs one: the later rounds' contributions, the tied weight's second one (it
+    # comes down as fp32: its head round accumulates 2 micro-batches), the norm vectors
+    rounds = 2 // round_size
+    tied = 2 * 128 * 64 * 4 if tie else 0  # two steps of the (vocab, hidden) fp32 gradient
+    assert new_fresh <= grad_bytes * (rounds - 1) // rounds + tied + grad_bytes // 100
+
+
 # --- double-buffered gradients ---------------------------------------------------------------
 def test_double_buffers_alternate_between_two_fixed_addresses() -> None:
     model, store = _store(double=True)
@@ -355,10 +594,57 @@ def test_pinned_memory_is_exact_size_page_locked_and_released() -> None:
         small = [pinned_empty(1000) for _ in range(8)]
         assert all(t.is_pinned() for t in small)
         del small
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
     store = HostStore(list(model), pin=pin, alloc=pinned_empty)
     assert store.grads.arena.is_pinned()
     assert all(p.is_pinned() for p in model.parameters())
+    assert all(b.is_pinned() for b in model.buffers())  # uploads read them too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_first_contribution_lands_in_the_pinned_arena(dtype: torch.dtype) -> None:
+    """On a GPU: the first gradient is copied by the D2H stream straight into its pinned fp32
+    buffer (bf16: the upper half, widened on the host); a second contribution accumulated while
+    that copy is still held back on the GPU waits for the copy's fence, so the sum is exact."""
+    from rp_engine.device.base import StreamRole
+    from rp_engine.device.cuda import CUDADevice, pin, pinned_empty
+
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 8)).to(dtype)
+    store = HostStore(list(model), pin=pin, alloc=pinned_empty, double_buffer=False)
+    w = model[0].weight
+    gen = torch.Generator().manual_seed(0)
+    g0, g1 = (torch.randn(w.shape, generator=gen).to(dtype) for _ in range(2))
+    dev = CUDADevice(0)
+    issued = threading.Event()
+    box: dict[str, object] = {}
+    try:
+        g0_dev = g0.cuda()
+        torch.cuda.synchronize()
+
+        def download() -> None:
+            landing = store.announce(w, g0_dev, free=True)
+            assert landing.target is not None and landing.target.is_pinned()
+            torch.cuda._sleep(200_000_000)  # hold the copy back on the GPU (~0.1 s)
+            dev.to_host(g0_dev, out=landing.target)
+            store.fenced([landing], dev.fence())
+            box["landing"] = landing
+            issued.set()
+
+        d2h = dev.stream(StreamRole.D2H)
+        d2h.submit(download, label="D0")
+        assert issued.wait(timeout=60)
+        second = store.announce(w, g1, free=True)
+        assert second.target is None
+        store.accumulate(w, g1, landing=second)  # waits for the first copy, lands it, adds
+        expected = g0.float() + g1.float()
+        assert torch.equal(_bits(store.master_of(w).grad), _bits(expected))
+        d2h.record().synchronize()
+        store.land(box["landing"])  # type: ignore[arg-type]
+        assert torch.equal(_bits(store.master_of(w).grad), _bits(expected))
+    finally:
+        dev.close()
 
 
 def test_the_optimizer_reads_the_oldest_sealed_step() -> None:

@@ -14,7 +14,7 @@ closures on that stream are skipped until ``Device.reset()``. Nothing ever calls
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -108,12 +108,22 @@ class Device(Protocol):
 
     def stream(self, role: StreamRole) -> Stream: ...
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def to_device(self, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy a host tensor to this device. Call it inside a closure on an H2D stream; on CUDA
         it is non_blocking from pinned memory; on CPU it clones (and sleeps bytes/bandwidth when
         PCIe emulation is on). The copy is counted in the memory accounting until ``free``.
         The result is detached and has its own storage. On CUDA the host tensor must not be
-        rewritten until an event recorded after the copy is done."""
+        rewritten until an event recorded after the copy is done.
+
+        ``out``: copy into this device tensor instead (same shape and dtype, e.g. a view of an
+        ``empty`` tensor: a large tensor uploaded piece by piece); nothing new is counted as
+        device memory, the copied bytes are."""
+        ...
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor on this device, counted in the memory accounting until
+        ``free`` (filled with ``to_device(..., out=)``). Call it inside a stream closure: on
+        CUDA the memory belongs to that closure's stream, as ``to_device``'s result does."""
         ...
 
     def to_host(self, dev: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,6 +134,13 @@ class Device(Protocol):
     def track(self, dev: torch.Tensor) -> None:
         """Count a tensor produced on the device (an activation) against the memory budget.
         Exceeding an emulated capacity raises ``DeviceError`` naming the device and budget."""
+        ...
+
+    def fence(self) -> Event:
+        """Inside a stream closure: an event completed once the work this closure has launched
+        on its stream so far is done (``host_sync`` without blocking; e.g. a ``to_host`` copy
+        another host thread will read). Already complete on CPU virtual devices, whose copies
+        are synchronous."""
         ...
 
     def host_sync(self) -> None:

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NoReturn
@@ -396,6 +396,18 @@ class ThreadedDevice:
         """Stop counting ``dev``; ``used_by`` matters only to backends with real streams."""
         self._ledger.free(dev)
 
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor on this device, counted until ``free``."""
+        t = torch.empty(tuple(shape), dtype=dtype, device=self.torch_device)
+        self._ledger.track(t)
+        return t
+
+    def fence(self) -> CPUEvent:
+        """Copies and compute on virtual devices are synchronous: an event already complete."""
+        event = CPUEvent()
+        event._set(None)
+        return event
+
     def host_sync(self) -> None:
         """Copies and compute on virtual devices are synchronous: nothing to wait for."""
 
@@ -509,11 +521,17 @@ class CPUDevice(ThreadedDevice):
         with link:
             _link_sleep(nbytes / (self.pcie_gbps * 1e9))
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A detached clone (its own storage: the optimizer may rewrite the host copy later)."""
-        dev = host.detach().clone()
-        self._ledger.track(dev)
-        nbytes = dev.untyped_storage().nbytes()
+    def to_device(self, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A detached clone (its own storage: the optimizer may rewrite the host copy later),
+        or a copy into ``out`` (already counted as device memory)."""
+        with torch.no_grad():
+            if out is None:
+                dev = host.detach().clone()
+                self._ledger.track(dev)
+                nbytes = dev.untyped_storage().nbytes()
+            else:
+                dev = out.copy_(host.detach())
+                nbytes = dev.numel() * dev.element_size()
         self._emulate_link(nbytes, self._h2d_link)
         self._ledger.count_copy(nbytes, h2d=True)
         return dev

@@ -238,10 +238,15 @@ class CUDADevice(ThreadedDevice):
         assert isinstance(stream, CUDAStream)
         return stream.raw
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Asynchronous upload on the current (H2D) stream; truly async from pinned memory."""
-        dev = host.detach().to(self.torch_device, non_blocking=True)
-        self._ledger.track(dev)
+    def to_device(self, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Asynchronous upload on the current (H2D) stream; truly async from pinned memory.
+        With ``out``: into that device tensor (already counted as device memory)."""
+        if out is None:
+            dev = host.detach().to(self.torch_device, non_blocking=True)
+            self._ledger.track(dev)
+        else:
+            with torch.no_grad():
+                dev = out.copy_(host.detach(), non_blocking=True)
         self._ledger.count_copy(dev.numel() * dev.element_size(), h2d=True)
         return dev
 
@@ -267,6 +272,14 @@ class CUDADevice(ThreadedDevice):
                 assert isinstance(stream, CUDAStream)
                 dev.record_stream(stream.raw)
         super().free(dev)
+
+    def fence(self) -> CUDAEvent:
+        """An event recorded now on the calling closure's stream: done when the GPU has run
+        what the closure launched so far (the host flag is set at once: it is recorded)."""
+        event = CUDAEvent(self.index)
+        event.cuda_event.record(torch.cuda.current_stream(self.torch_device))
+        event._set(None)
+        return event
 
     def host_sync(self) -> None:
         """Block the calling stream thread until its stream's queued work is done: on a

@@ -7,7 +7,9 @@ and no gradient-sized host memory is allocated per step. Double-buffered, a seco
 same layout takes step t+1's contributions while the optimizer reads step t's. Within a step:
 
 - the first contribution to a parameter is a copy (``buf.copy_(grad)`` converts bf16/fp16 to
-  fp32 on the fly): nothing has to be zeroed after the previous step;
+  fp32 on the fly): nothing has to be zeroed after the previous step. Or the device copies it
+  straight into the buffer (``landing``/``land``: fp32 in place, bf16/fp16 into the buffer's
+  upper half, then widened in place), with no host temporary at all;
 - later contributions convert into a small per-thread scratch, chunk by chunk, then ``add_``:
   ``fp32.add_(bf16)`` would otherwise build a full fp32 temporary of the gradient (torch casts
   CPU inputs to the common dtype first), about 10x slower than converting into cached scratch;
@@ -36,6 +38,8 @@ __all__ = ["GradBuffers", "CONVERT_CHUNK", "converted_chunks"]
 CONVERT_CHUNK = 1 << 20
 # Each buffer starts on a 64-byte boundary (a cache line, one AVX-512 vector).
 _ALIGN = 16
+# Gradient dtypes that can land in the upper half of their fp32 buffer (``GradBuffers.landing``).
+_HALF = (torch.bfloat16, torch.float16)
 
 
 class GradBuffers:
@@ -114,13 +118,41 @@ class GradBuffers:
         with two copies it alternates between two fixed addresses, step by step)."""
         return self._views[self._cur[i]][i]
 
+    def current(self, i: int) -> int:
+        """The arena copy receiving parameter ``i``'s contributions (0 unless double-buffered)."""
+        return self._cur[i]
+
     def has(self, i: int) -> bool:
         """Whether parameter ``i`` received a contribution in the current step."""
         return self._has[self._cur[i]][i]
 
-    def mark(self, i: int) -> None:
-        """Record that a contribution was written into ``buffer(i)`` by the caller."""
-        self._has[self._cur[i]][i] = self._ever[i] = True
+    def mark(self, i: int, copy: int | None = None) -> None:
+        """Record that a contribution was written into ``buffer(i)`` (or into arena ``copy``'s
+        buffer of ``i``) by the caller."""
+        self._has[self._cur[i] if copy is None else copy][i] = self._ever[i] = True
+
+    def landing(self, i: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a device copy of a ``dtype`` gradient of parameter ``i`` can land in its current
+        buffer, so that ``land`` makes it the step's first contribution with no temporary: the
+        fp32 buffer itself for fp32; for a 2-byte float (bf16/fp16) the upper half of the
+        buffer's bytes viewed as ``dtype`` (the parameter's shape), which ``land`` widens in
+        place; None for any other dtype. The caller must know it is the first contribution."""
+        buf = self.buffer(i)
+        if dtype == torch.float32:
+            return buf
+        if dtype in _HALF:
+            n = buf.numel()
+            return buf.view(-1).view(dtype)[n:].view(buf.shape)
+        return None
+
+    @torch.no_grad()
+    def land(self, i: int, copy: int, dtype: torch.dtype) -> None:
+        """A device copy into ``landing(i, dtype)`` of arena ``copy`` is complete: widen it in
+        place (2-byte floats) and record it as that copy's first contribution."""
+        if dtype != torch.float32:
+            buf = self._views[copy][i].view(-1)
+            _widen_upper_half(buf, buf.view(dtype)[buf.numel() :], self._local, self._chunk)
+        self.mark(i, copy)
 
     @torch.no_grad()
     def write(self, i: int, grad: torch.Tensor) -> None:
@@ -177,6 +209,20 @@ class GradBuffers:
             for has in self._has:
                 has[i] = False
             self._sealed[i].clear()
+
+
+def _widen_upper_half(
+    buf: torch.Tensor, half: torch.Tensor, local: threading.local, chunk: int
+) -> None:
+    """``buf[k] = float(half[k])`` for the n fp32 elements of ``buf``, where ``half`` is the
+    2-byte view of ``buf``'s upper half (bytes [2n, 4n)): bitwise ``buf.copy_(half)`` done
+    without a second buffer. Chunks go low to high through the thread's scratch: writing
+    ``buf[s:e]`` (bytes [4s, 4e)) never reaches an element of ``half`` not read yet (element
+    j >= e sits at bytes >= 2n + 2e >= 4e, since e <= n), and chunk [s, e) itself was copied into
+    the scratch first. (One ``buf.copy_(half)`` would read and write overlapping memory in an
+    unspecified order.)"""
+    for s, tmp in converted_chunks(half, local, chunk):
+        buf[s : s + tmp.numel()].copy_(tmp)
 
 
 def converted_chunks(

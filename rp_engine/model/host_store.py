@@ -7,7 +7,8 @@ stage. Per layer (index in the LayerSequence order: prefix, blocks..., head) the
   pinned when the pool is CUDA);
 - for every trainable parameter the layer *owns*, an fp32 *master* tensor and an fp32 gradient
   buffer, a fixed view into the store's one gradient arena (``grad_buffers.py``: preallocated,
-  pinned on CUDA, first contribution of a step copied, later ones added, no zeroing pass). While
+  pinned on CUDA, first contribution of a step copied there by the device when it can, else
+  from a downloaded temporary, later ones added, no zeroing pass: ``announce``). While
   a step's gradient is being consumed ``master.grad`` is that buffer; otherwise it is None. A
   parameter shared by several layers (tied embeddings) is owned by the lowest layer index that
   uses it: in a backward pass that layer finishes last, so its gradient is complete exactly when
@@ -45,7 +46,7 @@ from rp_engine.model.grad_buffers import GradBuffers
 if TYPE_CHECKING:
     from rp_engine.device.base import Event
 
-__all__ = ["HostParam", "HostLayer", "HostStore"]
+__all__ = ["GradLanding", "HostParam", "HostLayer", "HostStore"]
 
 
 @dataclass(eq=False)
@@ -57,6 +58,26 @@ class HostParam:
     master: torch.Tensor  # fp32, requires no grad; master.grad is set while a step consumes it
     layer: int  # the owning layer: its optimizer step consumes the gradient
     slot: int = -1  # index of the gradient buffer in the store's GradBuffers
+
+
+@dataclass(eq=False)
+class GradLanding:
+    """One announced contribution to a parameter's current-step gradient (``announce``).
+
+    ``target`` is where its device copy lands when it is the step's first contribution: a view
+    of the fp32 buffer (for a 2-byte gradient, the upper half of the buffer's bytes, widened in
+    place by ``land``). None: the copy goes to memory of the caller's own, which it then hands
+    to ``accumulate(..., landing=)``.
+    """
+
+    param: nn.Parameter
+    slot: int
+    layer: int  # the owner layer (its lock guards the landing)
+    dtype: torch.dtype
+    target: torch.Tensor | None = None
+    copy: int = 0  # the arena copy ``target`` lies in
+    fence: Event | None = None  # done when the copy into ``target`` is (``fenced``)
+    settled: bool = False  # landed or withdrawn
 
 
 @dataclass(eq=False)
@@ -79,10 +100,13 @@ class HostLayer:
 class HostStore:
     """Host state of a layer sequence. Thread-safe version protocol; no device knowledge.
 
-    ``pin`` (e.g. the CUDA backend's pinning helper) is applied to compute weights once, so
-    uploads can be asynchronous; CPU virtual devices pass ``None`` (pinning needs a GPU).
-    ``alloc(n)`` allocates the flat fp32 gradient arena of ``n`` elements (the CUDA backend's
-    ``pinned_empty``); without it the arena is ``pin(torch.empty(n))`` or plain memory.
+    ``pin`` (e.g. the CUDA backend's pinning helper) is applied once to what the copy engines
+    read, the compute weights and the layers' buffers, so uploads can be asynchronous; CPU
+    virtual devices pass ``None`` (pinning needs a GPU). ``alloc(n)`` allocates the flat fp32
+    gradient arena of ``n`` elements, which the copy engines write (direct landings,
+    ``announce``): the CUDA backend's ``pinned_empty``, uninitialised, since no buffer is read
+    before a contribution overwrote it (``GradBuffers``). Without ``alloc`` the arena is
+    ``pin(torch.zeros(n))`` (defined contents, a transient plain copy) or plain memory.
     ``double_buffer``: a second gradient arena, so step t+1's gradients land while the optimizer
     still reads step t's (+4 B per trainable parameter); None decides by free host memory
     (the second arena must leave at least three times its size available).
@@ -117,11 +141,16 @@ class HostStore:
         if double_buffer is None:
             double_buffer = _second_arena_fits(sum(m.numel() for m in masters) * 4)
         self.grads = GradBuffers(masters, alloc=alloc, copies=2 if double_buffer else 1)
-        if pin is not None:
+        if pin is not None:  # in place (``.data``): the modules and uploads keep the objects
             for layer in self.layers:
-                for _, p in layer.params:
-                    p.data = pin(p.data)
+                for _, t in [*layer.params, *layer.buffers]:
+                    t.data = pin(t.data)  # a shared one is pinned once (pin returns it as is)
         self._grad_locks = [threading.Lock() for _ in self.layers]
+        # per layer, on its grad lock: woken when a direct landing is fenced, landed or withdrawn
+        self._grad_conds = [threading.Condition(lock) for lock in self._grad_locks]
+        # per slot: contributions announced but not yet landed, accumulated or withdrawn
+        self._announced: list[set[GradLanding]] = [set() for _ in owned]
+        self._direct: dict[int, GradLanding] = {}  # slot -> its direct landing not landed yet
         self._noted: dict[tuple[int, int], float] = {}  # (layer, step) -> note_sq_norm's value
         self._pin = pin
         self._shadow: dict[int, torch.Tensor] = {}  # id(param) -> its compute weight, buffer 1
@@ -150,20 +179,117 @@ class HostStore:
 
     # --- gradients (master.grad is the buffer from a step's first contribution until the step
     # is consumed or discarded, None otherwise) ------------------------------------------------
-    def accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Add a downloaded gradient into the owner's fp32 buffer (called on a host thread).
+    def accumulate(
+        self, param: nn.Parameter, grad: torch.Tensor, *, landing: GradLanding | None = None
+    ) -> bool:
+        """Add a downloaded gradient into the owner's fp32 buffer (called on a host thread);
+        returns whether it was the step's first contribution.
 
         The step's first contribution is copied (converted) into the buffer, later ones are added
         through a per-thread conversion scratch: no gradient-sized allocation. Several devices'
         download threads may add into one buffer at once (a tied weight, or the same stage of
-        two rounds): the owner layer's lock makes each add whole.
+        two rounds): the owner layer's lock makes each add whole. A direct landing announced
+        before (``announce``) is the first contribution: this waits for its copy and lands it.
+        ``landing``: the announcement of this contribution (its ``target`` None), now settled.
         """
         owner = self._owner[id(param)]
-        with self._grad_locks[owner.layer]:
-            first = not self.grads.has(owner.slot)
-            self.grads.write(owner.slot, grad)
+        cond = self._grad_conds[owner.layer]
+        with cond:
+            try:
+                self._settle_direct(owner.slot, cond)
+                first = not self.grads.has(owner.slot)
+                self.grads.write(owner.slot, grad)
+            finally:
+                if landing is not None:
+                    self._announced[owner.slot].discard(landing)
+                    landing.settled = True
             if first:
                 self._expose(owner)
+        return first
+
+    # --- direct landings: a first contribution copied by the device straight into its buffer
+    def announce(self, param: nn.Parameter, grad: torch.Tensor, *, free: bool) -> GradLanding:
+        """Announce one contribution to the parameter's current-step gradient, ``grad`` (on any
+        device: only its dtype and shape are read), before its download is issued (on the copy
+        thread). Every announcement ends in exactly one of
+        ``land`` (a direct landing), ``accumulate(..., landing=)`` or ``withdraw``;
+        ``zero_grads`` forgets the ones left over by a failed run.
+
+        It lands directly (``target`` set) when it is the step's first contribution: none has
+        landed and none is announced and still unsettled (one announced earlier stays first, as
+        before), the gradient has the parameter's shape and a dtype that can land
+        (``GradBuffers.landing``), and ``free``: the caller knows the buffer may take this
+        step's gradient now (the optimizer is done reading the previous step's from it). Then issue the copy into ``target``, call
+        ``fenced`` with an event completed after it, and ``land`` once that event is done; a
+        contribution accumulated meanwhile waits for that event and lands it first itself.
+        """
+        owner = self._owner[id(param)]
+        slot = owner.slot
+        landing = GradLanding(param, slot, owner.layer, grad.dtype)
+        fits = grad.shape == owner.master.shape  # else ``write`` names the mismatch
+        with self._grad_locks[owner.layer]:
+            if free and fits and not self.grads.has(slot) and not self._announced[slot]:
+                landing.target = self.grads.landing(slot, grad.dtype)
+                if landing.target is not None:
+                    landing.copy = self.grads.current(slot)
+                    self._direct[slot] = landing
+            self._announced[slot].add(landing)
+        return landing
+
+    def fenced(self, landings: Iterable[GradLanding], fence: Event) -> None:
+        """The copies into these direct landings were issued; ``fence`` completes after them."""
+        for landing in landings:
+            cond = self._grad_conds[landing.layer]
+            with cond:
+                landing.fence = fence
+                cond.notify_all()
+
+    def land(self, landing: GradLanding) -> None:
+        """The copy into a direct landing is complete (its fence is done): it becomes the
+        step's first contribution, unless a contribution that came meanwhile landed it first."""
+        cond = self._grad_conds[landing.layer]
+        with cond:
+            if self._direct.get(landing.slot) is landing:
+                self._land_locked(landing, cond)
+
+    def withdraw(self, landings: Iterable[GradLanding]) -> None:
+        """These announced contributions will not land (their download failed): forget them.
+        A direct copy that was issued may still write into its buffer; the run failed, so the
+        caller discards the step's gradients (``zero_grads``)."""
+        for landing in landings:
+            cond = self._grad_conds[landing.layer]
+            with cond:
+                if not landing.settled:
+                    landing.settled = True
+                    self._announced[landing.slot].discard(landing)
+                    if self._direct.get(landing.slot) is landing:
+                        del self._direct[landing.slot]
+                cond.notify_all()
+
+    def _settle_direct(self, slot: int, cond: threading.Condition) -> None:
+        """Holding the owner's lock: land the slot's pending direct landing (waiting, without
+        the lock, for its copy) so that what follows finds the first contribution in place."""
+        while (direct := self._direct.get(slot)) is not None:
+            fence = direct.fence
+            if fence is None:  # its copy is being issued: ``fenced`` or ``withdraw`` follows
+                cond.wait()
+                continue
+            cond.release()
+            try:
+                fence.synchronize()  # the copy failed: raises (the run fails)
+            finally:
+                cond.acquire()
+            if self._direct.get(slot) is direct:
+                self._land_locked(direct, cond)
+
+    def _land_locked(self, landing: GradLanding, cond: threading.Condition) -> None:
+        self.grads.land(landing.slot, landing.copy, landing.dtype)
+        del self._direct[landing.slot]
+        self._announced[landing.slot].discard(landing)
+        landing.settled = True
+        if landing.copy == self.grads.current(landing.slot):
+            self._expose(self._owner[id(landing.param)])
+        cond.notify_all()
 
     def grad_buffer(self, param: nn.Parameter) -> torch.Tensor:
         """The fp32 buffer receiving the parameter's current-step gradient: a fixed view into an
@@ -182,7 +308,9 @@ class HostStore:
         first copy is ignored, since the next contribution overwrites it again).
         """
         owner = self._owner[id(param)]
-        with self._grad_locks[owner.layer]:
+        cond = self._grad_conds[owner.layer]
+        with cond:
+            self._settle_direct(owner.slot, cond)
             first = not self.grads.has(owner.slot)
             yield self.grads.buffer(owner.slot), first
             self.grads.mark(owner.slot)
@@ -235,10 +363,17 @@ class HostStore:
         next contribution is copied in, so no memory is touched; ``master.grad`` becomes None."""
         for index in range(len(self.layers)) if layers is None else layers:
             owned = self.layers[index].owned
-            with self._grad_locks[index]:
+            cond = self._grad_conds[index]
+            with cond:
                 self.grads.clear([hp.slot for hp in owned])
                 for key in [k for k in self._noted if k[0] == index]:
                     del self._noted[key]
+                for hp in owned:  # a failed run's announcements will never settle
+                    for landing in self._announced[hp.slot]:
+                        landing.settled = True
+                    self._announced[hp.slot].clear()
+                    self._direct.pop(hp.slot, None)
+                cond.notify_all()
             for hp in owned:
                 hp.master.grad = None
 
@@ -416,7 +551,9 @@ def _second_arena_fits(nbytes: int) -> bool:
 
 def _pinned_by(pin: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], torch.Tensor]:
     def alloc(n: int) -> torch.Tensor:
-        return pin(torch.empty(n, dtype=torch.float32))
+        # pin copies its argument: zeros, never uninitialised memory (callers that can allocate
+        # pinned memory directly pass ``alloc`` and skip the copy)
+        return pin(torch.zeros(n, dtype=torch.float32))
 
     return alloc
 

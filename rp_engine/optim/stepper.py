@@ -197,6 +197,16 @@ class OptimizerStepper:
                 self._cond.wait(timeout=0.1)
         self._wait_done(layer, step - 2)
 
+    def grads_free(self, layer: int, step: int) -> bool:
+        """Whether ``wait_grads_free(layer, step)`` would return at once (never blocks; False
+        after a failure or a cancellation). Once True it stays True for that step."""
+        with self._cond:
+            if self._cancelled is not None or self._error is not None:
+                return False
+            if not self.store.double_buffered:
+                return self._done[layer] >= step - 1
+            return self._sealed[layer] >= step - 1 and self._done[layer] >= step - 2
+
     def layer_ready(self, layer: int, step: int | None = None) -> None:
         """Layer's gradient for open step ``step`` (default: the oldest) is complete (called from
         a runtime host thread)."""

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from rp_engine.device.base import ComputeTimer, Device, DeviceError, Event, StreamRole
-from rp_engine.model.host_store import HostStore
+from rp_engine.model.host_store import GradLanding, HostStore
 from rp_engine.plan.actions import Action, Op, Plan
 from rp_engine.plan.memory import cross_run_gates
 from rp_engine.runtime.grad_norm import device_norms, sole_downloads, sq_norms_by_owner
@@ -111,20 +111,25 @@ class GradSink:
     """Where gradients go: the host store plus the optimizer protocol hooks.
 
     ``wait_free(layer, step)`` blocks until the layer's buffer may receive step ``step``'s
-    gradients; ``ready(layer, step)`` is called once the layer's gradient of a closing run is
-    complete. The step is the run's own (``RunSpec.step``): with overlapping iterations the
-    engine's counters have already moved on when a run's gradients land.
+    gradients, ``is_free(layer, step)`` says whether it would return at once (a download may
+    then land straight in the buffer); ``ready(layer, step)`` is called once the layer's
+    gradient of a closing run is complete. The step is the run's own (``RunSpec.step``): with
+    overlapping iterations the engine's counters have already moved on when a run's gradients
+    land.
     """
 
     def __init__(
         self,
         store: HostStore,
         *,
-        wait_free: Callable[[int, int], None] = lambda layer, step: None,
+        wait_free: Callable[[int, int], None] | None = None,
+        is_free: Callable[[int, int], bool] | None = None,
         ready: Callable[[int, int], None] = lambda layer, step: None,
     ) -> None:
         self.store = store
-        self.wait_free = wait_free
+        self.wait_free = wait_free or (lambda layer, step: None)
+        # without an answer, a buffer counts as free only when nothing ever waits for it
+        self.is_free = is_free or (lambda layer, step: wait_free is None)
         self.ready = ready
 
 
@@ -958,8 +963,10 @@ class Executor:
         # a tied weight's buffer belongs to its owner layer, which may sit in another stage
         owners = {key: self.store.owner_layer(p) for key, p in params.items()}
         host: dict[int, torch.Tensor] = {}
+        landings: dict[int, GradLanding] = {}  # every gradient's announcement (HostStore)
         normed: list[int] = []  # owner layer of each norm, in the norms' order
         norms: list[torch.Tensor] = []  # the host copy of the device norms
+        step = ctx.spec.step
 
         def download() -> None:
             timer = device.timer()
@@ -970,7 +977,22 @@ class Executor:
             if keys:
                 normed.extend(owners[k] for k in keys)
                 norms.append(device.to_host(device_norms([grads[k] for k in keys])))
-            host.update({k: device.to_host(g) for k, g in grads.items() if k in params})
+            try:
+                for k, g in grads.items():
+                    if k not in params:
+                        continue
+                    # the step's first contribution lands straight in its fp32 buffer (no
+                    # temporary, no host copy); a later one comes down into memory of its own
+                    # (fresh, pinned on CUDA) and is added by the HOST worker
+                    free = self.sink.is_free(owners[k], step)
+                    landings[k] = self.store.announce(params[k], g, free=free)
+                    host[k] = device.to_host(g, out=landings[k].target)
+                direct = [lg for lg in landings.values() if lg.target is not None]
+                if direct:  # a contribution added before this one lands waits for the copies
+                    self.store.fenced(direct, device.fence())
+            except BaseException:
+                self.store.withdraw(landings.values())
+                raise
             ctx.count(sum(g.numel() * g.element_size() for g in host.values()), grads=True)
             for grad in grads.values():  # made on the compute stream, read by this copy
                 device.free(grad, used_by=(StreamRole.D2H,))
@@ -981,16 +1003,26 @@ class Executor:
         landed = d2h.record()
 
         def accumulate() -> None:
-            landed.synchronize()  # blocks this HOST worker only, until the copies are done
+            try:
+                landed.synchronize()  # blocks this HOST worker only, until the copies are done
+            except BaseException:
+                self.store.withdraw(landings.values())
+                raise
             start = time.perf_counter()
+            for landing in landings.values():  # first contributions, in place already
+                if landing.target is not None:
+                    self.store.land(landing)
             # sole owners that had a contribution already: the host pass decides
             mixed: set[int] = set()
             for key, grad in host.items():
-                self.sink.wait_free(owners[key], ctx.spec.step)
-                if owners[key] in sole and self.store.has_grad(params[key]):
+                if landings[key].target is not None:
+                    continue
+                self.sink.wait_free(owners[key], step)
+                first = self.store.accumulate(params[key], grad, landing=landings[key])
+                if owners[key] in sole and not first:
                     mixed.add(owners[key])  # another run of the step (RunSpec.whole_step wrong)
-                self.store.accumulate(params[key], grad)
             host.clear()
+            landings.clear()
             sq = sq_norms_by_owner(norms[0].tolist(), normed) if norms else {}
             end = time.perf_counter()
             ctx.timeline.append(
