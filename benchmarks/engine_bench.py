@@ -38,7 +38,7 @@ os.environ.setdefault(
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import rp_engine  # noqa: E402
-from rp_engine.cli import batches, build_tiny_model, stdlib_corpus  # noqa: E402
+from rp_engine.train.cli import batches, build_tiny_model, stdlib_corpus  # noqa: E402
 
 
 def _cfg(devices: str, *, gas: int = 4, mbs: int = 4, **rp: Any) -> dict[str, Any]:

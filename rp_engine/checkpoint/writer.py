@@ -41,7 +41,7 @@ Choices where DeepSpeed's own output would be less useful:
   stage, not only from stage 2, so zero_to_fp32 returns them too (in the compute dtype).
 - ``param_slice_mappings`` (for DeepSpeed's universal-checkpoint converter) is not written.
 - Files load with ``torch.load(weights_only=True)`` plus the DeepSpeed classes allowed by
-  :mod:`rp_engine.safe_load` (the optim file pickles DeepSpeed's ``LossScaler`` /
+  :mod:`rp_engine.checkpoint.safe_load` (the optim file pickles DeepSpeed's ``LossScaler`` /
   ``DynamicLossScaler``, which DeepSpeed's optimizers use as they find them). Loading never runs
   code from a file; anything beyond the allowlist needs the caller's opt-in.
 
@@ -68,7 +68,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rp_engine import checkpoint_checks, safe_load
+from rp_engine.checkpoint import checks as checkpoint_checks
+from rp_engine.checkpoint import safe_load
 
 __all__ = [
     "save",
@@ -514,7 +515,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _deepspeed_loss_scaler(scaler: Any, *, fp16: bool) -> Any:
     """DeepSpeed's loss-scaler object for rp_engine's ``scaler`` (its ZeRO optimizers assign the
-    pickled object as they find it). One of the classes :mod:`rp_engine.safe_load` allows."""
+    pickled object as they find it). One of the classes :mod:`rp_engine.checkpoint.safe_load` allows."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
     if not (fp16 and scaler.dynamic):
@@ -714,7 +715,7 @@ def load(
     masters are rebuilt from the loaded compute weights (DeepSpeed's ``_restore_from_bit16_
     weights``); ``module_only`` (``load_module_only``) also keeps the engine's counters.
     Afterwards every layer is declared at version ``global_steps``. Files load with
-    ``weights_only=True`` (plus DeepSpeed's own classes, see :mod:`rp_engine.safe_load`); one
+    ``weights_only=True`` (plus DeepSpeed's own classes, see :mod:`rp_engine.checkpoint.safe_load`); one
     holding any other Python global is refused before it is unpickled unless ``trust``
     (``load_checkpoint(trust_checkpoint=True)``).
     """

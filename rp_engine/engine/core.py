@@ -29,10 +29,10 @@ from rp_engine.data import DataFeed, build_dataloader
 from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
 from rp_engine.distributed import data_parallel
-from rp_engine.engine_api import DeepSpeedAccessors
-from rp_engine.engine_boundary import OptimizerBoundary, boundary_in_flight_ok
-from rp_engine.engine_loop import FORWARD_OPS, ImperativeLoop
-from rp_engine.engine_pipeline import InFlightBox, PipelinedIterations
+from rp_engine.engine.api import DeepSpeedAccessors
+from rp_engine.engine.boundary import OptimizerBoundary, boundary_in_flight_ok
+from rp_engine.engine.loop import FORWARD_OPS, ImperativeLoop
+from rp_engine.engine.pipeline import InFlightBox, PipelinedIterations
 from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rp_engine.integrations.fused_lm_head import fused_output
+from rp_engine.engine.fused_lm_head import fused_output
 from rp_engine.plan.actions import Op
 
 if TYPE_CHECKING:

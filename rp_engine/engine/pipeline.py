@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rp_engine.engine_boundary import BoundaryState
+from rp_engine.engine.boundary import BoundaryState
 from rp_engine.runtime.executor import Executor, RunHandle, RunSpec, RunStats
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from benchmarks.emulated_link import EmulatedZeroLink
 from benchmarks.executor_timing import PARTS
 from benchmarks.head_to_head import SYSTEMS, format_table, loss_agreement
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_head_to_head_reduced_run_reports_all_five_systems(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from rp_engine import checkpoint as ckpt
 from rp_engine import data as data_mod
-from rp_engine import safe_load
+from rp_engine.checkpoint import safe_load
 from rp_engine.config import load_config
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim.loss_scaler import LossScaler

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from rp_engine import cli
+from rp_engine.train import cli
 from rp_engine.train import data as D
 
 # Tiny and quick: 2 layers, hidden 32, sequences of 32 tokens, 2 CPU virtual devices.
@@ -194,11 +194,11 @@ def test_resume_continues_steps_lr_and_data(tmp_path: Path, capsys: pytest.Captu
 def test_signal_saves_a_checkpoint_and_finishes_wandb(tmp_path: Path, sig: int) -> None:
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     env["HOME"] = str(tmp_path)  # no ~/.netrc W&B key: the default (offline) path is what runs
     log = (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rp_engine.cli", *TINY, "--steps", "100000", "--out", str(run)],
+        [sys.executable, "-m", "rp_engine.train.cli", *TINY, "--steps", "100000", "--out", str(run)],
         stdout=subprocess.PIPE, stderr=log, env=env, cwd=tmp_path, text=True,
     )  # fmt: skip
     try:
@@ -333,7 +333,7 @@ def test_wandb_rows_go_out_in_step_order_when_their_step_has_finished() -> None:
     """With overlapping iterations a step finishes during the next call: its W&B row (with its
     own gradient norm and transfer stats) is logged then, labelled with its own step, and the
     logging never finishes a step in flight (only ``step_report()`` is read)."""
-    from rp_engine.engine_api import StepReport
+    from rp_engine.engine import StepReport
 
     class Run:
         def __init__(self) -> None:

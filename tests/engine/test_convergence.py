@@ -12,7 +12,7 @@ import statistics
 
 from engine_helpers import engine_for
 
-from rp_engine.cli import batches, build_tiny_model, stdlib_corpus
+from rp_engine.train.cli import batches, build_tiny_model, stdlib_corpus
 
 STEPS, TAIL, LR = 60, 10, 5e-4
 

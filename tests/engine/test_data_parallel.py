@@ -16,21 +16,21 @@ import torch
 
 from rp_engine.distributed import balance_layers
 
-HERE = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # dp_run.py and its helpers
 STEPS = 4
 
 
 def _run(spec: dict[str, Any], nproc: int, *, timeout: float = 300) -> dict[str, Any]:
-    """Run tests/dp_run.py in one process, or under torchrun with ``nproc`` ranks; rank 0's
+    """Run tests/support/dp_run.py in one process, or under torchrun with ``nproc`` ranks; rank 0's
     JSON result."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
+        "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(SUPPORT.parents[1])]),
         "OMP_NUM_THREADS": "1",  # two ranks share this machine's cores
     }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    script = [str(HERE / "dp_run.py"), json.dumps(spec)]
+    script = [str(SUPPORT / "dp_run.py"), json.dumps(spec)]
     if nproc == 1:
         cmd = [sys.executable, *script]
     else:
@@ -39,7 +39,9 @@ def _run(spec: dict[str, Any], nproc: int, *, timeout: float = 300) -> dict[str,
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", *script,
         ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=HERE)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=SUPPORT
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
     assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
     result = json.loads(lines[-1][5:])

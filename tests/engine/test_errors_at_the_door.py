@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import config, engine_for
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from models import random_batch, tiny_qwen3
 
-from rp_engine.checkpoint_checks import CheckpointError
+from rp_engine.checkpoint.checks import CheckpointError
 from rp_engine.config import load_config
 from rp_engine.model.batch_checks import check_batch, vocab_size
 from rp_engine.model.layers import to_layers
 from rp_engine.optim.nonfinite import NonFiniteError, NonFiniteGuard
 from rp_engine.optim.stepper import StepResult
-from tests.engine_helpers import config, engine_for
-from tests.models import random_batch, tiny_qwen3
 
 VOCAB = 128
 

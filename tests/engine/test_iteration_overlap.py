@@ -379,10 +379,10 @@ def test_script_ending_with_a_step_in_flight_applies_it_and_exits_cleanly(tmp_pa
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script, out = tmp_path / "train.py", tmp_path / "weights.pt"
     script.write_text(_EXIT_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests" / "support")]))
     r = subprocess.run(
         [sys.executable, str(script), str(out)], cwd=root, env=env, capture_output=True,
         text=True, timeout=300,

@@ -398,8 +398,8 @@ print("PIPELINE-OK", sorted(want))
 @pytest.mark.slow  # the first DeepSpeed init_distributed on a machine compiles its shm op (~60 s)
 def test_pipeline_module_in_one_gloo_process() -> None:
     # A subprocess, so the process group and DeepSpeed's comm globals do not leak into other tests.
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests" / "support")]))
     env.setdefault(
         "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rp_engine" / "torch_extensions")
     )

@@ -27,7 +27,7 @@ import torch
 from engine_helpers import config, engine_for
 from models import random_batch, tiny_qwen3
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 
 # A script's opening: an async engine over an MLP of `blocks` Linear+GELU blocks of `width`.
 _ENGINE_SETUP = """
@@ -80,7 +80,9 @@ while True:  # the loop body is train_batch only, so the signal lands inside it
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), str(_ROOT / "tests")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), str(_ROOT / "tests" / "support")])
+    )
     env.setdefault(
         "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rp_engine" / "torch_extensions")
     )

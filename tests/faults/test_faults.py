@@ -315,8 +315,8 @@ def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(
     import fault_child
     from subprocess_helpers import run_json
 
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    here = Path(__file__).resolve().parents[1] / "support"  # fault_child.py
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1])])}
     spec = {"mode": "save", "dir": str(tmp_path), "kill_at": kill_at, "tag": tag}
     proc = subprocess.Popen(
         [sys.executable, str(here / "fault_child.py"), json.dumps(spec)],

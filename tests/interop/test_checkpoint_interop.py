@@ -31,7 +31,7 @@ import torch
 from engine_helpers import engine_for
 from models import random_batch, tiny_qwen3
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "support"  # ds_resume.py and its helpers
 LAYERS, HIDDEN, VOCAB = 2, 32, 64
 TRAIN_SEEDS, CONTINUE_SEEDS = [7, 8], [60, 61, 62]
 
@@ -84,7 +84,7 @@ def _deepspeed_resume(case: str, load_dir: Path, state_out: Path) -> dict[str, A
     spec = {"config": name, "zero": zero, "load": str(load_dir), "layers": LAYERS,
             "hidden": HIDDEN, "vocab": VOCAB, "tie": tie, "seeds": CONTINUE_SEEDS,
             "state_out": str(state_out)}  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parents[1])])}
     proc = subprocess.run(
         [sys.executable, str(HERE / "ds_resume.py"), json.dumps(spec)],
         capture_output=True, text=True, env=env, timeout=1200, cwd=HERE,

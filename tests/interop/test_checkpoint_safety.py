@@ -25,9 +25,8 @@ from engine_helpers import config, engine_for
 from models import random_batch, tiny_qwen3
 from subprocess_helpers import run_json
 
-from rp_engine import safe_load
-from rp_engine.checkpoint import model_file_name, optim_file_name
-from rp_engine.safe_load import DEEPSPEED_GLOBALS, UntrustedCheckpointError
+from rp_engine.checkpoint import model_file_name, optim_file_name, safe_load
+from rp_engine.checkpoint.safe_load import DEEPSPEED_GLOBALS, UntrustedCheckpointError
 
 MKDIR = f"{os.mkdir.__module__}.{os.mkdir.__name__}"  # "posix.mkdir" on Linux
 LAYERS, HIDDEN, VOCAB = 2, 32, 64

@@ -18,20 +18,20 @@ import pytest
 import torch
 from subprocess_helpers import run_json
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _auto_config() -> dict[str, Any]:
     """The shared all-"auto" ZeRO-Infinity fixture (../shared next to the repo, or
     RP_SHARED_DIR); else the repo's own all-"auto" ZeRO-Infinity config."""
-    shared = [HERE.parents[1] / "shared"]
+    shared = [ROOT.parent / "shared"]
     if os.environ.get("RP_SHARED_DIR"):
         shared.append(Path(os.environ["RP_SHARED_DIR"]))
     for root in shared:
         path = root / "fixtures" / "ds_configs" / "hf_zero3_offload_auto.json"
         if path.is_file():
             return json.loads(path.read_text())  # type: ignore[no-any-return]
-    fallback = HERE.parent / "ds_configs" / "zero3_offload_hf_auto.json"
+    fallback = ROOT / "ds_configs" / "zero3_offload_hf_auto.json"
     return json.loads(fallback.read_text())  # type: ignore[no-any-return]
 
 

@@ -12,7 +12,7 @@ import pytest
 from rp_engine.plan import schedules
 from rp_engine.plan.actions import HOST, Action, Op, Plan, PlanError, format_grid, parse_action
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 def test_action_text_examples() -> None:
@@ -149,8 +149,8 @@ def test_plan_package_is_pure_python() -> None:
     """No torch in plan/, and matplotlib only inside a function (render.write_png)."""
     import ast
 
-    package = Path(__file__).resolve().parents[1] / "rp_engine" / "plan"
-    for path in package.glob("*.py"):
+    package = Path(__file__).resolve().parents[2] / "rp_engine" / "plan"
+    for path in package.rglob("*.py"):
         tree = ast.parse(path.read_text())
         top_level = {id(node) for node in tree.body}
         for node in ast.walk(tree):

@@ -2,10 +2,12 @@
 
 Each module of ``rp_engine/plan`` may import only modules earlier in ``CHAIN``, the order the
 package declares in ``_SUBMODULES`` (parsed with ast, so a function-level or ``TYPE_CHECKING``
-import that dodges a cycle fails as well); the only exception is a ``if __name__ == "__main__":``
-block, which runs only as a script. Every schedule is reachable by name from
-``schedules.SCHEDULES``, and the config, the planner, the engine's optimizer mode and both
-command lines read that registry.
+import that dodges a cycle fails as well); the only exceptions are a ``if __name__ ==
+"__main__":`` block and a subpackage's ``__main__.py`` (``python -m rp_engine.plan.simulate``),
+which run only as scripts. A subpackage (``simulate/``) is one member of the chain: its modules
+import each other freely (tests/unit/test_layering.py finds circles among them). Every schedule
+is reachable by name from ``schedules.SCHEDULES``, and the config, the planner, the engine's
+optimizer mode and both command lines read that registry.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from rp_engine import cli as train_cli
 from rp_engine import config as rp_config
 from rp_engine import plan as plan_pkg
 from rp_engine.plan import cli as plan_cli
@@ -25,8 +26,9 @@ from rp_engine.plan import schedules
 from rp_engine.plan.actions import Op, Plan
 from rp_engine.plan.schedules import SCHEDULES, ScheduleSpec
 from rp_engine.runtime.planning import ModelShape, Planner
+from rp_engine.train import cli as train_cli
 
-PLAN_DIR = Path(__file__).resolve().parents[1] / "rp_engine" / "plan"
+PLAN_DIR = Path(__file__).resolve().parents[2] / "rp_engine" / "plan"
 # the import order the package declares: a module may import only modules before it
 CHAIN: tuple[str, ...] = plan_pkg._SUBMODULES
 
@@ -54,7 +56,9 @@ def _imports(tree: ast.Module) -> list[tuple[str, int, bool]]:
         elif isinstance(node, ast.ImportFrom):
             base = "." * node.level + (node.module or "")
             if node.level and node.module is None:
-                out.extend((f".{alias.name}", node.lineno, top) for alias in node.names)
+                out.extend(
+                    ("." * node.level + alias.name, node.lineno, top) for alias in node.names
+                )
             else:
                 out.append((base, node.lineno, top))
         for child in ast.iter_child_nodes(node):
@@ -68,46 +72,75 @@ def _imports(tree: ast.Module) -> list[tuple[str, int, bool]]:
     return out
 
 
+def _absolute(name: str, package: str) -> str:
+    """``name`` as an absolute module name; relative ones (``.costs``, ``..actions``) are
+    resolved from ``package``, the importing module's package."""
+    level = len(name) - len(name.lstrip("."))
+    if not level:
+        return name
+    base = package.split(".")[: len(package.split(".")) - (level - 1)]
+    rest = name[level:]
+    return ".".join(base + ([rest] if rest else []))
+
+
 def _package_module(name: str) -> str | None:
-    """The plan module an import names (``.costs``, ``rp_engine.plan.costs``), else None."""
+    """The chain member (plan module or subpackage) an absolute import names, else None."""
     if name.startswith("rp_engine.plan."):
         return name.split(".")[2]
-    if name.startswith(".") and not name.startswith(".."):
-        return name[1:].split(".")[0] or None
     return None
 
 
+def _files(member: str) -> list[tuple[Path, str]]:
+    """(file, its package) of a chain member: a module, or every module of a subpackage."""
+    path = PLAN_DIR / f"{member}.py"
+    if path.is_file():
+        return [(path, "rp_engine.plan")]
+    return [(p, f"rp_engine.plan.{member}") for p in sorted((PLAN_DIR / member).glob("*.py"))]
+
+
 def test_the_chain_lists_every_module() -> None:
-    on_disk = {p.stem for p in PLAN_DIR.glob("*.py")} - {"__init__"}
-    assert on_disk == set(CHAIN), (
+    modules = {p.stem for p in PLAN_DIR.glob("*.py")} - {"__init__"}
+    packages = {p.parent.name for p in PLAN_DIR.glob("*/__init__.py")}
+    assert modules | packages == set(CHAIN), (
         "add a new plan module to rp_engine/plan/__init__.py _SUBMODULES, in its import order"
     )
 
 
 @pytest.mark.parametrize("module", CHAIN)
 def test_plan_modules_import_only_earlier_modules(module: str) -> None:
-    tree = ast.parse((PLAN_DIR / f"{module}.py").read_text())
     earlier = set(CHAIN[: CHAIN.index(module)])
-    for name, line, top in _imports(tree):
-        target = _package_module(name)
-        if target is None:
-            assert not name.startswith(("rp_engine", "..")), (
-                f"plan/{module}.py:{line} imports {name}: the plan package imports nothing of "
-                "rp_engine outside itself"
+    for path, package in _files(module):
+        if path.name == "__main__.py":
+            continue  # runs only as ``python -m``: above every module, like a __main__ guard
+        where = path.relative_to(PLAN_DIR)
+        for raw, line, top in _imports(ast.parse(path.read_text())):
+            name = _absolute(raw, package)
+            target = _package_module(name)
+            if target is None:
+                assert not name.startswith("rp_engine"), (
+                    f"plan/{where}:{line} imports {name}: the plan package imports nothing of "
+                    "rp_engine outside itself"
+                )
+                root = name.split(".")[0]
+                assert not top or root in sys.stdlib_module_names or root == "__future__", (
+                    f"plan/{where}:{line} imports {name} at module level: standard library only"
+                )
+                continue
+            assert top, (
+                f"plan/{where}:{line} imports {name} inside a function or an if block: "
+                "import it at module level (a module earlier in the chain)"
             )
-            root = name.split(".")[0]
-            assert not top or root in sys.stdlib_module_names or root == "__future__", (
-                f"plan/{module}.py:{line} imports {name} at module level: standard library only"
+            assert target in earlier or target == module, (
+                f"plan/{where}:{line} imports {name}, which is not before {module} in "
+                f"{CHAIN}: the plan package imports one way"
             )
-            continue
-        assert top, (
-            f"plan/{module}.py:{line} imports {name} inside a function or an if block: "
-            "import it at module level (a module earlier in the chain)"
-        )
-        assert target in earlier, (
-            f"plan/{module}.py:{line} imports {name}, which is not before {module} in "
-            f"{CHAIN}: the plan package imports one way"
-        )
+
+
+def test_relative_imports_resolve_from_the_importing_package() -> None:
+    assert _absolute(".costs", "rp_engine.plan") == "rp_engine.plan.costs"
+    assert _absolute("..actions", "rp_engine.plan.simulate") == "rp_engine.plan.actions"
+    assert _absolute(".", "rp_engine.plan.simulate") == "rp_engine.plan.simulate"
+    assert _package_module(_absolute("..cli", "rp_engine.plan.simulate")) == "cli"
 
 
 def test_import_walker_catches_dodges() -> None:
@@ -145,9 +178,16 @@ def test_importing_the_plan_package_imports_no_torch() -> None:
 
 def test_config_imports_only_the_plan_registry() -> None:
     """DESIGN: config sits on the plan package's registry and nothing else of ours."""
-    tree = ast.parse(Path(rp_config.__file__).read_text())
-    ours = {name for name, _, _ in _imports(tree) if name.startswith(("rp_engine", "."))}
-    assert ours <= {"rp_engine.plan.schedules"}
+    package = Path(rp_config.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        names = {
+            _absolute(name, "rp_engine.config")
+            for name, _, _ in _imports(ast.parse(path.read_text()))
+        }
+        outside = {
+            n for n in names if n.startswith("rp_engine") and not n.startswith("rp_engine.config")
+        }
+        assert outside <= {"rp_engine.plan.schedules"}, (path.name, outside)
 
 
 # ---- the one registry ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 from rp_engine.plan import schedules, simulate
 from rp_engine.plan.actions import Op, Plan
 from rp_engine.plan.partition import LayerCosts
+from rp_engine.plan.simulate import events as sim_events
 
 H = 0.25  # ms of host overhead per action
 
@@ -146,7 +147,7 @@ def test_serial_overhead_takes_turns_on_one_host_lane() -> None:
     shared = dataclasses.replace(_fast(2, big), serial_overhead=True)
     serial = simulate.simulate(plan, _costs(), machine=shared, optimizer="sync")
     lowered = schedules.lower(plan, optimizer="sync")
-    builder = simulate._Builder(lowered, _costs(), shared, 0.0, True)  # noqa: SLF001
+    builder = sim_events._Builder(lowered, _costs(), shared, 0.0, True)  # noqa: SLF001
     counted = sum(1 for t in builder.build() if t.phase == "overhead")  # one per action/copy
     assert counted > sum(1 for a in lowered.actions if a.is_compute or a.op is Op.OPT)
     assert serial.makespan_ms >= counted * big - 1e-6

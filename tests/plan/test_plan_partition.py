@@ -21,7 +21,7 @@ from rp_engine.plan.partition import (
     transfer_ms,
 )
 
-QWEN = Path(__file__).resolve().parents[1] / "benchmarks" / "costs" / "qwen3_1_7b.json"
+QWEN = Path(__file__).resolve().parents[2] / "benchmarks" / "costs" / "qwen3_1_7b.json"
 PUBLISHED = ((7, 7, 7, 7), (0, 3, 3, 3, 3, 3, 3, 3, 3, 2, 2))
 
 

@@ -15,7 +15,7 @@ from rp_engine.plan.actions import Action, Op, Plan, PlanError
 from rp_engine.plan.partition import LayerCosts, balanced_stage_layers, load_costs
 from rp_engine.plan.traffic import activation_traffic
 
-QWEN_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "costs" / "qwen3_1_7b.json"
+QWEN_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "costs" / "qwen3_1_7b.json"
 BOUND_8 = (3, 3, 4, 4, 4, 4, 4, 2)
 VIRTUAL_24 = (1,) * 18 + (2,) * 5 + (0,)
 RP_FWD, RP_BWD = (7, 7, 7, 7), (0, 3, 3, 3, 3, 3, 3, 3, 3, 2, 2)

@@ -64,7 +64,7 @@ def _block(folder: str) -> None:
 
 def _arm(kill_at: str, folder: str) -> None:
     """Block the next save at ``kill_at`` (after the real work before that point)."""
-    from rp_engine import checkpoint
+    from rp_engine.checkpoint import writer
 
     if kill_at == "files":
         real_save = torch.save
@@ -78,7 +78,7 @@ def _arm(kill_at: str, folder: str) -> None:
                 os.fsync(f.fileno())
                 _block(folder)
 
-        torch.save = save  # checkpoint.py calls torch.save(obj, f)
+        torch.save = save  # the checkpoint writer calls torch.save(obj, f)
     elif kill_at == "swap":
         real_rename = os.rename
 
@@ -87,16 +87,16 @@ def _arm(kill_at: str, folder: str) -> None:
             if ".old-" in os.fspath(dst):
                 _block(folder)
 
-        checkpoint.os.rename = rename  # type: ignore[attr-defined]
+        writer.os.rename = rename  # type: ignore[attr-defined]
     elif kill_at == "latest":
-        real_write = checkpoint._write_atomic
+        real_write = writer._write_atomic
 
         def write_atomic(path: str, data: bytes) -> None:
             if os.path.basename(path) == "latest":
                 _block(folder)
             real_write(path, data)
 
-        checkpoint._write_atomic = write_atomic  # type: ignore[attr-defined]
+        writer._write_atomic = write_atomic  # type: ignore[attr-defined]
     else:
         raise ValueError(f"kill_at={kill_at!r}")
 

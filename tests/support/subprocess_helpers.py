@@ -15,9 +15,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_json(script: str, spec: Any, *, timeout: float = 1200) -> Any:
-    """Run ``tests/<script> '<spec as JSON>'``; return its last ``JSON:`` line, parsed. Fails the
+    """Run ``tests/support/<script> '<spec as JSON>'``; return its last ``JSON:`` line, parsed. Fails the
     test with the child's stderr when it exits non-zero or prints no result."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parents[1])])}
     proc = subprocess.run(
         [sys.executable, str(HERE / script), json.dumps(spec)],
         capture_output=True, text=True, env=env, timeout=timeout, cwd=HERE,

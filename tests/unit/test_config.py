@@ -20,12 +20,12 @@ from rp_engine.config import (
     resolve_config_arg,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DS_CONFIGS = REPO / "ds_configs"
 
 
 def _fixtures_dir() -> Path | None:
-    here = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "ds_configs"
+    here = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "ds_configs"
     if here.is_dir():
         return here
     env = os.environ.get("RP_SHARED_DIR")

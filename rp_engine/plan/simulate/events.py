@@ -58,10 +58,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .actions import HOST, OPTIMIZER_LAG, Action, Op, Plan, PlanError, format_grid
-from .costs import LayerCosts, StageCosts
-from .lower import lower
-from .memory import memory_events, static_bytes
+from ..actions import HOST, OPTIMIZER_LAG, Action, Op, Plan, PlanError, format_grid
+from ..costs import LayerCosts, StageCosts
+from ..lower import lower
+from ..memory import memory_events, static_bytes
 
 __all__ = [
     "Machine",
@@ -74,7 +74,7 @@ __all__ = [
     "preset_names",
 ]
 
-_PRESETS = Path(__file__).with_name("presets")
+_PRESETS = Path(__file__).parent.parent / "presets"  # rp_engine/plan/presets
 _GB = 1e6  # bytes per millisecond at 1 GB/s
 _TOL = 1e-9  # ms: events this close together happen at the same time
 
@@ -975,9 +975,3 @@ def _edge_time(tasks: Sequence[_Task], builder: _Builder, a: Action, at_end: boo
     if at_end:
         return tasks[builder.last[a]].end
     return tasks[builder.last[a] if a.op is Op.SEND else builder.first[a]].start
-
-
-if __name__ == "__main__":  # python -m rp_engine.plan.simulate: the command line is in cli.py
-    from rp_engine.plan.cli import main
-
-    raise SystemExit(main())

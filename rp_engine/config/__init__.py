@@ -1,0 +1,51 @@
+"""DeepSpeed config -> frozen typed dataclasses (the only reader of the raw ds_config dict)."""
+
+from __future__ import annotations
+
+from rp_engine.config.parse import (
+    DEEPSPEED_LR_SCHEDULES,
+    DEEPSPEED_OPTIMIZERS,
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    ConfigError,
+    CSVMonitorConfig,
+    DSConfig,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    RoundPipeConfig,
+    SchedulerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+    ZeroConfig,
+    hf_auto_values,
+    load_config,
+    resolve_config_arg,
+)
+
+__all__ = [
+    "ConfigError",
+    "DSConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "FP16Config",
+    "BF16Config",
+    "OffloadParamConfig",
+    "OffloadOptimizerConfig",
+    "ZeroConfig",
+    "AioConfig",
+    "ActivationCheckpointingConfig",
+    "WandbConfig",
+    "CSVMonitorConfig",
+    "TensorBoardConfig",
+    "CheckpointConfig",
+    "RoundPipeConfig",
+    "DEEPSPEED_OPTIMIZERS",
+    "DEEPSPEED_LR_SCHEDULES",
+    "load_config",
+    "resolve_config_arg",
+    "hf_auto_values",
+]
