@@ -105,9 +105,9 @@ def _refusal(path: str, what: str) -> str:
     return (
         f"refusing to load {os.fspath(path)!r}: it holds Python globals that rp_engine does not "
         f"allow ({what}); unpickling them could run code from the file. Only tensors, plain "
-        "containers and the DeepSpeed classes in rp_engine.checkpoint.safe_load.DEEPSPEED_GLOBALS are "
-        f"loaded by default. If you trust this file, pass {_OPT_IN} (it is then unpickled fully, "
-        "as DeepSpeed does)."
+        "containers and the DeepSpeed classes in "
+        "rp_engine.checkpoint.safe_load.DEEPSPEED_GLOBALS are loaded by default. "
+        f"If you trust this file, pass {_OPT_IN} (it is then unpickled fully, as DeepSpeed does)."
     )
 
 
