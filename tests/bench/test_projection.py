@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from benchmarks import calibration, projection
+from benchmarks import calibration, projection, shapes
 from rp_engine.plan.partition import LayerCosts
 from rp_engine.plan.simulate import load_machine
 
@@ -16,7 +16,7 @@ from rp_engine.plan.simulate import load_machine
     [("qwen3-1.7b", 2.03), ("llama3.1-8b", 8.03), ("qwen3-32b", 32.8), ("qwen3-235b-lora", 235.1)],
 )
 def test_shapes_have_the_published_parameter_counts(key: str, billions: float) -> None:
-    s = projection.SHAPES[key]
+    s = shapes.SHAPES[key]
     # all parameters, embeddings and an untied head included (Qwen3-1.7B: 2.03 B with the
     # embedding counted once per use as HF reports for untied; 1.72 B tied)
     total = s.layers * s.layer_params + s.head_params * 2
@@ -25,23 +25,23 @@ def test_shapes_have_the_published_parameter_counts(key: str, billions: float) -
 
 def test_the_reference_layer_reproduces_the_published_forward_time() -> None:
     machine = load_machine("rtx4090_pcie4_8x")
-    costs = projection.layer_costs(projection.SHAPES["qwen3-1.7b"], machine)
-    assert costs.fwd_ms[0] == pytest.approx(projection.REF_FWD_MS)
-    assert costs.bwd_ms[0] == pytest.approx(projection.REF_BWD_MS)
-    assert costs.head_fwd_ms == pytest.approx(projection.REF_HEAD_FWD_MS)
+    costs = shapes.layer_costs(shapes.SHAPES["qwen3-1.7b"], machine)
+    assert costs.fwd_ms[0] == pytest.approx(shapes.REF_FWD_MS)
+    assert costs.bwd_ms[0] == pytest.approx(shapes.REF_BWD_MS)
+    assert costs.head_fwd_ms == pytest.approx(shapes.REF_HEAD_FWD_MS)
 
 
 def test_zero_infinity_is_link_bound_when_pcie_is_slow() -> None:
-    shape = projection.SHAPES["llama3.1-8b"]
+    shape = shapes.SHAPES["llama3.1-8b"]
     fast = load_machine("rtx4090_pcie4_8x")
     slow = dataclasses.replace(fast, h2d_gbps=2.0, d2h_gbps=2.0)
-    a = projection.zero_infinity_tps(shape, fast, 16)
-    b = projection.zero_infinity_tps(shape, slow, 16)
+    a = shapes.zero_infinity_tps(shape, fast, 16)
+    b = shapes.zero_infinity_tps(shape, slow, 16)
     assert b["link_bound_fraction"] and b["tokens_per_s"] < a["tokens_per_s"]
 
 
 def test_longest_sequence_grows_with_memory_and_roundpipe_reaches_furthest() -> None:
-    shape = projection.SHAPES["qwen3-1.7b"]
+    shape = shapes.SHAPES["qwen3-1.7b"]
     small = load_machine("rtx4090_pcie4_8x")
     big = dataclasses.replace(small, memory_bytes=small.memory_bytes * 2)
     for system in ("roundpipe", "mobius", "zero_infinity"):
@@ -138,7 +138,7 @@ def test_projection_simulates_the_clipped_runs_with_the_step_barrier(
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(projection, "simulate", recording)
-    shape, machine = projection.SHAPES["qwen3-1.7b"], load_machine("rtx4090_pcie4_8x")
+    shape, machine = shapes.SHAPES["qwen3-1.7b"], load_machine("rtx4090_pcie4_8x")
     rows = projection.project_model(shape, machine, 16)
     assert seen == [True, True, True]  # async, sync, Mobius
     free = projection.roundpipe_tps(shape, machine, 16, async_opt=False, global_norm=False)
