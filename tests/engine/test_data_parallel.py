@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import assert_close_named
 
 from rp_engine.distributed import balance_layers
 
@@ -60,7 +61,7 @@ def _weights(folder: Path, rank: int = 0) -> dict[str, torch.Tensor]:
 def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-5, msg=key)
+        assert_close_named(a[key], b[key], key, rtol=1e-5, atol=1e-5)
 
 
 def test_layers_are_owned_by_balanced_ranks() -> None:
@@ -115,7 +116,7 @@ def test_two_processes_match_one_and_checkpoints_reshard(tmp_path: Path) -> None
         assert model["rp_data_parallel"]["dp_world_size"] == world
         assert len(model["rp_data_parallel"]["owners"]) == 4
         for key, value in fp32.items():
-            torch.testing.assert_close(value, model["module"][key].float(), msg=key)
+            assert_close_named(value, model["module"][key].float(), key)
     a = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ck1"))
     b = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ck2"))
     _assert_same_weights(a, b)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import config, engine_for
+from engine_helpers import assert_close_named, config, engine_for
 from models import random_batch, tiny_qwen3
 from subprocess_helpers import run_json
 
@@ -192,11 +192,11 @@ def test_deepspeed_checkpoint_loads_without_opt_in(
         offset = 0
         for hp in engine.store.owned_params():  # DeepSpeed flattens in parameter order
             pname, n = names[id(hp.param)], hp.master.numel()
-            torch.testing.assert_close(hp.master, fp32[pname], rtol=0, atol=0, msg=pname)
+            assert_close_named(hp.master, fp32[pname], pname, rtol=0, atol=0)
             state = engine.optimizer.state[hp.master]
             for key in ("exp_avg", "exp_avg_sq"):
                 expected = flat[key][offset : offset + n].view_as(hp.master)
-                torch.testing.assert_close(state[key], expected, rtol=0, atol=0, msg=pname)
+                assert_close_named(state[key], expected, pname, rtol=0, atol=0)
             assert int(state["step"]) == 1, pname
             offset += n
         assert offset == flat["exp_avg"].numel()
@@ -244,7 +244,7 @@ def test_deepspeed_zero3_module_only_reads_weights_from_the_optim_file(
         assert path is not None and engine.global_steps == 0
         fp32 = get_fp32_state_dict_from_zero_checkpoint(str(out / "zero3_offload"))
         for pname, p in engine.module.named_parameters():
-            torch.testing.assert_close(p.detach(), fp32[pname], rtol=0, atol=0, msg=pname)
+            assert_close_named(p.detach(), fp32[pname], pname, rtol=0, atol=0)
         assert all(not st for st in engine.optimizer.state.values())  # no moments loaded
     finally:
         engine.destroy()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ds_reference import record
+from engine_helpers import assert_close_named
 from models import random_batch, tiny_qwen3
 from subprocess_helpers import run_json
 
@@ -73,9 +74,9 @@ def test_losses_counters_lr_match_deepspeed(
     for k, (a, b) in enumerate(zip(ours, deepspeed_rows, strict=True)):
         for key in ("micro_steps", "global_steps", "global_samples", "applied", "boundary_next"):
             assert a[key] == b[key], (k, key, a[key], b[key])
-        torch.testing.assert_close(a["lr"], b["lr"], rtol=1e-12, atol=0, msg=f"lr at {k}")
+        assert_close_named(a["lr"], b["lr"], f"lr at {k}", rtol=1e-12, atol=0)
         assert a["backward"] == pytest.approx(a["loss"] / 2, rel=1e-6)
         if async_optimizer and k >= 2:
             continue  # staleness 1: losses differ from DeepSpeed's after the first step
-        torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-4, atol=0, msg=f"loss at {k}")
+        assert_close_named(a["loss"], b["loss"], f"loss at {k}", rtol=1e-4, atol=0)
         torch.testing.assert_close(a["backward"], b["backward"], rtol=1e-4, atol=0)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import assert_close_named
 from subprocess_helpers import run_json
 
 
@@ -73,4 +74,4 @@ def test_accelerate_loop_matches_deepspeed(
     theirs = torch.load(deepspeed_run["weights"], weights_only=True)
     assert mine.keys() == theirs.keys()
     for name in mine:
-        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+        assert_close_named(mine[name], theirs[name], name, rtol=1e-4, atol=1e-6)

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from engine_helpers import config, engine_for
+from engine_helpers import assert_close_named, config, engine_for
 from models import random_batch, tiny_mlp, tiny_qwen3
 
 VOCAB = 128
@@ -31,7 +31,7 @@ def _assert_fields_match(ours, theirs) -> None:  # type: ignore[no-untyped-def]
         a, b = getattr(ours, name), getattr(theirs, name)
         assert a.shape == b.shape and a.dtype == b.dtype, name
         if a.is_floating_point():
-            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5, msg=name)
+            assert_close_named(a.detach(), b.detach(), name, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(a, b), name
     assert theirs.log_sum_sq_probs is None and ours.log_sum_sq_probs is None
@@ -75,7 +75,7 @@ def test_train_fields_and_gradients_match_trl(model_and_batch) -> None:  # type:
         (-theirs.log_probs.sum() / num_items / 2).backward()  # engine.backward divides by GAS
         for name, p in ref.named_parameters():
             ours = engine.store.grad_buffer(dict(model.named_parameters())[name])
-            torch.testing.assert_close(ours, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+            assert_close_named(ours, p.grad, name, rtol=1e-4, atol=1e-6)
     finally:
         engine.destroy()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import assert_close_named
 from subprocess_helpers import run_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +104,7 @@ def test_save_model_same_files_and_weights(deepspeed_run: dict, rp_run: dict, ro
     theirs = load_file(str(root / "model_deepspeed" / "model.safetensors"))
     assert ours.keys() == theirs.keys()
     for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+        assert_close_named(ours[name], theirs[name], name, rtol=1e-4, atol=1e-6)
 
 
 def test_resume_from_trainer_checkpoint(rp_run: dict, root: Path) -> None:
@@ -127,7 +128,7 @@ def test_deepspeed_reads_trainer_checkpoint(rp_run: dict, root: Path) -> None:
     final = load_file(str(root / "model_rp_engine" / "model.safetensors"))
     assert set(final) <= set(state)
     for name, tensor in final.items():
-        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+        assert_close_named(state[name], tensor, name, rtol=0, atol=0)
 
 
 def test_zero2_offload_without_optimizer_or_scheduler_section(root: Path) -> None:

@@ -150,9 +150,28 @@ def run_losses(
 def assert_same_weights(
     a: nn.Module, b: nn.Module, *, rtol: float = 1e-4, atol: float = 1e-5
 ) -> None:
-    """Every parameter of ``a`` close to ``b``'s, in order (fp32 tolerances by default)."""
+    """Every parameter of ``a`` close to ``b``'s, in order (fp32 tolerances by default); a
+    mismatch is reported as :func:`assert_close_named` reports it."""
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
+        assert_close_named(p, q, f"parameter {name!r}", rtol=rtol, atol=atol)
+
+
+def assert_close_named(actual: Any, expected: Any, name: str, **tolerances: Any) -> None:
+    """``torch.testing.assert_close`` whose failure names the tensor and its largest absolute
+    difference, then gives torch's own report (mismatched elements, greatest differences and
+    where); ``msg=name`` would replace that report with the name alone."""
+
+    def report(torch_report: str) -> str:
+        try:
+            a, b = torch.as_tensor(actual), torch.as_tensor(expected)
+        except (TypeError, ValueError, RuntimeError):  # not tensor-like: torch's report alone
+            return f"{name}\n{torch_report}"
+        if a.shape == b.shape and a.is_floating_point() and b.is_floating_point():
+            largest = (a.detach().double() - b.detach().double()).abs().max().item()
+            return f"{name}: largest |difference| {largest:.6g}\n{torch_report}"
+        return f"{name}\n{torch_report}"
+
+    torch.testing.assert_close(actual, expected, msg=report, **tolerances)
 
 
 def measured_peak_with_runs_in_flight(
