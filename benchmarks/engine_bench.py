@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR",
     os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions"),

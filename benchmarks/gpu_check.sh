@@ -26,8 +26,8 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" \
     | tee "$out/versions.txt"
-python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_device_cuda.py \
-    tests/test_engine_cuda.py tests/test_device_grad_norm.py 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/unit/test_device_cuda.py \
+    tests/engine/test_engine_cuda.py tests/engine/test_device_grad_norm.py 2>&1 | tee "$out/gpu_tests.log"
 python3 -m rp_engine.train.cli --steps 20 --json 2>"$out/rp_train.err" | tee "$out/rp_train.json"
 python3 -m benchmarks.head_to_head --model qwen3-1.7b --repeats 1 --warmup 2 --steps 5 \
     --json "$out/h2h_qwen3_1.7b.json" 2>"$out/h2h_qwen3_1.7b.err" | tee "$out/h2h_qwen3_1.7b.md"

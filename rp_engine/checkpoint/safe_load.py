@@ -7,7 +7,7 @@ unpickler only builds tensors, containers and an allowlist of types. Files DeepS
 also hold a few DeepSpeed objects (its loss scaler, the ZeRO stage enum, fragment addresses); those
 exact classes form :data:`DEEPSPEED_GLOBALS` and are allowed through
 ``torch.serialization.safe_globals`` (found by writing real DeepSpeed checkpoints: fp32 ZeRO 0-3,
-fp16 with dynamic loss scaling and bf16 at ZeRO 1-3, CPU offload; see tests/ds_checkpoints.py).
+fp16 with dynamic loss scaling and bf16 at ZeRO 1-3, CPU offload; see tests/support/ds_checkpoints.py).
 
 Before anything is unpickled, the file's pickle is disassembled (``torch.serialization.
 get_unsafe_globals_in_checkpoint``): any other global makes :func:`load` raise

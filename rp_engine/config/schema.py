@@ -297,7 +297,7 @@ class RoundPipeConfig:
     on_nonfinite: str = field(default="raise", metadata=_m(choices=("raise", "skip", "ignore")))
     # train_batch t+1 starts while iteration t's backward tail and optimizer run (no drain),
     # fp16 and on_nonfinite "raise"/"skip" included (a step skipped late is undone:
-    # engine_boundary.py). null (default) / true: on; false: each train_batch drains. Off under
+    # engine/boundary.py). null (default) / true: on; false: each train_batch drains. Off under
     # data parallel, step_journal "on", a client LR scheduler without state_dict where a step
     # can be skipped, or a model with dropout on CPU devices (one RNG shared with the caller)
     overlap_iterations: bool | None = None

@@ -1,9 +1,9 @@
 """DeepSpeed's engine surface that is pure bookkeeping: counters, accessors, checkpoint doors.
 
-``DeepSpeedAccessors`` is mixed into ``RoundPipeEngine`` so engine.py reads as the list of parts
+``DeepSpeedAccessors`` is mixed into ``RoundPipeEngine`` so core.py reads as the list of parts
 it composes. Everything here is a one-liner over state the engine owns: the parsed config, the
 ``StepCounters``, the optimizer, the last step's result and stats, and the module. Checkpoint
-files are written and read by checkpoint.py (imported on first use: it pulls in DeepSpeed).
+files are written and read by rp_engine/checkpoint/ (imported on first use: it pulls in DeepSpeed).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class DeepSpeedAccessors:
         return dp.mean(value) if dp is not None else value
 
     def _drain_pipeline(self) -> None:
-        """Finish a training run still in flight (engine_pipeline.py overrides it)."""
+        """Finish a training run still in flight (pipeline.py overrides it)."""
 
     def synchronize(self) -> None:
         """Finish the run and the optimizer steps in flight and publish the newest weights to

@@ -3,7 +3,7 @@
 At each accumulation boundary DeepSpeed updates the loss scale, steps the LR scheduler unless the
 step was skipped, and counts the step as applied or skipped. Drained, the engine knows the step's
 fate (fp16 overflow, ``roundpipe.on_nonfinite``) when it reaches the boundary, because the step
-closed first. With overlapping iterations (engine_pipeline.py) ``train_batch`` t returns while
+closed first. With overlapping iterations (pipeline.py) ``train_batch`` t returns while
 step t's last gradients are still landing, so its boundary is applied *in flight*:
 
 * a non-finite loss is known from the run's losses: the step will be skipped, so the boundary is
@@ -19,7 +19,7 @@ step t's last gradients are still landing, so its boundary is applied *in flight
   steps. With no training call left (``destroy()``, exit), the error is logged instead.
 
 fp16: the next run was issued with the loss scale of before the overflow. DeepSpeed would have
-run it with the lowered scale, so engine_pipeline.py runs it again (``_reissue``): one extra
+run it with the lowered scale, so pipeline.py runs it again (``_reissue``): one extra
 iteration per overflow (a handful at the start of training, then one per ``loss_scale_window``
 at most), and every loss, gradient and weight stays DeepSpeed's.
 

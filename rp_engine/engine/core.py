@@ -5,7 +5,7 @@ Parts, each owned elsewhere::
     config.DSConfig --> Planner (cuts, plans)        --> Executor (runs plans on the DevicePool)
     model --> LayerSequence --> HostStore (weights, masters, grads, versions) <-- OptimizerStepper
     optimizer: HostOptimizer (DeepSpeedCPUAdam kernel per layer), LR scheduler, LossScaler
-    checkpoint.py (DeepSpeed layout), monitor.py (W&B / CSV)
+    checkpoint/ (DeepSpeed layout), monitor.py (W&B / CSV)
 
 Two ways to train, with identical gradients:
 - ``loss = engine(batch); engine.backward(loss); engine.step()`` (DeepSpeed's loop; one
@@ -54,8 +54,8 @@ log = logging.getLogger("rp_engine")
 
 class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, DeepSpeedAccessors):
     """Drop-in for ``deepspeed.DeepSpeedEngine`` (build it with ``rp_engine.initialize``); the
-    imperative loop is in engine_loop.py, train_batch (overlapping iterations) in
-    engine_pipeline.py, accessors and checkpoint doors in engine_api.py."""
+    imperative loop is in loop.py, train_batch (overlapping iterations) in pipeline.py,
+    accessors and checkpoint doors in api.py, the optimizer boundary in boundary.py."""
 
     def __init__(
         self,
@@ -130,7 +130,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             dp=data_parallel(self.store),  # None in one process
         )
         self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
-        # overlap applies boundaries in flight (engine_boundary.py); async overlap wants two
+        # overlap applies boundaries in flight (boundary.py); async overlap wants two
         # weight versions at once, when host memory allows. Data parallel: collectives assume
         # one open step; the step journal's undo likewise: it goes at the first overlapped
         # train_batch (the imperative loop keeps it); an explicit "on" wins over overlap
@@ -182,7 +182,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             use_rng=self._dropout,
         )
 
-    # --- PipelineEngine API (train_batch: engine_pipeline.py) ---------------------------------
+    # --- PipelineEngine API (train_batch: pipeline.py) ----------------------------------------
     def eval_batch(
         self,
         data_iter: Iterator[Any],

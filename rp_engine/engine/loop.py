@@ -4,7 +4,7 @@ engine.step()``, one micro-batch at a time.
 ``forward`` runs the forward stages and the fused head of one micro-batch and keeps the head's
 gradients on the device (the ``Carry``); ``backward(loss)`` scales them by d(loss)/d(our loss),
 so whatever the caller did to the loss is honoured, and runs the backward stages; ``step`` closes
-the optimizer step at the accumulation boundary. ``train_batch`` (engine.py) is the fast path:
+the optimizer step at the accumulation boundary. ``train_batch`` (pipeline.py) is the fast path:
 all GAS micro-batches in one schedule, with identical gradients.
 """
 

@@ -22,14 +22,14 @@ What stays exact:
   of the last call, as DeepSpeed's: they finish run t first (a drain, so a logger that reads
   them every step loses the overlap); ``step_report()`` gives the newest finished step (t-1)
   without waiting, labelled with its step (rp-train's W&B rows and HF Trainer's fast path
-  read it that way: engine_api.py, integrations/hf.py).
+  read it that way: api.py, integrations/hf.py).
 - Everything that reads weights or needs a quiet pipeline drains first (finishes the run in
   flight): ``synchronize()``, ``engine.module``, checkpoints, eval, the imperative
   forward/backward/step loop and ``destroy()``.
 
 - Non-finite steps (``roundpipe.on_nonfinite`` "raise", the default, or "skip"): the boundary
   is applied in flight
-  (engine_boundary.py). A non-finite loss is known at once (skipped, raised from the same
+  (boundary.py). A non-finite loss is known at once (skipped, raised from the same
   call, as drained); a non-finite gradient norm is known when the step closes, and the schedule
   and counters are put back to where DeepSpeed would have them; "raise" then raises from the
   next call.
@@ -40,7 +40,7 @@ What stays exact:
 Not overlapped (each ``train_batch`` drains, as before): profiling iterations (the re-plan reads
 their timing), a scheduler that cannot be restored where steps can be skipped, a model with
 dropout on CPU devices (their dropout draws from torch's one CPU generator, which the caller's
-code between calls shares: engine.py), and ``roundpipe.overlap_iterations: false``. On GPUs the
+code between calls shares: core.py), and ``roundpipe.overlap_iterations: false``. On GPUs the
 run in flight draws its dropout masks from each training GPU's default generator: random
 numbers the caller draws between calls should come from the CPU or its own ``torch.Generator``.
 
@@ -181,7 +181,7 @@ class PipelinedIterations:
         profile = self.planner.profile_left > 0
         if self._overlap and not profile:
             # two open steps from here on, which the step journal's undo does not cover (it was
-            # not asked for explicitly: engine.py); the imperative loop alone keeps it
+            # not asked for explicitly: core.py); the imperative loop alone keeps it
             self.stepper.journal = None
             losses = self._issue_step(batches, gas)
         else:
@@ -230,7 +230,7 @@ class PipelinedIterations:
             self._abort_pipeline()
             raise
         # DeepSpeed's counters and LR schedule at the boundary, applied in flight: the step
-        # closes when its run is finished, by the next call (engine_boundary.py)
+        # closes when its run is finished, by the next call (boundary.py)
         self._guard.observe(losses, self.micro_steps, gas)
         current.skip = self._guard.force_skip()
         if (self._guard.active or self.stepper.fp16) and not current.skip:

@@ -1,7 +1,7 @@
-"""checkpoint.py: DeepSpeed's ZeRO checkpoint layout, zero_to_fp32 compatibility, bit-exact
-resume, atomic writes, 16-bit export and the training data loader helpers.
+"""rp_engine/checkpoint/: DeepSpeed's ZeRO checkpoint layout, zero_to_fp32 compatibility,
+bit-exact resume, atomic writes, 16-bit export; and data.py's training data loader helpers.
 
-The engine here is a small stand-in exposing exactly what checkpoint.py reads (module, a real
+The engine here is a small stand-in exposing exactly what the checkpoint package reads (module, a real
 HostStore, a real HostOptimizer over torch AdamW, a DeepSpeed LR scheduler, a real synchronous
 OptimizerStepper, counters, a parsed DSConfig), so the tests stay fast and independent of the
 runtime. The real engine's save, zero_to_fp32 and resume are in test_resume.py.
@@ -71,7 +71,7 @@ class TinyLM(nn.Module):
 
 
 class FakeEngine:
-    """What checkpoint.py reads from a RoundPipeEngine, built from the real parts."""
+    """What the checkpoint package reads from a RoundPipeEngine, built from the real parts."""
 
     def __init__(
         self,

@@ -151,7 +151,7 @@ def test_failed_initialize_leaves_no_threads_behind() -> None:
 def test_a_multi_process_launch_without_its_rendezvous_variables_is_refused_clearly(
     monkeypatch,
 ) -> None:
-    # WORLD_SIZE > 1 means data parallel (tests/test_data_parallel.py); without RANK and the
+    # WORLD_SIZE > 1 means data parallel (tests/engine/test_data_parallel.py); without RANK and the
     # master address no process group can form: say which variables and how to launch.
     monkeypatch.setenv("WORLD_SIZE", "4")
     for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):

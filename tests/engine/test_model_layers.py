@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import models  # tests/ is on sys.path under pytest (rootdir layout without tests/__init__.py)
+import models  # tests/support is on pytest's pythonpath (pyproject.toml)
 import pytest
 import torch
 from torch import nn

@@ -1,7 +1,7 @@
 """Differential soak of overlapping iterations: a seeded random sequence of engine calls applied
 to two engines that differ only in ``roundpipe.overlap_iterations`` (true vs false, the drained
-control), compared after every call against the documented contract (engine_pipeline.py,
-engine_boundary.py):
+control), compared after every call against the documented contract (engine/pipeline.py,
+engine/boundary.py):
 
 * returned losses, eval losses and (after a drain) weights: bit-identical (NaN-aware);
 * counters, LR and loss scale: identical, except while the overlapped engine has a step in

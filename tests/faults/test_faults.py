@@ -7,8 +7,8 @@
   goes on (optim/step_journal.py).
 - ``initialize`` refuses a host that would run out of memory (host_preflight.py).
 - kill -9 during ``save_checkpoint`` leaves the previous checkpoint loadable (the child process
-  is tests/fault_child.py).
-(SIGTERM/Ctrl-C in rp-train: tests/test_cli_train.py::test_signal_saves_a_checkpoint_*.)
+  is tests/support/fault_child.py).
+(SIGTERM/Ctrl-C in rp-train: tests/engine/test_cli_train.py::test_signal_saves_a_checkpoint_*.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Loading a checkpoint never runs code from it (rp_engine/safe_load.py).
+"""Loading a checkpoint never runs code from it (rp_engine/checkpoint/safe_load.py).
 
 - A checkpoint whose file was re-saved with an object whose ``__reduce__`` calls ``os.mkdir``
   (harmless stand-in for ``os.system``) is refused before unpickling: the directory is not

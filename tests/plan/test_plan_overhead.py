@@ -1,6 +1,6 @@
 """The simulator's per-action host overhead (``Machine.action_overhead_ms``) and the runtime's
 host-resident activation inputs (the stash of a backward stage's input): charged where the
-runtime pays them, as documented in rp_engine/plan/simulate.py."""
+runtime pays them, as documented in rp_engine/plan/simulate/."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 2, **OFFLOAD_OPT},
     },
-    # Discovery only (rp_engine writes stage 0 differently: see checkpoint.py).
+    # Discovery only (rp_engine writes stage 0 differently: see rp_engine/checkpoint/).
     "zero0": {"optimizer": TORCH_ADAMW, "zero_optimization": {"stage": 0}},
     "zero3_bf16": {
         "optimizer": TORCH_ADAMW,
