@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_fixtures import DS_CONFIGS, _fixture
 from models import random_batch, tiny_qwen3
-from test_config import DS_CONFIGS, _fixture
 
 import rp_engine
 from rp_engine.config import hf_auto_values

@@ -399,7 +399,9 @@ print("PIPELINE-OK", sorted(want))
 def test_pipeline_module_in_one_gloo_process() -> None:
     # A subprocess, so the process group and DeepSpeed's comm globals do not leak into other tests.
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests" / "support")]))
+    here = Path(__file__).resolve().parent  # the script imports this module's helpers
+    paths = [root, root / "tests" / "support", here]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in paths))
     env.setdefault(
         "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rp_engine" / "torch_extensions")
     )

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from config_fixtures import DS_CONFIGS, _fixture
 
 from rp_engine.config import (
     DSConfig,
@@ -19,29 +20,6 @@ from rp_engine.config import (
     load_config,
     resolve_config_arg,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-DS_CONFIGS = REPO / "ds_configs"
-
-
-def _fixtures_dir() -> Path | None:
-    here = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "ds_configs"
-    if here.is_dir():
-        return here
-    env = os.environ.get("RP_SHARED_DIR")
-    if env and (Path(env) / "fixtures" / "ds_configs").is_dir():
-        return Path(env) / "fixtures" / "ds_configs"
-    return None
-
-
-def _fixture(name: str) -> Path:
-    root = _fixtures_dir()
-    if root is None:
-        pytest.skip(
-            "shared fixtures not found: expected ../shared/fixtures/ds_configs next to the repo "
-            "or RP_SHARED_DIR=<shared dir>"
-        )
-    return root / name
 
 
 def cfg(**extra: Any) -> dict[str, Any]:

@@ -282,6 +282,7 @@ def test_main_guards_and_relative_imports_count() -> None:
         ("rp_engine.device.cpu", "from rp_engine.model.base import State\n", "above it"),
         ("rp_engine.plan.costs", "from rp_engine.config import DSConfig\n", "above it"),
     ],
+    ids=["config-only-the-registry", "device-only-torch", "plan-nothing-of-ours"],
 )
 def test_design_rules_of_the_bottom_layers(module: str, source: str, rule: str) -> None:
     (message,) = layer_violations(_fake({module: source}))
