@@ -12,9 +12,8 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: train test test-fast lint install
 
-# Pure functions and small units, seconds each: run these while editing.
-FAST_TESTS := $(filter-out tests/test_plan_executed.py,$(wildcard tests/test_plan_*.py)) \
-	tests/test_config.py tests/test_counters.py tests/test_device_cpu.py tests/test_optim_units.py
+# Pure functions and small units, seconds each: run these while editing (the tiers: README.md).
+FAST_TESTS := tests/plan tests/unit
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks.shapes import SHAPES, zero_infinity_tps
 from rp_engine.plan import schedules
 from rp_engine.plan.partition import LayerCosts
 from rp_engine.plan.simulate import Machine, simulate
@@ -319,8 +320,6 @@ def gpu_point() -> list[dict[str, Any]]:
     """Predicted vs measured on the H200 (one device, GAS 4, 24 GB budget). The runs clipped
     at 1.0, so rp_engine's plans are simulated with clipping's step barrier (``global_norm``);
     DeepSpeed's closed form already steps after every gradient."""
-    from benchmarks.projection import SHAPES, zero_infinity_tps
-
     g = H200
     n_layers, tokens = g["layers"], g["gas"] * g["mbs"] * g["seq"]
     costs = LayerCosts(

@@ -5,7 +5,7 @@
 Each repetition runs one process on the whole global batch (GAS 4; with 1 and with 2 torch
 threads), then ``torchrun --nproc_per_node 2`` with GAS 2 per rank (the same global batch, 1
 thread each), alternating, all through
-``tests/dp_run.py`` (tiny Qwen3, async CPU Adam, one CPU virtual device per process). Reported: median step time after the first two steps, tokens/s per process
+``tests/support/dp_run.py`` (tiny Qwen3, async CPU Adam, one CPU virtual device per process). Reported: median step time after the first two steps, tokens/s per process
 and in total. The two ranks share this machine's cores, so this measures the data-parallel
 overhead (reduce + broadcast + ordering), not a multi-node speed-up.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
+TESTS = ROOT / "tests" / "support"  # dp_run.py and its helpers
 
 
 def run(spec: dict[str, Any], nproc: int, threads: int = 1) -> dict[str, Any]:

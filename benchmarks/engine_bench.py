@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR",
     os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions"),
@@ -38,7 +38,7 @@ os.environ.setdefault(
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import rp_engine  # noqa: E402
-from rp_engine.cli import batches, build_tiny_model, stdlib_corpus  # noqa: E402
+from rp_engine.train.cli import batches, build_tiny_model, stdlib_corpus  # noqa: E402
 
 
 def _cfg(devices: str, *, gas: int = 4, mbs: int = 4, **rp: Any) -> dict[str, Any]:

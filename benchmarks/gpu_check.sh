@@ -22,7 +22,7 @@
 #                   timelines), h2h_children.err (every system's stderr), rp_train.{json,err}
 #
 # GPU_CHECK_DRY=1 runs the same legs on CPU: no wheels, the "tiny" model on cpu:2 virtual
-# devices, the CUDA tests collected and skipped; tests/test_gpu_check.py runs it in CI.
+# devices, the CUDA tests collected and skipped; tests/bench/test_gpu_check.py runs it in CI.
 #
 # The device machine (Python 3.12, torch with CUDA, transformers 5.17, no network) lacks
 # deepspeed, hjson, pydantic and transformers 5.24. Carry them as wheels built for ITS Python and
@@ -88,8 +88,8 @@ torch.version.cuda, transformers.__version__, deepspeed.__version__)" | tee "$wo
     pack
 
     echo "== 1. CUDA tests ($SECONDS s)"
-    timeout 240 "$py" -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_device_cuda.py \
-        tests/test_engine_cuda.py tests/test_device_grad_norm.py 2>&1 | tee "$work/gpu_tests.log"
+    timeout 240 "$py" -m pytest -q -ra -p no:cacheprovider -m gpu tests/unit/test_device_cuda.py \
+        tests/engine/test_engine_cuda.py tests/engine/test_device_grad_norm.py 2>&1 | tee "$work/gpu_tests.log"
     local tests_rc=$?
     echo "gpu_check: tests rc=$tests_rc"
     pack
@@ -105,7 +105,7 @@ torch.version.cuda, transformers.__version__, deepspeed.__version__)" | tee "$wo
 
     if ((SECONDS < budget_s - 60)); then
         echo "== 3. rp-train, a few steps ($SECONDS s)"
-        timeout 60 "$py" -m rp_engine.cli --devices "$devices" --steps 4 --no-wandb --no-save \
+        timeout 60 "$py" -m rp_engine.train.cli --devices "$devices" --steps 4 --no-wandb --no-save \
             --no-preflight --eval-split 0 --out "$work/rp_train" --json \
             >"$work/rp_train.json" 2>"$work/rp_train.err"
         local train_rc=$?

@@ -1,12 +1,12 @@
 """Trainer + DeepSpeed ZeRO-Infinity vs Trainer + rp_engine (``hf.enable()``), same config.
 
 Each system trains the same Qwen3 with ``transformers.Trainer`` and the shared all-"auto"
-ZeRO-Infinity config, in its own subprocess (``tests/hf_trainer_run.py``); the figure is
+ZeRO-Infinity config, in its own subprocess (``tests/support/hf_trainer_run.py``); the figure is
 Trainer's own ``train_runtime`` (the training loop, not process start or model build), printed
 as a side-by-side ratio. rp_engine runs plain ``Trainer`` and ``RoundPipeTrainer`` (the
 ``train_batch`` fast path), sync optimizer (DeepSpeed's numbers) and async.
 
-``--trl``: TRL's ``SFTTrainer`` instead (``tests/hf_trl_run.py``: prompt/completion rows, the
+``--trl``: TRL's ``SFTTrainer`` instead (``tests/support/hf_trl_run.py``: prompt/completion rows, the
 fused LM head), plain SFTTrainer on both sides; also Trainer's ``eval_runtime`` (rp_engine:
 evaluation through the engine).
 
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
+TESTS = ROOT / "tests" / "support"  # the Trainer/TRL children and their helpers
 SHARED = Path(os.environ.get("RP_SHARED_DIR", ROOT.parent / "shared"))
 FIXTURE = SHARED / "fixtures" / "ds_configs" / "hf_zero3_offload_auto.json"
 

@@ -34,8 +34,8 @@ os.environ.setdefault(
     os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions"),
 )
 
-from tests.engine_helpers import config, engine_for  # noqa: E402
-from tests.models import random_batch, tiny_qwen3  # noqa: E402
+from tests.support.engine_helpers import config, engine_for  # noqa: E402
+from tests.support.models import random_batch, tiny_qwen3  # noqa: E402
 
 
 def _engine(model: Any = None, **kw: Any) -> Any:

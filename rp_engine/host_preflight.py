@@ -28,9 +28,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from rp_engine.train.preflight import PreflightError, available_bytes, format_bytes
+__all__ = ["PreflightError", "HostNeed", "host_need", "check_initialize", "available_bytes"]
 
-__all__ = ["HostNeed", "host_need", "check_initialize", "available_bytes"]
+
+class PreflightError(RuntimeError):
+    """The run cannot fit; the message has the needed and available bytes and what to change."""
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as GiB (from 1 GiB on) or MiB, for preflight messages."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def available_bytes() -> int:
+    """Host memory the OS can give without swapping (psutil's ``available``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ Those libraries build the DeepSpeed engine themselves: Accelerate's ``_prepare_d
   (:func:`_patch_trainer_eval`).
 
 TRL's ``SFTTrainer`` calls the engine with ``fused_lm_head=True``: the engine returns TRL's
-``FusedCausalLMOutput`` computed by its own chunked head (``fused_lm_head.py``).
+``FusedCausalLMOutput`` computed by its own chunked head (``engine/fused_lm_head.py``).
 
 The engine handed back is a :class:`DeepSpeedEngineAdapter`: a real subclass of DeepSpeed's
 ``DeepSpeedEngine`` (so Accelerate's ``isinstance(model, DeepSpeedEngine)`` unwrapping holds) whose

@@ -10,7 +10,7 @@ gradient norm:
   (``train_batch()`` or ``step()``) raises :class:`NonFiniteError` naming the step and the
   micro-batch(es). The engine stays usable: the next step starts clean. With overlapping
   iterations two skipped steps can come due at one call (one skipped late, the next for its
-  loss: engine_boundary.py); that call raises one error naming both, none is dropped.
+  loss: engine/boundary.py); that call raises one error naming both, none is dropped.
 * ``"skip"``: the same skip, with a warning instead of an error.
 * ``"ignore"``: the step is applied whatever its numbers (DeepSpeed's bf16/fp32 behaviour).
 
@@ -66,7 +66,7 @@ class NonFiniteGuard:
 
     def conclude(self, step: int, result: StepResult | None) -> None:
         """Judge step ``step`` (its result from the stepper; None while its run is in flight,
-        engine_boundary.py): warn ("skip") or keep the error for :meth:`raise_failed`
+        engine/boundary.py): warn ("skip") or keep the error for :meth:`raise_failed`
         ("raise"). Clears the window."""
         bad, self._bad = self._bad, []
         if not self.active:

@@ -1,13 +1,14 @@
 """Pure-Python planning layer: plans as data (no torch anywhere in this package).
 
-Submodules, in import order (each imports only earlier ones; tests/test_plan_imports.py checks
-it): ``actions`` (Action, Plan, text form), ``costs`` (LayerCosts, StageCosts, what a slot holds),
-``memory`` (what a device holds over a plan), ``lower`` (transfers and optimizer steps),
+Submodules, in import order (each imports only earlier ones; tests/plan/test_plan_imports.py
+checks it): ``actions`` (Action, Plan, text form), ``costs`` (LayerCosts, StageCosts, what a slot
+holds), ``memory`` (what a device holds over a plan), ``lower`` (transfers and optimizer steps),
 ``validate``, ``schedules`` (RoundPipe, Mobius and the classic baselines; the registry
-``SCHEDULES``), ``simulate`` (discrete-event simulator), ``partition`` (costs -> asymmetric cuts),
-``render`` (text grid, Chrome trace, PNG) and ``cli`` (``python -m rp_engine.plan.simulate``).
-The names below are resolved lazily (PEP 562) so importing the package does no work and
-``rp_engine.plan.partition`` / ``.simulate`` stay the submodules.
+``SCHEDULES``), ``simulate`` (discrete-event simulator, a subpackage), ``partition`` (costs ->
+asymmetric cuts), ``render`` (text grid, Chrome trace, PNG) and ``cli`` (``python -m
+rp_engine.plan.simulate``, which runs simulate/__main__.py). The names below are resolved lazily
+(PEP 562) so importing the package does no work and ``rp_engine.plan.partition`` /
+``.simulate`` stay the submodules.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns ``Op``, ``Action`` (text form ``F3.1@2``: op, stage, micro-batch, device; ``#1`` suffix for
 iteration 1; ``@h`` for the host), ``Plan`` (a global issue order plus metadata), the data-flow
 rules that derive every action's dependencies (``Plan.deps``), the device x step grid used by
-golden files and error messages, and ``PlanError``. No torch, no timing: see simulate.py.
+golden files and error messages, and ``PlanError``. No torch, no timing: see simulate/.
 
 Stage numbering (shared with the runtime). The model is L decoder layers plus a prefix (in forward
 stage 0) and a head. Forward stage s covers ``fwd_cuts[s]`` layers, in order. Backward stage 0

@@ -5,7 +5,7 @@ Owns ``LayerCosts`` (per-layer time and memory, from profiling or a COSTS.json),
 holds on a device while it computes (its weights, its gradient buffers when it is a backward
 slot, and its working set). The partitioner's memory check, ``StageCosts`` and through it the
 device walks of ``memory.py`` (validate, the simulator) all count a slot with this one rule.
-No timing model here: see simulate.py.
+No timing model here: see simulate/.
 """
 
 from __future__ import annotations

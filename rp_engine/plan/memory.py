@@ -31,7 +31,7 @@ frees without a download on the compute stream, right after their group; frees a
 download in issue order on the download stream).
 
 Iterations overlap: ``train_batch`` t+1 issues its run while run t's backward tail, gradient
-downloads and FREEs are still in flight (engine_pipeline.py). The executor continues the
+downloads and FREEs are still in flight (engine/pipeline.py). The executor continues the
 round-robin across the two runs as one plan would: run t+1's first UPLOADs on a device wait for
 run t's last FREEs there, with the prefetch depth's rule (``weight_holdings`` of the two runs
 back to back; runtime/executor.py), and its first inputs arrive no earlier than the run t

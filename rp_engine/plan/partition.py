@@ -3,7 +3,7 @@
 Owns ``Partition`` and ``partition()``: forward and
 backward cuts chosen separately, the LM-head stage filled first, by the O(L^3) search of the
 RoundPipe paper (section 4.4) followed by a small local refinement, every candidate scored by
-the timing model of simulate.py. ``balanced_stage_layers`` cuts bound (symmetric) stages.
+the timing model of simulate/. ``balanced_stage_layers`` cuts bound (symmetric) stages.
 
 Search, for L layers:
   1. candidate caps t = every contiguous sum of forward times, of backward (recompute + backward)

@@ -13,7 +13,7 @@ Activations follow the runtime's rules for each micro-batch, which this module s
 - the gradient flowing into a backward stage from another device crosses through the host:
   ``boundary_grad_bytes`` (default ``boundary_bytes``) each way.
 
-``tests/test_plan_executed.py`` checks these counts against the bytes the devices measure.
+``tests/engine/test_plan_executed.py`` checks these counts against the bytes the devices measure.
 """
 
 from __future__ import annotations

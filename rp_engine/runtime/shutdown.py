@@ -41,7 +41,7 @@ def watch(
 ) -> weakref.finalize:
     """Shut ``stepper`` and ``pool`` down when ``engine`` is collected or the process exits;
     call the returned finaliser to do it now (idempotent: it runs at most once). ``inflight``
-    (engine_pipeline.InFlightBox): a training run still in flight is finished and its step
+    (engine.pipeline.InFlightBox): a training run still in flight is finished and its step
     applied first."""
     return weakref.finalize(engine, shutdown, stepper, pool, inflight)
 

@@ -1,2 +1,2 @@
-"""The pieces of ``rp-train`` (rp_engine/cli.py): models and presets, data loading and packing,
+"""The pieces of ``rp-train`` (train/cli.py): models and presets, data loading and packing,
 the run folder, the W&B/tqdm tracker and the memory preflight / plan preview."""

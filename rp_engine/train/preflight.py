@@ -19,6 +19,9 @@ from typing import Any
 
 from torch import nn
 
+# the error and the two helpers initialize's own check uses too (host_preflight.py, one layer down)
+from rp_engine.host_preflight import PreflightError, available_bytes, format_bytes
+
 __all__ = [
     "PreflightError",
     "HostEstimate",
@@ -27,10 +30,6 @@ __all__ = [
     "check_host",
     "plan_preview",
 ]
-
-
-class PreflightError(RuntimeError):
-    """The run cannot fit; the message has the needed and available bytes and what to change."""
 
 
 @dataclass(frozen=True)
@@ -86,18 +85,6 @@ class HostEstimate:
             f"  activations            {format_bytes(self.activations)}",
             f"  CPU device copies      {format_bytes(self.device_copies)}",
         ]
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes as GiB (from 1 GiB on) or MiB, for preflight messages."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def available_bytes() -> int:
-    """Host memory the OS can give without swapping (psutil's ``available``)."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def estimate_host(

@@ -1,0 +1,343 @@
+"""DeepSpeed's engine surface that is pure bookkeeping: counters, accessors, checkpoint doors.
+
+``DeepSpeedAccessors`` is mixed into ``RoundPipeEngine`` so core.py reads as the list of parts
+it composes. Everything here is a one-liner over state the engine owns: the parsed config, the
+``StepCounters``, the optimizer, the last step's result and stats, and the module. Checkpoint
+files are written and read by rp_engine/checkpoint/ (imported on first use: it pulls in DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rp_engine.runtime.counters import StepCounters
+
+if TYPE_CHECKING:
+    import weakref
+
+    from torch import nn
+
+    from rp_engine.config import DSConfig
+    from rp_engine.optim.optimizer import HostOptimizer
+    from rp_engine.optim.stepper import OptimizerStepper, StepResult
+    from rp_engine.runtime.executor import RunStats, TimelineRecord
+
+__all__ = ["DeepSpeedAccessors", "StepReport"]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One finished optimizer step, as ``engine.step_report()`` gives it (no waiting)."""
+
+    step: int  # its global_steps number
+    grad_norm: float | None  # get_global_grad_norm() of that step
+    stats: dict[str, Any]  # last_step_stats() of that step
+    timeline: list[TimelineRecord]  # last_timeline() of that step
+
+
+log = logging.getLogger("rp_engine")
+
+
+def _counter(name: str) -> property:
+    """A DeepSpeed counter attribute (``engine.global_steps``...) backed by StepCounters."""
+
+    def get(self: DeepSpeedAccessors) -> int:
+        return int(getattr(self._counters, name))
+
+    def set_(self: DeepSpeedAccessors, value: int) -> None:  # checkpoint loading sets them
+        setattr(self._counters, name, value)
+
+    return property(get, set_, doc=f"DeepSpeed's ``{name}`` counter.")
+
+
+class DeepSpeedAccessors:
+    """Accessors of ``deepspeed.DeepSpeedEngine`` over the engine's own state."""
+
+    _config: DSConfig
+    _counters: StepCounters
+    _module: nn.Module
+    _last: StepResult | None
+    _step_stats: RunStats | None
+    _timeline: list[TimelineRecord]
+    optimizer: HostOptimizer
+    stepper: OptimizerStepper
+    training: bool
+    _published_step = 0  # global_steps when the newest weights were last published
+    _stale_noted = False
+    mp_world_size = 1
+    _finalizer: weakref.finalize
+
+    micro_steps = _counter("micro_steps")
+    global_steps = _counter("global_steps")
+    global_samples = _counter("global_samples")
+    skipped_steps = _counter("skipped_steps")
+
+    # --- data parallel (distributed.py; one process per node drives every local device) ------
+    @property
+    def dp_world_size(self) -> int:
+        dp = self.stepper.dp
+        return dp.world if dp is not None else 1
+
+    world_size = dp_world_size
+
+    @property
+    def global_rank(self) -> int:
+        dp = self.stepper.dp
+        return dp.rank if dp is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0") or 0) if self.stepper.dp is not None else 0
+
+    def _dp_mean(self, value: float) -> float:
+        """``value`` averaged over the data-parallel ranks (DeepSpeed's pipeline engine returns
+        the loss of ``train_batch`` so)."""
+        dp = self.stepper.dp
+        return dp.mean(value) if dp is not None else value
+
+    def _drain_pipeline(self) -> None:
+        """Finish a training run still in flight (pipeline.py overrides it)."""
+
+    def synchronize(self) -> None:
+        """Finish the run and the optimizer steps in flight and publish the newest weights to
+        the module."""
+        self._drain_pipeline()
+        self.stepper.synchronize()
+        self._published_step = self.global_steps
+
+    @property
+    def module(self) -> nn.Module:
+        """The model handed to ``initialize``, holding the newest weights.
+
+        In async mode (or with overlapping iterations) the last optimizer step is still running
+        when a training call returns (the model shows an earlier step); reading
+        ``engine.module`` (or an attribute that falls through to it) then waits for that step
+        and publishes it, as ``synchronize()`` does.
+        """
+        stale = self.stepper.async_mode or getattr(self, "_inflight", None) is not None
+        if stale and self._published_step != self.global_steps:
+            if self._finalizer.alive:  # after destroy() the weights are already the newest
+                self.synchronize()
+        return self._module
+
+    def _note_stale_model(self) -> None:
+        """Once, at the first async step: say how to read the model object itself."""
+        if self._stale_noted or not self.stepper.async_mode:
+            return
+        self._stale_noted = True
+        log.warning(
+            "async_optimizer: each optimizer step finishes in the background while the next "
+            "iteration runs, so the model object passed to initialize lags one step behind "
+            "during training. Read it through engine.module (which waits for the step), or call "
+            "engine.synchronize() before using the model object directly (save_pretrained, "
+            "state_dict, evaluation)."
+        )
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The module's Parameter objects, without draining the optimizer (training loops such
+        as Hugging Face Trainer's ask for them every step; their values are the last published
+        ones: read ``engine.module`` for the newest)."""
+        return self._module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As :meth:`parameters`, with names."""
+        return self._module.named_parameters(*args, **kwargs)
+
+    # --- counters and the boundary -------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self._counters.is_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._counters.boundary_override = is_boundary
+
+    def was_step_applied(self) -> bool:
+        return self._counters.step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last optimizer step's global gradient norm (unscaled, before clipping), as
+        DeepSpeed's. With that step still in flight (overlapping ``train_batch`` calls) this
+        finishes it first, a drain: read it at logging intervals, or use ``step_report()``."""
+        self._drain_pipeline()
+        return None if self._last is None else self._last.grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    # --- config -----------------------------------------------------------------------------------
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        return (
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+        )
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero.stage
+
+    # --- modes --------------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> Any:
+        self._module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self) -> Any:
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        """DeepSpeed clears gradients itself after each step; accumulation buffers live on the
+        host and are cleared by the optimizer step, so this is a no-op between micro-batches."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    # --- what the last step did ------------------------------------------------------------------
+    def last_step_stats(self) -> dict[str, Any]:
+        """What the last optimizer step moved and computed, measured by the devices: bytes
+        each way (all, weights, gradients, activations), weight uploads, wall seconds of its
+        runs, and per device the compute busy seconds (CUDA: timing events on the compute
+        stream) and busy fraction. Empty before the first step. Finishes a step in flight
+        first, as ``get_global_grad_norm()`` does."""
+        self._drain_pipeline()
+        return self._stats_dict()
+
+    def last_timeline(self) -> list[TimelineRecord]:
+        """Every stream's spans of the last run: device, action text, start/end s, stream.
+        Finishes a step in flight first, as ``get_global_grad_norm()`` does."""
+        self._drain_pipeline()
+        return list(self._timeline)
+
+    def step_report(self) -> StepReport | None:
+        """The newest *finished* step's norm, stats and timeline, without waiting: with
+        overlapping iterations that is the step before the last call's (``report.step`` says
+        which), so a logger can label it right and keep the overlap. None before the first."""
+        last = self._last
+        if last is None:
+            return None
+        return StepReport(last.step, last.grad_norm, self._stats_dict(), list(self._timeline))
+
+    def _stats_dict(self) -> dict[str, Any]:
+        st = self._step_stats
+        if st is None:
+            return {}
+        return {
+            "h2d_bytes": st.h2d_bytes,
+            "d2h_bytes": st.d2h_bytes,
+            "weight_h2d_bytes": st.weight_h2d_bytes,
+            "grad_d2h_bytes": st.grad_d2h_bytes,
+            "activation_bytes": st.activation_bytes,
+            "uploads": st.uploads,
+            "downloads": st.downloads,
+            "seconds": st.seconds,
+            "busy_s": dict(st.busy_s),
+            "busy_fraction": {
+                d: (b / st.seconds if st.seconds > 0 else 0.0) for d, b in st.busy_s.items()
+            },
+        }
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+    ) -> bool:  # fmt: skip
+        self.synchronize()
+        dp = self.stepper.dp
+        # data parallel: rank 0 writes the whole state (the one-process layout, any world size
+        # loads it), the owners' optimizer shards gathered onto it for the write
+        writes = dp is None or dp.gather_state(self.optimizer)
+        ok = False
+        try:
+            if writes:
+                _ckpt().save(
+                    self, save_dir, tag=tag, client_state=client_state or {},
+                    save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
+                )  # fmt: skip
+            ok = True
+        finally:
+            if dp is not None:
+                dp.drop_foreign_state(self.optimizer)
+                dp.all_ok(ok, "save_checkpoint")
+        return True
+
+    def load_checkpoint(
+        self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False, custom_load_fn: Any = None, *,
+        trust_checkpoint: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
+        """DeepSpeed's load_checkpoint. Files load with ``weights_only=True`` (DeepSpeed-written
+        ones too, through an allowlist of its classes); a file holding any other Python global is
+        refused unless ``trust_checkpoint=True``, which unpickles it fully (only for files you
+        trust: unpickling can run code)."""
+        self.synchronize()
+        loaded = _ckpt().load(
+            self, load_dir, tag=tag, strict=load_module_strict,
+            optimizer_states=load_optimizer_states and not load_module_only,
+            scheduler_states=load_lr_scheduler_states and not load_module_only,
+            module_only=load_module_only, trust=trust_checkpoint,
+        )  # fmt: skip
+        if self.stepper.dp is not None:  # any world size: keep the state of the owned layers
+            self.stepper.dp.drop_foreign_state(self.optimizer)
+        return loaded
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        self.synchronize()
+        return _ckpt().save_16bit(
+            self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters
+        )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's flag (``stage3_gather_16bit_weights_on_model_save``), which Hugging Face
+        reads to choose between saving model files and a full checkpoint. The weights here are
+        never partitioned, so either way costs no gather."""
+        return self._config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The module's whole state_dict in the compute dtype, newest weights (DeepSpeed's
+        ZeRO-3 gather; Hugging Face's save path calls it)."""
+        self.synchronize()
+        state = self._module.state_dict()
+        if exclude_frozen_parameters:
+            for name, p in self._module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad:
+                    state.pop(name, None)
+        return state
+
+
+def _ckpt() -> Any:
+    # Imported on first use: checkpointing pulls in DeepSpeed's modules, which cost seconds.
+    from rp_engine import checkpoint
+
+    return checkpoint

@@ -1,0 +1,300 @@
+"""RoundPipeEngine: DeepSpeed's engine API over the RoundPipe runtime. It wires, it holds no algorithm.
+
+Parts, each owned elsewhere::
+
+    config.DSConfig --> Planner (cuts, plans)        --> Executor (runs plans on the DevicePool)
+    model --> LayerSequence --> HostStore (weights, masters, grads, versions) <-- OptimizerStepper
+    optimizer: HostOptimizer (DeepSpeedCPUAdam kernel per layer), LR scheduler, LossScaler
+    checkpoint/ (DeepSpeed layout), monitor.py (W&B / CSV)
+
+Two ways to train, with identical gradients:
+- ``loss = engine(batch); engine.backward(loss); engine.step()`` (DeepSpeed's loop; one
+  micro-batch at a time, ``step()`` after every micro-batch, boundary every GAS micro-batches);
+- ``loss = engine.train_batch(data_iter)`` (PipelineEngine API; all GAS micro-batches in one
+  RoundPipe schedule: the fast path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from rp_engine.config import DSConfig
+from rp_engine.data import DataFeed, build_dataloader
+from rp_engine.device import make_devices
+from rp_engine.device.cuda import pin as cuda_pin
+from rp_engine.device.cuda import pinned_empty
+from rp_engine.distributed import data_parallel
+from rp_engine.engine.api import DeepSpeedAccessors
+from rp_engine.engine.boundary import OptimizerBoundary, boundary_in_flight_ok
+from rp_engine.engine.loop import FORWARD_OPS, ImperativeLoop
+from rp_engine.engine.pipeline import InFlightBox, PipelinedIterations
+from rp_engine.model.batches import BatchAdapter, compute_dtype
+from rp_engine.model.host_store import HostStore
+from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
+from rp_engine.monitor import Monitor
+from rp_engine.optim.build import build_optimizer, build_scheduler
+from rp_engine.optim.nonfinite import NonFiniteGuard
+from rp_engine.optim.stepper import OptimizerStepper, StepResult
+from rp_engine.plan.actions import Plan
+from rp_engine.plan.schedules import SCHEDULES
+from rp_engine.runtime.counters import StepCounters
+from rp_engine.runtime.executor import Executor, GradSink, RunSpec, RunStats, TimelineRecord
+from rp_engine.runtime.planning import ModelShape, Planner
+from rp_engine.runtime.shutdown import watch
+
+__all__ = ["RoundPipeEngine"]
+
+log = logging.getLogger("rp_engine")
+
+
+class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, DeepSpeedAccessors):
+    """Drop-in for ``deepspeed.DeepSpeedEngine`` (build it with ``rp_engine.initialize``); the
+    imperative loop is in loop.py, train_batch (overlapping iterations) in pipeline.py,
+    accessors and checkpoint doors in api.py, the optimizer boundary in boundary.py."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        config: DSConfig,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        training_data: Any = None,
+        collate_fn: Any = None,
+    ) -> None:
+        cfg, rp = config, config.roundpipe
+        self._config = cfg
+        self.config = dict(cfg.raw)
+        summary = cfg.offload_summary()
+        if summary:
+            log.info(summary)
+        # DeepSpeed casts the module at initialize; the host copy *is* the compute weights.
+        model.to(compute_dtype(cfg))
+        self._module = model  # read through the `module` property, which waits for the optimizer
+        budget = int(rp.device_memory_gb * 2**30) if rp.device_memory_gb else None
+        self.pool = make_devices(rp.devices, pcie_gbps=rp.pcie_gbps, capacity_bytes=budget)
+        try:
+            self._wire(cfg, model, optimizer, model_parameters, lr_scheduler, budget)
+            self.training_dataloader = (
+                None if training_data is None else build_dataloader(training_data, cfg, collate_fn)
+            )
+            self._feed = DataFeed(self.training_dataloader)
+            self.monitor = Monitor.from_config(cfg)
+        except BaseException:
+            # a bad model/config must not leave device or optimizer threads behind
+            if hasattr(self, "stepper"):
+                self.stepper.close()
+            self.pool.close()
+            raise
+        self._counters = StepCounters(cfg.gradient_accumulation_steps, cfg.train_batch_size)
+        self._last: StepResult | None = None
+        self._timeline: list[TimelineRecord] = []
+        self._stats_open = RunStats()  # runs of the optimizer step in progress
+        self._step_stats: RunStats | None = None
+        self.device = self.pool[0].torch_device
+        self.training = model.training
+        # Last: it also marks the engine as fully built (attribute fall-through needs that).
+        self._box = InFlightBox(self._guard)
+        self._finalizer = watch(self, stepper=self.stepper, pool=self.pool, inflight=self._box)
+
+    def _wire(
+        self, cfg: DSConfig, model: nn.Module, optimizer: Any, model_parameters: Any,
+        lr_scheduler: Any, budget: int | None,
+    ) -> None:  # fmt: skip
+        """Compose the parts: layers, host store, optimizer, stepper, planner, executor."""
+        rp = cfg.roundpipe
+        self.seq: LayerSequence = to_layers(
+            model, loss_fn=getattr(model, "loss_fn", None), head_chunk_tokens=rp.head_chunk_tokens
+        )
+        modules = list(self.seq.modules())
+        on_cuda = self.pool.kind == "cuda"
+        self.store = HostStore(
+            modules,
+            pin=cuda_pin if on_cuda else None,
+            alloc=pinned_empty if on_cuda else None,  # uninitialised: written before read
+        )
+        self.optimizer = build_optimizer(
+            cfg, self.store, model=model, client_optimizer=optimizer,
+            model_parameters=model_parameters, device_kind=self.pool.kind,
+        )  # fmt: skip
+        self.lr_scheduler = build_scheduler(cfg, self.optimizer, client_scheduler=lr_scheduler)
+        self.stepper = OptimizerStepper(
+            self.store,
+            self.optimizer,
+            clip=cfg.gradient_clipping,
+            # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
+            async_mode=rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only,
+            fp16=cfg.fp16.enabled,
+            guard_nonfinite=rp.on_nonfinite != "ignore",
+            dp=data_parallel(self.store),  # None in one process
+        )
+        self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
+        # overlap applies boundaries in flight (boundary.py); async overlap wants two
+        # weight versions at once, when host memory allows. Data parallel: collectives assume
+        # one open step; the step journal's undo likewise: it goes at the first overlapped
+        # train_batch (the imperative loop keeps it); an explicit "on" wins over overlap
+        can_skip = cfg.fp16.enabled or self._guard.active  # a step may close skipped, late
+        in_flight = boundary_in_flight_ok(self.lr_scheduler, can_skip=can_skip)
+        wanted = rp.overlap_iterations is not False
+        # CPU devices draw dropout masks from torch's one CPU generator, which the caller's code
+        # uses between train_batch calls (a shuffling sampler's seed, torch.randint batches): a
+        # run in flight would race with it (its backward's recomputed masks differ from its
+        # forward's, and the caller's stream is rewound by the scope's restore), so it drains
+        self._dropout = uses_dropout(model)  # the executor seeds each layer's RNG then
+        shared_rng = self.pool.kind == "cpu" and self._dropout
+        self._overlap = (
+            wanted and in_flight and not shared_rng and self.stepper.dp is None
+            and rp.step_journal != "on"
+        )  # fmt: skip
+        if self.stepper.dp is not None:
+            self.stepper.journal = None
+        if self._overlap and self.stepper.async_mode:
+            self.store.double_buffer_weights()
+        self.planner = Planner(
+            ModelShape.from_sequence(self.seq, self.store),
+            num_devices=len(self.pool),
+            num_microbatches=cfg.gradient_accumulation_steps,
+            schedule=rp.schedule,
+            fwd_cuts=rp.fwd_cuts,
+            bwd_cuts=rp.bwd_cuts,
+            memory_budget_bytes=budget,
+            profile_iterations=rp.profile_iterations,
+            async_optimizer=self.stepper.async_mode,
+            round_size=rp.round_size,
+            link_gbps=rp.pcie_gbps,
+            overlap_iterations=self._overlap,  # memory validated with two runs in flight
+        )
+        self._executor = self._make_executor()
+        self._batches = BatchAdapter(self.seq, compute_dtype(cfg), pin=self.pool.kind == "cuda")
+
+    def _make_executor(self) -> Executor:
+        return Executor(
+            modules=list(self.seq.modules()),
+            stages=self.planner.stages,
+            devices=list(self.pool.devices),
+            sink=GradSink(
+                self.store,
+                wait_free=lambda layer, step: self.stepper.wait_grads_free(layer, step),
+                is_free=lambda layer, step: self.stepper.grads_free(layer, step),
+                ready=lambda layer, step: self.stepper.layer_ready(layer, step),
+            ),
+            seed=self._config.roundpipe.seed,
+            use_rng=self._dropout,
+        )
+
+    # --- PipelineEngine API (train_batch: pipeline.py) ----------------------------------------
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> Any:
+        """Forward only over ``num_micro_batches`` (default GAS) micro-batches; mean loss."""
+        if return_logits or not compute_loss:
+            raise NotImplementedError(
+                "eval_batch computes the loss in the fused LM head; logits are never materialised "
+                "(use return_logits=False, compute_loss=True)"
+            )
+        n = num_micro_batches or self.gradient_accumulation_steps()
+        batches = [self._batch_of((b,), {}) for b in self._feed.take(data_iter, n)]
+        was_training = self._module.training
+        self.eval()
+        try:
+            losses = self._eval_run(batches).losses
+        finally:
+            self.train(was_training)
+        if reduce_output is None:
+            return [torch.tensor(x) for x in losses]
+        return torch.tensor(self._dp_mean(sum(losses) / len(losses)))  # mean over dp ranks too
+
+    # --- internals ------------------------------------------------------------------------------
+    def _run(
+        self, plan: Plan, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
+    ) -> Any:
+        self._drain_pipeline()
+        if closes_step:
+            self.stepper.open_step(step)
+        spec = RunSpec(
+            plan=plan,
+            batches=batches,
+            version=self.stepper.required_version(step),
+            step=step,
+            closes_step=closes_step,
+            microbatch_offset=self.micro_steps,
+            **kw,
+        )
+        try:
+            result = self._executor.run(spec)
+        except BaseException:
+            # Nothing half-done survives a failed run: this step's gradients are dropped (the
+            # weights are untouched), so the next call starts clean.
+            self._abort_step()
+            raise
+        self._guard.observe(result.losses, self.micro_steps, self.gradient_accumulation_steps())
+        if closes_step:
+            self._last = self.stepper.close_step(step=step, skip=self._guard.force_skip())
+        self._timeline = result.timeline
+        self._stats_open.add(result.stats)
+        if closes_step:
+            self._step_stats, self._stats_open = self._stats_open, RunStats()
+            self.monitor.write_step_stats(self._stats_dict(), self.global_samples)
+        return result
+
+    def _abort_step(self) -> None:
+        with contextlib.suppress(Exception):  # the run's own error is the one to report
+            self.stepper.wait_all()
+        self.stepper.abandon_step()
+        self.store.zero_grads()
+        self._guard.reset()
+        self._carry = self._carry_batch = None
+        log.warning(
+            "run failed: gradients accumulated for step %d were discarded", self.global_steps + 1
+        )
+
+    def _eval_run(self, batches: list[Any], **kw: Any) -> Any:
+        self._drain_pipeline()
+        step = self.global_steps + 1
+        spec = RunSpec(
+            plan=self.planner.plan(len(batches), ops=FORWARD_OPS), batches=batches,
+            version=self.stepper.required_version(step), step=step, train=False, **kw,
+        )  # fmt: skip
+        self.stepper.synchronize()
+        return self._executor.run(spec)
+
+    def _batch_of(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        return self._batches.to_dict(inputs, kwargs)
+
+    def destroy(self) -> None:
+        """Finish in-flight steps, publish the newest weights, stop workers and devices.
+
+        Optional: the same shutdown runs when the engine is collected or the process exits
+        (runtime/shutdown.py). Idempotent. Under on_nonfinite "raise", a step found skipped
+        late after the last training call (no call is left to raise it) is logged as an error.
+        """
+        try:
+            self._drain_pipeline()  # the step in flight is applied, as without overlap
+        finally:
+            self._finalizer()  # InFlightBox.finish logs a late skip no call is left to raise
+        self._published_step = self.global_steps
+        self._executor.close()
+        self.monitor.close()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: fall through to the wrapped module, as DeepSpeed
+        # does (engine.generate(...), engine.config attributes of HF models...).
+        if name == "module" or name.startswith("__") or "_finalizer" not in self.__dict__:
+            raise AttributeError(name)  # (also while __init__ runs: hasattr must not recurse)
+        value = getattr(self.__dict__["_module"], name)
+        # What reads weights (methods: save_pretrained, state_dict, generate...; tensors) sees
+        # the newest ones; plain attributes (config, dtype...) do not drain the optimizer.
+        return getattr(self.module, name) if callable(value) or torch.is_tensor(value) else value

@@ -1,0 +1,231 @@
+"""Helpers for engine tests: configs, a plain-PyTorch reference trainer, per-layer RNG hooks."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import rp_engine
+from rp_engine.runtime.executor import layer_seed
+
+
+def config(
+    *,
+    devices: int = 2,
+    gas: int = 2,
+    mbs: int = 2,
+    lr: float = 1e-3,
+    fwd_cuts: Sequence[int] | None = None,
+    bwd_cuts: Sequence[int] | None = None,
+    async_optimizer: bool = False,
+    clip: float = 0.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    rp: dict[str, Any] = {"devices": f"cpu:{devices}", "async_optimizer": async_optimizer}
+    if fwd_cuts is not None:
+        rp["fwd_cuts"] = list(fwd_cuts)
+        rp["bwd_cuts"] = list(bwd_cuts or ())
+    rp.update(extra.pop("roundpipe", {}))
+    return {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+        "roundpipe": rp,
+        **extra,
+    }
+
+
+def engine_for(model: nn.Module, cfg: dict[str, Any]) -> Any:
+    engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+    return engine
+
+
+def layer_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules, in LayerSequence order, whose forward draws random numbers per layer."""
+    from rp_engine.model.layers import to_layers
+
+    seq = to_layers(model, loss_fn=getattr(model, "loss_fn", None))
+    return list(seq.modules())
+
+
+def seeded_layers(model: nn.Module, *, seed: int = 42) -> Callable[[int, int], None]:
+    """Install pre-forward hooks reseeding the RNG per layer exactly as the engine does.
+
+    Returns ``set_position(step, microbatch)``, to be called before each micro-batch's forward.
+    The hooks sit on the modules the engine runs as layers (HF decoder layers, Sequential
+    children), so dropout masks match the engine's, whatever device ran each layer.
+    """
+    pos = {"step": 1, "mb": 0}
+    for index, module in enumerate(layer_modules(model)):
+        target = getattr(module, "layer", module)  # HF blocks wrap the decoder layer
+
+        def hook(_m: nn.Module, _args: Any, index: int = index) -> None:
+            torch.manual_seed(layer_seed(seed, pos["step"], pos["mb"], index))
+
+        target.register_forward_pre_hook(hook)
+
+    def set_position(step: int, microbatch: int) -> None:
+        pos["step"], pos["mb"] = step, microbatch
+
+    return set_position
+
+
+def reference_losses(
+    model: nn.Module,
+    batches: Sequence[Any],
+    *,
+    steps: int,
+    gas: int,
+    lr: float = 1e-3,
+    staleness: int = 0,
+    loss_of: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    set_position: Callable[[int, int], None] | None = None,
+) -> list[float]:
+    """Plain PyTorch on one device: GAS micro-batches per step, AdamW(weight_decay=0); the
+    per-step mean losses, ``model`` left with the final weights.
+
+    With ``staleness`` s > 0 the gradients of step t are taken at the weights of step
+    max(t-1-s, 0): w_t = AdamW(w_{t-1}, grad at w_{max(t-1-s, 0)}); s = 1 is the asynchronous
+    optimizer's semantics.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    loss_of = loss_of or (lambda m, b: m(**b).loss)
+    compute = copy.deepcopy(model) if staleness else model
+    history = [copy.deepcopy(model.state_dict())] if staleness else []
+    out = []
+    it = iter(batches)
+    mb = 0
+    for step in range(1, steps + 1):
+        if staleness:
+            compute.load_state_dict(history[max(step - 1 - staleness, 0)])
+            compute.zero_grad()
+        total = 0.0
+        for _ in range(gas):
+            if set_position is not None:
+                set_position(step, mb)
+            loss = loss_of(compute, next(it))
+            (loss / gas).backward()
+            total += float(loss.detach())
+            mb += 1
+        if staleness:
+            for p, q in zip(model.parameters(), compute.parameters(), strict=True):
+                p.grad = q.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        if staleness:
+            history.append(copy.deepcopy(model.state_dict()))
+        out.append(total / gas)
+    return out
+
+
+def run_losses(
+    model: nn.Module,
+    cfg: dict[str, Any],
+    batches: Sequence[Any],
+    *,
+    steps: int,
+    overlap: bool | None = None,
+) -> list[float]:
+    """Train an engine over ``model`` with ``cfg`` for ``steps`` steps of ``batches``; the
+    per-step losses. The engine is synchronized (``model`` holds the final weights) and
+    destroyed, also when training fails. ``overlap`` (when given) is asserted to be whether
+    the engine overlaps iterations, so a test's drained or overlapped variant is what it says."""
+    engine = engine_for(model, cfg)
+    try:
+        assert overlap is None or engine._overlap is overlap, (overlap, cfg.get("roundpipe"))
+        it = iter(batches)
+        losses = [float(engine.train_batch(it)) for _ in range(steps)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    return losses
+
+
+def assert_same_weights(
+    a: nn.Module, b: nn.Module, *, rtol: float = 1e-4, atol: float = 1e-5
+) -> None:
+    """Every parameter of ``a`` close to ``b``'s, in order (fp32 tolerances by default); a
+    mismatch is reported as :func:`assert_close_named` reports it."""
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert_close_named(p, q, f"parameter {name!r}", rtol=rtol, atol=atol)
+
+
+def assert_close_named(actual: Any, expected: Any, name: str, **tolerances: Any) -> None:
+    """``torch.testing.assert_close`` whose failure names the tensor and its largest absolute
+    difference, then gives torch's own report (mismatched elements, greatest differences and
+    where); ``msg=name`` would replace that report with the name alone."""
+
+    def report(torch_report: str) -> str:
+        try:
+            a, b = torch.as_tensor(actual), torch.as_tensor(expected)
+        except (TypeError, ValueError, RuntimeError):  # not tensor-like: torch's report alone
+            return f"{name}\n{torch_report}"
+        if a.shape == b.shape and a.is_floating_point() and b.is_floating_point():
+            largest = (a.detach().double() - b.detach().double()).abs().max().item()
+            return f"{name}: largest |difference| {largest:.6g}\n{torch_report}"
+        return f"{name}\n{torch_report}"
+
+    torch.testing.assert_close(actual, expected, msg=report, **tolerances)
+
+
+def measured_peak_with_runs_in_flight(
+    engine: Any, batches: Callable[[int], list[Any]], *, steps: int = 3, wait_s: float = 1.0
+) -> int:
+    """Train ``steps`` steps and return the largest device peak from the last step's call
+    on (the peaks are reset just before it; the engine never resets them), after a drain. With overlapping iterations the run
+    before it is still in flight when it is issued; its last compute on each device is held
+    until the last run has landed ``prefetch_depth + 1`` weight uploads there (or ``wait_s``
+    passed: the executor may rightly make them wait for that very compute's FREE), so the two
+    runs' weights meet on the device as they may on a GPU, where the last backward slots are
+    slow. Without overlap nothing is held (nothing of the last run starts before the drain)."""
+    from rp_engine.device.base import StreamRole
+
+    executor = engine._executor
+    held_step, last_step = engine.global_steps + steps - 1, engine.global_steps + steps
+    wanted = engine.planner.prefetch_depth + 1
+    landed = {d.index: 0 for d in engine.pool}
+    enough = {d.index: threading.Event() for d in engine.pool}
+    lock = threading.Lock()
+    upload, launch = executor._upload, executor._launch
+
+    def counted_upload(ctx: Any, a: Any) -> None:
+        upload(ctx, a)
+        if ctx.spec.step != last_step:
+            return
+
+        def count() -> None:
+            with lock:
+                landed[a.device] += 1
+                if landed[a.device] >= wanted:
+                    enough[a.device].set()
+
+        executor.devices[a.device].stream(StreamRole.H2D_PARAM).submit(count, label="probe")
+
+    def held_launch(ctx: Any, a: Any, layers: Any, inputs: Any, body: Any, **kw: Any) -> Any:
+        mine = [x for x in ctx.spec.plan.per_device(a.device) if x.is_compute]
+        if engine._overlap and ctx.spec.step == held_step and a == mine[-1]:
+            inner = body
+
+            def body(device: Any, weights: Any) -> None:
+                enough[device.index].wait(timeout=wait_s)
+                inner(device, weights)
+
+        return launch(ctx, a, layers, inputs, body, **kw)
+
+    executor._upload, executor._launch = counted_upload, held_launch
+    try:
+        for i in range(steps):
+            if i == steps - 1:
+                for device in engine.pool:
+                    device.reset_peak()
+            engine.train_batch(iter(batches(i)))
+        engine.synchronize()
+    finally:
+        executor._upload, executor._launch = upload, launch
+    return max(d.memory_stats()["peak"] for d in engine.pool)
