@@ -517,7 +517,7 @@ def test_an_engine_on_gpus_steps_cpu_adam_in_smaller_slices(monkeypatch) -> None
     from engine_helpers import config, engine_for
     from models import tiny_qwen3
 
-    import rp_engine.engine as engine_module
+    import rp_engine.engine.core as engine_module
     from rp_engine.optim.optimizer import ADAM_SLICE, CUDA_ADAM_SLICE, adam_slice
 
     assert adam_slice("cuda") == CUDA_ADAM_SLICE == 1 << 19
