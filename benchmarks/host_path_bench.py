@@ -13,7 +13,9 @@
 
 Old and new run interleaved in one process (A B A B ...), so machine noise hits both alike;
 "grad_alloc" counts bytes, not time: it runs the baseline commit's rp_engine (``git archive``)
-and this tree's in two processes, same model, batches and steps.
+and this tree's in two processes, same model, batches and steps. Allocated means fresh tensors
+``to_host`` made itself plus the devices' ``host_buffer`` allocations (the staging pools), after
+two warm-up steps; "grad_staging_bytes_after_warmup" is what the pools hold then.
 "tail" is what a synchronous step does after the last gradient has landed: squared norms,
 clip/unscale, CPU Adam over every parameter, fp32 -> bf16 publish (old: a separate clip pass, one
 kernel call per tensor, then zeroing every gradient). Results are JSON lines; RESULTS.md quotes
@@ -446,19 +448,27 @@ def grad_alloc_child(run: str, steps: int, warmup: int, devices: str) -> dict[st
         b0, c0 = counter.snapshot()
         h0 = _host_memory_stats()
         d0 = sum(d.memory_stats()["d2h_bytes"] for d in engine.pool)
+        s0 = _staging_bytes(engine)
         for _ in range(steps):
             engine.train_batch(iter([batch() for _ in range(gas)]))
         engine.synchronize()
         b1, c1 = counter.snapshot()
         h1 = _host_memory_stats()
         d1 = sum(d.memory_stats()["d2h_bytes"] for d in engine.pool)
+        s1 = _staging_bytes(engine)
     finally:
         counter.close()
         engine.destroy()
+    fresh = (b1["d2h"] - b0["d2h"]) // steps
+    staged = (s1 - s0) // steps
     out: dict[str, Any] = {
         "run": run,
         "steps": steps,
-        "grad_fresh_host_bytes_per_step": (b1["d2h"] - b0["d2h"]) // steps,
+        # fresh to_host tensors plus staging buffers allocated (Device.host_buffer)
+        "grad_fresh_host_bytes_per_step": fresh + staged,
+        "grad_to_host_fresh_bytes_per_step": fresh,
+        "grad_staging_alloc_bytes_per_step": staged,
+        "grad_staging_bytes_after_warmup": s0,  # the pool's size: what is in flight at most
         "grad_fresh_host_tensors_per_step": (c1["d2h"] - c0["d2h"]) / steps,
         "act_fresh_host_bytes_per_step": (b1["d2h_act"] - b0["d2h_act"]) // steps,
         "d2h_bytes_per_step": (d1 - d0) // steps,
@@ -470,6 +480,12 @@ def grad_alloc_child(run: str, steps: int, warmup: int, devices: str) -> dict[st
             k: (h1[k] - h0[k]) / steps for k in h1 if isinstance(h1[k], int | float) and k in h0
         }
     return out
+
+
+def _staging_bytes(engine: Any) -> int:
+    """Bytes the devices allocated for host buffers (``Device.host_buffer``: the gradient
+    staging pools); 0 for a version of rp_engine without them."""
+    return sum(d.memory_stats().get("host_alloc_bytes", 0) for d in engine.pool)
 
 
 def _baseline_tree(ref: str, into: str) -> str:

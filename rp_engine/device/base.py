@@ -131,6 +131,14 @@ class Device(Protocol):
         closure. The caller must wait on an event recorded after it before reading the result."""
         ...
 
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat, uninitialised host tensor of exactly ``numel`` elements that ``to_host`` can
+        copy into (``out=``): page-locked on CUDA (``pinned_empty``: exact size, not torch's
+        power-of-two caching allocator), ordinary memory on CPU virtual devices. The caller
+        owns and reuses it (e.g. a staging pool); its bytes are added to ``memory_stats()``'s
+        "host_alloc_bytes", never to the device memory accounting."""
+        ...
+
     def track(self, dev: torch.Tensor) -> None:
         """Count a tensor produced on the device (an activation) against the memory budget.
         Exceeding an emulated capacity raises ``DeviceError`` naming the device and budget."""
@@ -158,7 +166,9 @@ class Device(Protocol):
         ...
 
     def memory_stats(self) -> dict[str, int]:
-        """{"allocated": bytes, "peak": bytes, "capacity": bytes or 0 for unlimited}. "peak" is
+        """{"allocated": bytes, "peak": bytes, "capacity": bytes or 0 for unlimited,
+        "h2d_bytes"/"d2h_bytes": bytes copied each way, "host_alloc_bytes": bytes of every
+        ``host_buffer`` so far (neither ever decreases)}. "peak" is
         the most allocated at once since the device was made or since the last ``reset_peak``:
         the runtime never resets it, so it spans every run of its user's window."""
         ...

@@ -279,6 +279,7 @@ class MemoryLedger:
         self._peak = 0
         self._h2d_bytes = 0
         self._d2h_bytes = 0
+        self._host_alloc_bytes = 0
 
     def _drop(self, ptr: int) -> None:
         self._allocated -= self._storages.pop(ptr).nbytes
@@ -331,6 +332,11 @@ class MemoryLedger:
             else:
                 self._d2h_bytes += nbytes
 
+    def count_host_alloc(self, nbytes: int) -> None:
+        """A host buffer was allocated for this device's copies (``Device.host_buffer``)."""
+        with self._lock:
+            self._host_alloc_bytes += nbytes
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             self._prune()
@@ -340,6 +346,7 @@ class MemoryLedger:
                 "capacity": self.capacity,
                 "h2d_bytes": self._h2d_bytes,
                 "d2h_bytes": self._d2h_bytes,
+                "host_alloc_bytes": self._host_alloc_bytes,
             }
 
     def reset_peak(self) -> None:
@@ -402,6 +409,16 @@ class ThreadedDevice:
         self._ledger.track(t)
         return t
 
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat, uninitialised host tensor of exactly ``numel`` elements (counted in
+        "host_alloc_bytes"); ``_host_empty`` says what memory (plain here, pinned on CUDA)."""
+        t = self._host_empty(numel, dtype)
+        self._ledger.count_host_alloc(t.numel() * t.element_size())
+        return t
+
+    def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
     def fence(self) -> CPUEvent:
         """Copies and compute on virtual devices are synchronous: an event already complete."""
         event = CPUEvent()
@@ -412,7 +429,8 @@ class ThreadedDevice:
         """Copies and compute on virtual devices are synchronous: nothing to wait for."""
 
     def memory_stats(self) -> dict[str, int]:
-        """{"allocated", "peak", "capacity" (0 = unlimited), "h2d_bytes", "d2h_bytes"}."""
+        """{"allocated", "peak", "capacity" (0 = unlimited), "h2d_bytes", "d2h_bytes",
+        "host_alloc_bytes"}."""
         return self._ledger.stats()
 
     def reset_peak(self) -> None:

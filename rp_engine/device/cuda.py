@@ -259,6 +259,11 @@ class CUDADevice(ThreadedDevice):
         self._ledger.count_copy(dev.numel() * dev.element_size(), h2d=False)
         return out
 
+    def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked, exactly ``numel`` elements (``pinned_empty``), so ``to_host`` into it
+        is asynchronous without torch's power-of-two caching host allocator."""
+        return pinned_empty(numel, dtype)
+
     def free(self, dev: torch.Tensor, used_by: Collection[StreamRole] | None = None) -> None:
         """Stop counting ``dev``; first mark it used by the streams in ``used_by`` (every stream
         when None), so the caching allocator does not hand its memory out while a queued kernel

@@ -44,7 +44,14 @@ from rp_engine.optim.stepper import OptimizerStepper, StepResult
 from rp_engine.plan.actions import Plan
 from rp_engine.plan.schedules import SCHEDULES
 from rp_engine.runtime.counters import StepCounters
-from rp_engine.runtime.executor import Executor, GradSink, RunSpec, RunStats, TimelineRecord
+from rp_engine.runtime.executor import (
+    Executor,
+    GradSink,
+    RunSpec,
+    RunStats,
+    TimelineRecord,
+    staging_pools,
+)
 from rp_engine.runtime.planning import ModelShape, Planner
 from rp_engine.runtime.shutdown import watch
 
@@ -171,6 +178,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             link_gbps=rp.pcie_gbps,
             overlap_iterations=self._overlap,  # memory validated with two runs in flight
         )
+        self._staging = staging_pools(self.pool.devices)  # shared by every executor made
         self._executor = self._make_executor()
         self._batches = BatchAdapter(self.seq, compute_dtype(cfg), pin=self.pool.kind == "cuda")
 
@@ -187,6 +195,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             ),
             seed=self._config.roundpipe.seed,
             use_rng=self._dropout,
+            staging=self._staging,
         )
 
     # --- PipelineEngine API (train_batch: pipeline.py) ----------------------------------------

@@ -57,7 +57,7 @@ import contextlib
 import functools
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +69,7 @@ from rp_engine.plan.memory import cross_run_gates
 from rp_engine.runtime.grad_norm import device_norms, sole_downloads, sq_norms_by_owner
 from rp_engine.runtime.replica import Replica
 from rp_engine.runtime.stages import StageMap
+from rp_engine.runtime.staging import HostStaging
 from rp_engine.transfer import (
     State,
     WeightUpload,
@@ -79,6 +80,7 @@ from rp_engine.transfer import (
 
 __all__ = [
     "Executor",
+    "staging_pools",
     "RunSpec",
     "RunResult",
     "RunStats",
@@ -123,7 +125,11 @@ class Executor:
         sink: GradSink,
         seed: int = 0,
         use_rng: bool = False,
+        staging: Mapping[int, HostStaging] | None = None,
     ) -> None:
+        """``staging``: per device index, the host staging pool of its downloads (one made per
+        device when None). An engine that replaces its executor (a new plan) passes the same
+        pools to the next one, so the buffers are reused rather than allocated again."""
         self.modules = list(modules)
         self.stages = stages
         self.devices = list(devices)
@@ -132,6 +138,8 @@ class Executor:
         self.seed = seed
         self.use_rng = use_rng
         self._replicas: dict[tuple[int, int], Replica] = {}
+        # per device: host memory for the downloads that cannot land in their fp32 buffer
+        self._staging = dict(staging) if staging is not None else staging_pools(self.devices)
         self._saved_at = stages.saved_inputs()
         # the last run issued: its plan, FREE events and compute ends per device (the seam)
         self._previous: tuple[Plan, dict[_GroupKey, Event], dict[int, list[Event]]] | None = None
@@ -336,11 +344,20 @@ class Executor:
         for device in self.devices:
             with contextlib.suppress(Exception):
                 device.reset()
+                # drained: no copy writes the staging buffers a failed run kept out any more
+                self._staging[device.index].reclaim()
         self._replicas_reset()
 
     def close(self) -> None:
         self._replicas.clear()
         self._previous = None
+        for staging in self._staging.values():
+            staging.clear()
+
+    def staging_bytes(self) -> dict[int, int]:
+        """Per device index: bytes of the host staging buffers its downloads allocated so far
+        (they are reused: after the first steps this stops growing)."""
+        return {index: s.allocated_bytes for index, s in self._staging.items()}
 
     # --- transfer handlers --------------------------------------------------------------------
     def _upload(self, ctx: _Ctx, a: Action) -> None:
@@ -702,7 +719,16 @@ class Executor:
         landings: dict[int, GradLanding] = {}  # every gradient's announcement (HostStore)
         normed: list[int] = []  # owner layer of each norm, in the norms' order
         norms: list[torch.Tensor] = []  # the host copy of the device norms
+        staging = self._staging[device.index]
+        # the staging buffers this download takes: given back by the HOST worker once read; on
+        # a failure they stay out (a copy may still write them) until ``reset`` reclaims them
+        staged: list[torch.Tensor] = []
         step = ctx.spec.step
+
+        def stage(g: torch.Tensor) -> torch.Tensor:
+            buf = staging.take(g.numel(), g.dtype)
+            staged.append(buf)
+            return device.to_host(g, out=buf.view(g.shape))
 
         def download() -> None:
             timer = device.timer()
@@ -712,17 +738,18 @@ class Executor:
             keys = [k for k in grads if k in params and owners[k] in sole]
             if keys:
                 normed.extend(owners[k] for k in keys)
-                norms.append(device.to_host(device_norms([grads[k] for k in keys])))
+                norms.append(stage(device_norms([grads[k] for k in keys])))
             try:
                 for k, g in grads.items():
                     if k not in params:
                         continue
                     # the step's first contribution lands straight in its fp32 buffer (no
-                    # temporary, no host copy); a later one comes down into memory of its own
-                    # (fresh, pinned on CUDA) and is added by the HOST worker
+                    # temporary, no host copy); a later one comes down into a staging buffer
+                    # (reused, pinned on CUDA) and is added by the HOST worker
                     free = self.sink.is_free(owners[k], step)
                     landings[k] = self.store.announce(params[k], g, free=free)
-                    host[k] = device.to_host(g, out=landings[k].target)
+                    target = landings[k].target
+                    host[k] = stage(g) if target is None else device.to_host(g, out=target)
                 direct = [lg for lg in landings.values() if lg.target is not None]
                 if direct:  # a contribution added before this one lands waits for the copies
                     self.store.fenced(direct, device.fence())
@@ -760,6 +787,9 @@ class Executor:
             host.clear()
             landings.clear()
             sq = sq_norms_by_owner(norms[0].tolist(), normed) if norms else {}
+            norms.clear()
+            staging.give(staged)  # read, and their copies were done (``landed``): reusable
+            staged.clear()
             end = time.perf_counter()
             ctx.timeline.append(
                 TimelineRecord(device.index, str(action), start - ctx.t0, end - ctx.t0, "host")
@@ -775,6 +805,11 @@ class Executor:
     def _replicas_reset(self) -> None:
         for replica in self._replicas.values():
             replica.release()
+
+
+def staging_pools(devices: Sequence[Device]) -> dict[int, HostStaging]:
+    """One empty host staging pool per device, by index (``Executor(staging=)``)."""
+    return {d.index: HostStaging(d.host_buffer) for d in devices}
 
 
 def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:

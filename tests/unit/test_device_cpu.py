@@ -190,6 +190,16 @@ def test_reset_cancels_a_wait_that_would_never_end(pool: CPUPool) -> None:
     pool[0].synchronize()
 
 
+def test_host_buffers_are_exact_size_and_counted_as_host_allocation(pool: CPUPool) -> None:
+    dev = pool[0]
+    buf = dev.host_buffer(1000, torch.bfloat16)
+    assert buf.numel() == 1000 and buf.dtype == torch.bfloat16 and buf.device.type == "cpu"
+    stats = dev.memory_stats()
+    assert stats["host_alloc_bytes"] == 2000 and stats["allocated"] == 0
+    dev.host_buffer(3, torch.float32)
+    assert dev.memory_stats()["host_alloc_bytes"] == 2012
+
+
 def test_memory_accounting(pool: CPUPool) -> None:
     dev = pool[0]
     a = torch.zeros(256)  # 1 KiB

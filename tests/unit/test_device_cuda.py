@@ -7,6 +7,7 @@ another stream reads it after waiting on an event; a missed wait would read stal
 from __future__ import annotations
 
 import functools
+import mmap
 import threading
 import time
 from collections.abc import Iterator
@@ -147,6 +148,25 @@ def test_pinned_upload_compute_download_round_trip(pool: DevicePool) -> None:
     assert stats["h2d_bytes"] == host.numel() * 4 and stats["d2h_bytes"] == host.numel() * 4
     dev.free(out["d"])
     assert dev.memory_stats()["allocated"] == 0
+
+
+def test_host_buffers_are_exact_size_pinned_and_counted(pool: DevicePool) -> None:
+    """``host_buffer``: the staging memory of later gradient contributions, pinned (so the
+    download into it is asynchronous) with exactly the bytes asked for, counted as host
+    allocation and never as device memory."""
+    dev = device(pool)
+    buf = dev.host_buffer(1000, torch.bfloat16)
+    assert buf.is_pinned() and buf.numel() == 1000 and buf.dtype == torch.bfloat16
+    page = mmap.PAGESIZE  # whole pages plus one for the alignment, not a power of two
+    assert buf.untyped_storage().nbytes() <= -(-2000 // page) * page + page
+    stats = dev.memory_stats()
+    assert stats["host_alloc_bytes"] == 2000 and stats["allocated"] == 0
+    y = torch.ones(1000, device=dev.torch_device, dtype=torch.bfloat16)
+    out: dict[str, torch.Tensor] = {}
+    down = dev.stream(D2H)
+    down.submit(lambda: out.__setitem__("h", dev.to_host(y, out=buf)), label="D0.0")
+    sync(down.record())
+    assert out["h"] is buf and bool((buf == 1).all())
 
 
 def test_errors_surface_and_reset_recovers(pool: DevicePool) -> None:
