@@ -228,7 +228,7 @@ def test_concurrent_gradient_downloads_add_up_exactly() -> None:
 def test_each_layer_completes_exactly_once_under_concurrent_reports() -> None:
     """Download threads of several devices report the same layers at once: every layer is
     reported ready exactly once (a lost or doubled report would skip or double a step)."""
-    from rp_engine.runtime.executor import Countdown
+    from rp_engine.runtime.run_state import Countdown
 
     countdown = Countdown()
     layers, reports = list(range(8)), 64
