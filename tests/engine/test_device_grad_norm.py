@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from engine_helpers import assert_same_weights, config, engine_for
+from engine_helpers import AdamSlack, assert_same_weights, config, engine_for
 from models import random_batch, tiny_qwen3
 
 import rp_engine.runtime.executor as executor_module
@@ -153,6 +153,7 @@ def _train(
 def _reference(model: torch.nn.Module, batches: list) -> tuple[list[float], list[float]]:
     """Plain PyTorch: GAS micro-batches, the global norm clipped to CLIP, AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    slack = AdamSlack.of(model)  # see engine_helpers.reference_losses
     it: Iterator = iter(batches)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -163,6 +164,7 @@ def _reference(model: torch.nn.Module, batches: list) -> tuple[list[float], list
             total += float(loss.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
+        slack.record(opt)
         opt.zero_grad()
         losses.append(total / GAS)
     return losses, norms

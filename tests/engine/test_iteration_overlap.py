@@ -477,7 +477,10 @@ def test_script_ending_with_a_step_in_flight_applies_it_and_exits_cleanly(tmp_pa
     root = Path(__file__).resolve().parents[2]
     script, out = tmp_path / "train.py", tmp_path / "weights.pt"
     script.write_text(_EXIT_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests" / "support")]))
+    # the caller's PYTHONPATH stays after ours (tests/support/avx2_cpu_adam.py loads its build
+    # through it)
+    paths = [str(root), str(root / "tests" / "support"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     r = subprocess.run(
         [sys.executable, str(script), str(out)], cwd=root, env=env, capture_output=True,
         text=True, timeout=300,
@@ -486,9 +489,11 @@ def test_script_ending_with_a_step_in_flight_applies_it_and_exits_cleanly(tmp_pa
     assert r.stdout.strip().splitlines()[-1] == "LAST LINE"
     ref = tiny_qwen3(0, layers=4)
     reference_losses(ref, _batches(3 * GAS), steps=3, gas=GAS, lr=1e-2, staleness=1)
-    got = torch.load(out, weights_only=True)
-    for name, value in ref.state_dict().items():
-        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    got = tiny_qwen3(0, layers=4)
+    got.load_state_dict(torch.load(out, weights_only=True))  # strict: the same entries
+    assert_same_weights(got, ref)
+    for name, value in ref.named_buffers():
+        torch.testing.assert_close(got.get_buffer(name), value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_tight_host_memory_overlaps_with_one_buffer_and_keeps_staleness_one(monkeypatch) -> None:
