@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/rp_engine/torch_extensions
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: train test test-fast lint install
+.PHONY: train test test-fast test-avx2 lint install
 
 # Pure functions and small units, seconds each: run these while editing (the tiers: README.md).
 FAST_TESTS := tests/plan tests/unit
@@ -33,6 +33,15 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(VENV)/bin/pytest -q -ra --durations=15
+	$(MAKE) test-avx2
+
+# DeepSpeed's CPU Adam and torch's kernels as on an AVX2 machine (no AVX-512), also on one that
+# has AVX-512: the tests that compare the engine's weights with plain PyTorch's must hold on
+# both (the AVX2 CPU Adam is built once into its own cache folder, about 2 minutes).
+AVX2_TESTS := tests/engine/test_async_optimizer.py tests/engine/test_iteration_overlap.py \
+	tests/unit/test_reference_slack.py
+test-avx2: $(VENV)/.installed
+	$(PY) tests/support/avx2_cpu_adam.py -q -p no:cacheprovider $(AVX2_TESTS)
 
 test-fast: $(VENV)/.installed
 	$(VENV)/bin/pytest -q -x $(FAST_TESTS)

@@ -15,9 +15,12 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_json(script: str, spec: Any, *, timeout: float = 1200) -> Any:
-    """Run ``tests/support/<script> '<spec as JSON>'``; return its last ``JSON:`` line, parsed. Fails the
-    test with the child's stderr when it exits non-zero or prints no result."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parents[1])])}
+    """Run ``tests/support/<script> '<spec as JSON>'``; return its last ``JSON:`` line, parsed.
+    Fails the test with the child's stderr when it exits non-zero or prints no result."""
+    # the caller's PYTHONPATH stays after ours (tests/support/avx2_cpu_adam.py loads its build
+    # through it)
+    paths = [str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     proc = subprocess.run(
         [sys.executable, str(HERE / script), json.dumps(spec)],
         capture_output=True, text=True, env=env, timeout=timeout, cwd=HERE,
