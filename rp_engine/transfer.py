@@ -12,7 +12,8 @@ a critical activation copy that shares the link waits at most one chunk. A tenso
 chunk (a tied embedding of 622 MB) is first split into chunk-sized pieces of its flat storage,
 each copied into a view of one device tensor by a copy of its own. An activation whose next
 stage runs on the same device never leaves it. Everything that crosses a stage boundary is a
-``dict[str, Tensor]`` ("state"); only ``state["hidden"]`` carries gradient.
+``dict[str, Tensor]`` ("state"); only "hidden" and "hidden.<name>" carry gradient, and a traced
+model's plain Python values (ints, an output's structure) ride along uncopied.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ def upload_state(
 
     def run() -> None:
         timer = device.timer()
-        put({k: device.to_device(v) for k, v in get_state().items()})
+        put({k: device.to_device(v) if _is_tensor(v) else v for k, v in get_state().items()})
         _done(timer, trace)
 
     stream.submit(run, label=label)
@@ -230,9 +231,10 @@ def download_state(
     def run() -> None:
         timer = device.timer()
         state = get_state()
-        put({k: device.to_host(v) for k, v in state.items()})
+        put({k: device.to_host(v) if _is_tensor(v) else v for k, v in state.items()})
         for v in state.values():  # the device copy is dropped once it is on the host
-            device.free(v, used_by=(StreamRole.D2H_ACT,))
+            if _is_tensor(v):
+                device.free(v, used_by=(StreamRole.D2H_ACT,))
         _done(timer, trace)
 
     stream.submit(run, label=label)
@@ -243,3 +245,9 @@ def _done(timer: ComputeTimer, trace: Trace | None) -> None:
     timer.stop()
     if trace is not None:
         trace(timer)
+
+
+def _is_tensor(value: object) -> bool:
+    """States may carry plain Python values (a traced model's ints, an output's structure):
+    they pass through every copy unchanged."""
+    return isinstance(value, torch.Tensor)

@@ -547,6 +547,19 @@ def _parse_roundpipe(section: Any) -> RoundPipeConfig:
             "the same number of decoder layers: make both sum to the model's layer count"
         )
     values.update(fwd_cuts=fwd, bwd_cuts=bwd)
+    points = values["split_points"]
+    if points is not None:
+        if (
+            not isinstance(points, list | tuple)
+            or not points
+            or not all(isinstance(p, str) and p for p in points)
+        ):
+            raise _type_error(
+                f"{path}.split_points", points,
+                'a non-empty list of module names, as in model.named_modules() (e.g. '
+                '["layers.4", "layers.8"])',
+            )  # fmt: skip
+        values["split_points"] = tuple(points)
     return _build(RoundPipeConfig, values)
 
 

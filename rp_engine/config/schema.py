@@ -291,6 +291,9 @@ class RoundPipeConfig:
     pcie_gbps: float | None = field(default=None, metadata=_m(gt=0))
     round_size: int | None = field(default=None, metadata=_m(gt=0))  # M_R; None: GAS
     head_chunk_tokens: int = field(default=1024, metadata=_m(gt=0))
+    # any nn.Module: cut its traced graph before these modules (names as in named_modules());
+    # None: before each child of its largest repeated ModuleList / Sequential (model/module.py)
+    split_points: tuple[str, ...] | None = field(default=None, metadata=_m(custom=True))
     profile_iterations: int = field(default=2, metadata=_m(ge=0))
     seed: int = field(default=42, metadata=_m(ge=0))
     # bf16/fp32 step with a non-finite loss or gradient norm: raise (step skipped), skip, ignore

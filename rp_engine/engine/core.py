@@ -37,6 +37,7 @@ from rp_engine.engine.pipeline import InFlightBox, PipelinedIterations
 from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
+from rp_engine.model.module import Layering
 from rp_engine.monitor import Monitor
 from rp_engine.optim.build import build_optimizer, build_scheduler
 from rp_engine.optim.nonfinite import NonFiniteGuard
@@ -118,8 +119,10 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         """Compose the parts: layers, host store, optimizer, stepper, planner, executor."""
         rp = cfg.roundpipe
         self.seq: LayerSequence = to_layers(
-            model, loss_fn=getattr(model, "loss_fn", None), head_chunk_tokens=rp.head_chunk_tokens
-        )
+            model, loss_fn=getattr(model, "loss_fn", None), head_chunk_tokens=rp.head_chunk_tokens,
+            split_points=rp.split_points,
+        )  # fmt: skip
+        self.layering = self.seq.layering or Layering("shape", f"a {self.seq.kind} model")
         modules = list(self.seq.modules())
         on_cuda = self.pool.kind == "cuda"
         self.store = HostStore(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rp_engine.engine.fused_lm_head import fused_output
+from rp_engine.model.module import rebuild_outputs
 from rp_engine.plan.actions import Op
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from rp_engine.optim.optimizer import HostOptimizer
     from rp_engine.optim.stepper import OptimizerStepper
     from rp_engine.runtime.counters import StepCounters
-    from rp_engine.runtime.executor import Carry
+    from rp_engine.runtime.executor import Carry, Executor
     from rp_engine.runtime.planning import Planner
 
 __all__ = ["ImperativeLoop", "FORWARD_OPS", "BACKWARD_OPS"]
@@ -39,6 +40,7 @@ class ImperativeLoop:
     _carry: Carry | None = None
     _carry_batch: dict[str, Any] | None = None
     _loss_leaf: torch.Tensor | None = None
+    _leaves: dict[str, torch.Tensor] = {}  # noqa: RUF012 - a module model's outputs (replaced)
 
     if TYPE_CHECKING:  # provided by RoundPipeEngine
         stepper: OptimizerStepper
@@ -50,6 +52,7 @@ class ImperativeLoop:
         _guard: NonFiniteGuard
         _batches: BatchAdapter
         _module: torch.nn.Module
+        _executor: Executor
 
         def _batch_of(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]: ...
         def _run(
@@ -71,6 +74,8 @@ class ImperativeLoop:
         instead: per-token log-probs, entropy, top-1 hits, label mask (integrations/
         fused_lm_head.py)."""
         self.stepper.check()
+        if self._batches.seq.returns_outputs:
+            return self._forward_outputs(inputs, kwargs)
         # Transformers' Trainer passes the token count of the whole optimizer step; the model
         # then returns sum / count instead of the micro-batch mean (as HF's ForCausalLMLoss).
         num_items = kwargs.pop("num_items_in_batch", None)
@@ -83,11 +88,7 @@ class ImperativeLoop:
             if fused:
                 return fused_output(loss, result.token_stats[0], leaf=None)
             return self._batches.wrap_loss(loss)
-        if self._carry is not None:
-            raise RuntimeError(
-                "engine.forward() called twice without engine.backward(): rp_engine computes the "
-                "loss's gradient inside the pipeline, so each forward must be followed by backward"
-            )
+        self._release_carry()
         step = self.global_steps + 1
         result = self._run(
             self.planner.plan(1, ops=FORWARD_OPS),
@@ -113,23 +114,68 @@ class ImperativeLoop:
         DeepSpeed). Whatever the caller did to the loss is honoured: its derivative with respect
         to the returned loss scales the gradients."""
         self.stepper.check()
-        if self._carry is None or self._loss_leaf is None:
+        outputs = self._batches.seq.returns_outputs
+        if self._carry is None or (self._loss_leaf is None and not outputs):
             raise RuntimeError("engine.backward() needs a preceding engine.forward() in train mode")
         loss_t = getattr(loss, "loss", loss)
         scaled = loss_t / self.gradient_accumulation_steps() if scale_wrt_gas else loss_t
-        factor = _derivative(scaled, self._loss_leaf) * self.optimizer.cur_scale
+        run: dict[str, Any] = {}
+        if outputs:  # d(loss)/d(each output) seeds the backward stages (model/module.py)
+            run["output_grads"] = _output_grads(scaled * self.optimizer.cur_scale, self._leaves)
+        else:
+            assert self._loss_leaf is not None
+            run["head_factor"] = _derivative(scaled, self._loss_leaf) * self.optimizer.cur_scale
         closes = self.is_gradient_accumulation_boundary()
         carry, batch = self._carry, self._carry_batch
         self._carry = self._carry_batch = None
+        self._leaves = {}
         self._run(
             self.planner.plan(1, ops=BACKWARD_OPS),
             [batch],  # type: ignore[list-item]
             step=self.global_steps + 1,
             closes_step=closes,
             carry=carry,
-            head_factor=factor,
+            **run,
         )
         return scaled.detach()
+
+    def _forward_outputs(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A module model's forward: its own return value, rebuilt from the head's outputs
+        (training: floating tensors on the engine's device that collect the caller's
+        gradient for ``backward``)."""
+        batch = self._batch_of(inputs, kwargs)
+        if not (self._module.training and torch.is_grad_enabled()):
+            outputs = self._eval_run([batch]).outputs[0]
+            return rebuild_outputs(outputs, lambda _k, v: _to(v, self.device))
+        self._release_carry()
+        result = self._run(
+            self.planner.plan(1, ops=FORWARD_OPS),
+            [batch],
+            step=self.global_steps + 1,
+            defer_head=True,
+            closes_step=False,
+        )
+        self._carry, self._carry_batch = result.carry, batch
+        leaves: dict[str, torch.Tensor] = {}
+
+        def leaf(key: str, value: Any) -> Any:
+            value = _to(value, self.device)
+            if key.startswith("hidden."):  # a floating output: it may carry the loss's gradient
+                value = leaves[key] = value.detach().requires_grad_(True)
+            return value
+
+        out = rebuild_outputs(result.outputs[0], leaf)
+        self._leaves = leaves
+        return out
+
+    def _release_carry(self) -> None:
+        """A training-mode forward whose backward never came (a loss logged, say): DeepSpeed
+        allows it; its graph is released here, at the next forward. Nothing of it reached the
+        host's gradients (they land in backward), so dropping it is the whole release."""
+        if self._carry is not None:
+            self._executor.release(self._carry)
+        self._carry = self._carry_batch = self._loss_leaf = None
+        self._leaves = {}
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Called after every micro-batch; applies the optimizer at the accumulation boundary."""
@@ -150,6 +196,20 @@ def _fused_request(flag: Any, head: Any) -> bool:
             "CausalLMHead does); call the engine without fused_lm_head"
         )
     return bool(flag)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _output_grads(scaled: Any, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """d(scaled)/d(each output leaf), on the host (the backward run uploads them); outputs the
+    loss does not depend on get none (nothing flows back from them)."""
+    if not isinstance(scaled, torch.Tensor) or not scaled.requires_grad or not leaves:
+        return {}
+    keys = list(leaves)
+    grads = torch.autograd.grad(scaled, [leaves[k] for k in keys], allow_unused=True)
+    return {k: g.detach().cpu() for k, g in zip(keys, grads, strict=True) if g is not None}
 
 
 def _derivative(scaled: Any, leaf: torch.Tensor) -> float:

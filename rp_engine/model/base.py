@@ -2,8 +2,9 @@
 ``LayerSequence``, and ``batch_to_dict``.
 
 A model becomes prefix -> blocks -> head. Values crossing a boundary are a ``State`` dict of
-tensors; only "hidden" carries gradient, every other key passes through unchanged. The modules are
-the user's own (or thin wrappers holding references to them): parameters are shared, never copied.
+tensors; only "hidden" and "hidden.<name>" carry gradient, every other key passes through
+unchanged. The modules are the user's own (or thin wrappers holding references to them):
+parameters are shared, never copied.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ class HeadModule(nn.Module):
     ``forward(state) -> loss`` is the plain autograd path (evaluation, references).
     ``forward_backward(state, *, grad_scale)`` runs forward, loss and backward together: parameter
     gradients (scaled by ``grad_scale``) accumulate into this module's parameters' ``.grad`` and
-    the gradient with respect to ``state["hidden"]`` is returned, so the head stage never needs a
-    recomputation. The returned loss is detached and unscaled.
+    the gradient with respect to ``state["hidden"]`` is returned (a tensor, or a dict holding
+    the gradient of each "hidden" / "hidden.<name>" key that received one), so the head stage
+    never needs a recomputation. The returned loss is detached and unscaled.
 
     A head with ``token_stats = True`` also accepts ``stats=<dict>`` in both methods and fills it
     with per-token statistics (see ``CausalLMHead``); the executor asks only such heads.
@@ -40,7 +42,7 @@ class HeadModule(nn.Module):
 
     def forward_backward(
         self, state: State, *, grad_scale: float = 1.0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | State]:
         raise NotImplementedError
 
 
@@ -90,6 +92,14 @@ class LayerSequence:
     head: HeadModule
     root: nn.Module
     kind: str
+    # how the layers were made and why (model/module.py's Layering; None: a recognised shape)
+    layering: Any = None
+
+    @property
+    def returns_outputs(self) -> bool:
+        """Whether the head hands the model's outputs to the caller (a module model), whose
+        loss then seeds the backward, instead of computing the loss itself."""
+        return bool(getattr(self.head, "returns_outputs", False))
 
     @property
     def num_blocks(self) -> int:

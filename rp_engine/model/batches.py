@@ -15,6 +15,7 @@ import torch
 
 from rp_engine.model.base import LayerSequence, batch_to_dict
 from rp_engine.model.batch_checks import check_batch
+from rp_engine.model.module import module_batch
 
 if TYPE_CHECKING:
     from rp_engine.config import DSConfig
@@ -33,7 +34,16 @@ class BatchAdapter:
         self.pin = pin
 
     def to_dict(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The micro-batch as ``{name: tensor}``; ValueError when it has no labels."""
+        """The micro-batch as ``{name: tensor}``; ValueError when it has no labels. A module
+        model's call arguments are kept as given (``module_batch``); a single tuple/list
+        (``train_batch``'s ``(inputs, labels)``) is its positional arguments."""
+        if self.seq.returns_outputs:
+            if len(inputs) == 1 and not kwargs and isinstance(inputs[0], tuple | list):
+                inputs = tuple(inputs[0])
+            batch = module_batch(inputs, kwargs)
+            if self.pin:
+                batch = {k: _pinned(v) for k, v in batch.items()}
+            return batch
         if kwargs:
             raw: Any = kwargs
         elif len(inputs) == 1:
@@ -54,8 +64,7 @@ class BatchAdapter:
             if isinstance(v, torch.Tensor)
         }
         if self.pin:
-            # batches are small (token ids): torch's caching pinned allocator suits them
-            out = {k: v if v.is_pinned() else v.pin_memory() for k, v in out.items()}
+            out = {k: _pinned(v) for k, v in out.items()}
         return out
 
     def token_share(self, batch: dict[str, Any], num_items: Any) -> float:
@@ -76,6 +85,13 @@ class BatchAdapter:
 
             return CausalLMOutputWithPast(loss=loss)
         return loss
+
+
+def _pinned(value: Any) -> Any:
+    # batches are small (token ids): torch's caching pinned allocator suits them
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_pinned():
+        return value.pin_memory()
+    return value
 
 
 def compute_dtype(cfg: DSConfig) -> torch.dtype:

@@ -6,14 +6,17 @@ Supported shapes, tried in this order:
   * a Hugging Face causal LM shaped ``model.model.{embed_tokens, layers, norm, rotary_emb}`` +
     ``model.lm_head`` (Llama, Mistral, Qwen2/3, Qwen3-MoE, Gemma2, Granite...), peft-wrapped or not
   * an ``nn.Sequential`` + loss_fn
-The adapters live in ``hf.py`` and ``sequential.py``; this module only dispatches and checks that
-every parameter of the model belongs to some layer.
+  * any other ``nn.Module`` (module.py): traced pieces at its repeated block, else the whole
+    module as one layer; its outputs go to the caller
+The adapters live in ``hf.py``, ``sequential.py`` and ``module.py``; this module only dispatches
+and checks that every parameter of the model belongs to some layer.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,14 +24,16 @@ from torch import nn
 
 from rp_engine.model.base import HeadModule, LayerSequence, State, batch_to_dict
 from rp_engine.model.hf import build_hf_blocks, is_hf_causal_lm
+from rp_engine.model.module import module_layers
 from rp_engine.model.sequential import build_from_funcs, deepspeed_pipe
+
+log = logging.getLogger("rp_engine")
 
 __all__ = ["to_layers", "LayerSequence", "HeadModule", "State", "batch_to_dict", "uses_dropout"]
 
 _EXPECTED = (
-    "expected a Hugging Face causal LM shaped model.model.{embed_tokens, layers (ModuleList), "
-    "norm, rotary_emb} + model.lm_head (optionally peft-wrapped), an nn.Sequential with loss_fn, "
-    "a DeepSpeed PipelineModule, or a list of DeepSpeed LayerSpec with loss_fn"
+    "expected an nn.Module (a Hugging Face causal LM, an nn.Sequential with loss_fn, a DeepSpeed "
+    "PipelineModule, or any module), or a list of DeepSpeed LayerSpec with loss_fn"
 )
 
 
@@ -45,13 +50,16 @@ def to_layers(
     *,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     head_chunk_tokens: int = 1024,
+    split_points: Sequence[str] | None = None,
 ) -> LayerSequence:
     """Cut ``model`` into a :class:`LayerSequence` whose modules share the model's parameters.
 
     ``loss_fn(outputs, labels)`` is required for nn.Sequential and LayerSpec lists, optional for
     a PipelineModule (overrides its own), and refused for Hugging Face models (the head computes
     the model's own causal-LM loss). ``head_chunk_tokens`` bounds the tokens per LM-head chunk.
-    Raises ValueError naming the expected shapes for anything else.
+    Any other ``nn.Module`` is traced into pieces at its repeated block (or before the modules
+    named in ``split_points``), or else runs as one layer (model/module.py); its outputs go to
+    the caller, whose loss seeds the backward.
     """
     if isinstance(head_chunk_tokens, bool) or not isinstance(head_chunk_tokens, int):
         raise ValueError(f"head_chunk_tokens must be a positive int, got {head_chunk_tokens!r}")
@@ -78,10 +86,16 @@ def to_layers(
             inner, chunk_tokens=head_chunk_tokens
         )
         return _checked(LayerSequence(hf_prefix, hf_blocks, hf_head, model, f"hf:{model_type}"))
-    if isinstance(model, nn.Sequential):
+    if isinstance(model, nn.Sequential) and loss_fn is not None:
         prefix, blocks, head, root, kind = build_from_funcs(model, loss_fn=loss_fn)
         return _checked(LayerSequence(prefix, blocks, head, root, kind))
-    raise ValueError(f"unsupported model {type(inner).__name__}: {_EXPECTED}")
+    # any other module: traced pieces (b) or the whole module (c), its outputs to the caller
+    module_blocks, out_head, layering = module_layers(model, split_points=split_points)
+    log.info("rp_engine: %s model: %s (%s)", type(model).__name__, layering.strategy,
+             layering.reason)  # fmt: skip
+    return _checked(
+        LayerSequence(None, module_blocks, out_head, model, f"module:{layering.strategy}", layering)
+    )
 
 
 def _checked(seq: LayerSequence) -> LayerSequence:

@@ -4,8 +4,7 @@
 
 Layer i's output feeds layer i+1 (the PipelineModule contract). Blocks are all layers but the
 last; the head is the last layer + ``loss_fn(outputs, labels)``. A tuple flowing between layers is
-kept as state keys "hidden", "hidden.1", ...; only "hidden" may carry gradient, so a layer output
-whose later tuple elements require grad raises. DeepSpeed's per-layer reseeding (``seed_layers``)
+kept as state keys "hidden", "hidden.1", ...; each floating one carries gradient. DeepSpeed's per-layer reseeding (``seed_layers``)
 and activation checkpointing are not reproduced: recomputation belongs to the runtime.
 """
 
@@ -52,11 +51,6 @@ def _with_hidden(state: State, out: Any) -> State:
     new = {k: v for k, v in state.items() if k != "hidden" and not k.startswith("hidden.")}
     items = out if isinstance(out, tuple | list) else (out,)
     for i, item in enumerate(items):
-        if i > 0 and isinstance(item, torch.Tensor) and item.requires_grad:
-            raise NotImplementedError(
-                f"layer output element {i} requires grad; only the first element of a tuple may "
-                "carry gradient between layers"
-            )
         new["hidden" if i == 0 else f"hidden.{i}"] = item
     return new
 
@@ -114,20 +108,20 @@ class LossHead(HeadModule):
 
     def forward_backward(
         self, state: State, *, grad_scale: float = 1.0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = state["hidden"].detach()
-        differentiable = hidden.is_floating_point() or hidden.is_complex()
-        if differentiable:
-            hidden.requires_grad_()
+    ) -> tuple[torch.Tensor, State]:
+        leaves = {
+            k: v.detach().requires_grad_()
+            for k, v in state.items()
+            if (k == "hidden" or k.startswith("hidden."))
+            and isinstance(v, torch.Tensor)
+            and v.is_floating_point()
+        }
         with torch.enable_grad():
-            loss = self.forward({**state, "hidden": hidden})
+            loss = self.forward({**state, **leaves})
             if loss.requires_grad:
                 torch.autograd.backward(loss * grad_scale)
-        grad = hidden.grad
-        if grad is None:  # integer input, or the loss does not depend on it: nothing flows back
-            dtype = hidden.dtype if differentiable else torch.get_default_dtype()
-            grad = torch.zeros_like(hidden, dtype=dtype)
-        return loss.detach(), grad
+        # integer inputs (token ids), or values the loss does not depend on: no gradient
+        return loss.detach(), {k: v.grad for k, v in leaves.items() if v.grad is not None}
 
 
 class SpecModule(nn.Module):
@@ -212,5 +206,18 @@ def build_from_funcs(
         )
     if not funcs:
         raise ValueError(f"the {kind} model has no layers")
+    if len(funcs) == 1:
+        # one layer: it is the one block (the planner cuts blocks), and the head only applies
+        # loss_fn to its output
+        return InputPrefix(), [_block(funcs[0])], LossHead(_identity(), loss_fn), root, kind
     blocks: list[nn.Module] = [_block(f) for f in funcs[:-1]]
     return InputPrefix(), blocks, LossHead(_block(funcs[-1]), loss_fn), root, kind
+
+
+def _pass(x: Any) -> Any:
+    return x
+
+
+def _identity() -> FunctionBlock:
+    """A parameterless layer handing its input on (the head of a one-layer model)."""
+    return FunctionBlock(None, forward_fn=_pass)

@@ -109,6 +109,7 @@ from rp_engine.runtime.run_state import (
     _GroupKey,
     _HeadOut,
     _Key,
+    _Out,
     _Saved,
 )
 
@@ -181,11 +182,16 @@ class Executor:
                     raise ValueError(f"{a} has no UPLOAD in the plan: run a lowered plan")
                 ctx.upload_of[a] = _GroupKey.of(ups[0])
         if spec.train:
+            # per layer, the downloads that contribute to its gradient: its own, and those of
+            # layers using a weight it owns (a tied weight), so an owner is reported ready only
+            # once every stage using the weight has landed its part
             due: dict[int, int] = {}
-            for a in plan.actions:
-                if a.op is Op.DOWNLOAD:
-                    for layer in self._slot_layers(plan, a.stage):
-                        due[layer] = due.get(layer, 0) + 1
+            slots = [a.stage for a in plan.actions if a.op is Op.DOWNLOAD]
+            if spec.carry is not None:  # the head's carried gradients come down too
+                slots.append(plan.num_fwd_stages)
+            for slot in slots:
+                for layer in self._touched(self._slot_layers(plan, slot)):
+                    due[layer] = due.get(layer, 0) + 1
             for layer, n in due.items():
                 ctx.remaining.set([layer], n)
             if spec.whole_step:
@@ -268,6 +274,7 @@ class Executor:
             token_stats=[
                 {k: v.cpu() for k, v in ctx.token_stats[m].items()} for m in sorted(ctx.token_stats)
             ],
+            outputs=[ctx.outputs[m] for m in sorted(ctx.outputs)],
         )
 
     @staticmethod
@@ -295,6 +302,14 @@ class Executor:
         for device in self.devices:
             ctx.stats.busy_s.setdefault(device.index, 0.0)
 
+    def _touched(self, layers: Sequence[int]) -> list[int]:
+        """``layers`` and the owners of the trainable weights they use: the layers whose
+        gradients a download of ``layers`` adds to."""
+        out = set(layers)
+        for layer in layers:
+            out |= self._owners_of(layer)
+        return sorted(out)
+
     def _owners_of(self, layer: int) -> set[int]:
         """The layers owning the trainable parameters ``layer`` uses (a tied weight's owner)."""
         return {self.store.owner_layer(p) for p in self.store.trainable_of(layer)}
@@ -315,24 +330,37 @@ class Executor:
         def scale() -> None:
             for g in carry.head_grads.values():
                 g.mul_(factor)
-            if carry.grad_in is not None:
-                carry.grad_in.mul_(factor)
+            for g in (carry.grad_in or {}).values():
+                g.mul_(factor)
 
         compute.submit(scale, label="H.scale")
         done = compute.record()
         ctx.saved.update(carry.saved)
         for saved in carry.saved:
             ctx.saved_ev[saved] = None  # already on the host
-        if carry.grad_in is not None:
-            key = _Grad(1, carry.microbatch)
-            ctx.acts[key] = {"hidden": carry.grad_in}
+        key = _Grad(1, carry.microbatch)
+        grads_of_outputs = ctx.spec.output_grads
+        if grads_of_outputs is not None:  # a module model: the user's loss seeds the backward
+            self._put_host(ctx, key, functools.partial(dict, grads_of_outputs))
+        elif carry.grad_in is not None:
+            ctx.acts[key] = carry.grad_in
             ctx.act_where[key] = (carry.head_device, done)
-        head_layers = self.stages.bwd[0]
-        ctx.remaining.set(head_layers, 1)
+        head_layers = self.stages.bwd[0]  # their downloads are due (``start``)
         grads = carry.head_grads
         num_fwd = len(self.stages.fwd)
         action = Action(Op.DOWNLOAD, num_fwd, carry.microbatch, carry.head_device)
         self._download_grads(ctx, device, lambda: grads, head_layers, done, action=action)
+
+    def release(self, carry: Carry) -> None:
+        """Drop a forward run's carry whose backward will never run (the imperative loop's
+        forward without backward): its device tensors stop counting. The run has finished, so
+        nothing queued still writes them."""
+        device = self.devices[carry.head_device]
+        for t in [*carry.head_grads.values(), *(carry.grad_in or {}).values()]:
+            device.free(t)
+        carry.head_grads.clear()
+        carry.saved.clear()
+        carry.grad_in = None
 
     def reset(self) -> None:
         """After a failed ``finish`` or ``losses``: discard all work queued on the devices (a
@@ -483,6 +511,17 @@ class Executor:
             ctx.head_out = _HeadOut(a.device, grads, None, a.microbatch)
         done = self._launch(ctx, a, layers, [in_key], body, backward=train)
         ctx.act_where[_Grad(1, a.microbatch)] = (a.device, done)
+        gives_outputs = not train or ctx.spec.defer_head  # else the head differentiates a loss
+        if gives_outputs and _returns_outputs(self.modules[layers[-1]]):  # for the caller
+            m, device = a.microbatch, self.devices[a.device]
+            done = download_state(
+                device,
+                functools.partial(ctx.acts.pop, _Out(m)),
+                _counted(ctx, functools.partial(ctx.outputs.__setitem__, m), h2d=False),
+                after=done,
+                label=f"{a}.out",
+                trace=self._trace(ctx, device, "d2h_act", a),
+            )
         ctx.head_done.append(done)
 
     def _head_train(
@@ -494,24 +533,33 @@ class Executor:
         blocks, head = layers[:-1], layers[-1]
         x = ctx.acts.pop(in_key)
         x = _with_grad_input(x) if blocks else x
+        head_module: Any = self._load(device, head, weights).module
+        if spec.defer_head and _returns_outputs(head_module):
+            # a module model's imperative forward: the outputs go to the caller, whose loss
+            # (engine.backward) seeds the backward stages; the head stage holds no block
+            assert not blocks, f"{a}: an output head's stage must hold no block"
+            ctx.acts[_Out(m)] = outputs = head_module.outputs(x)
+            ctx.losses[m] = head_module.loss_of(outputs)
+            ctx.head_out = _HeadOut(a.device, grads, None, m)
+            return
         with torch.enable_grad():
             y = x
             for layer in blocks:
                 y = self._call(ctx, device, layer, y, m, weights)
-            head_module: Any = self._load(device, head, weights).module
-            loss, grad_in = head_module.forward_backward(
-                {**y, "hidden": y["hidden"].detach()},
+            loss, grad = head_module.forward_backward(
+                _detached_grad_keys(y),
                 grad_scale=1.0 if spec.defer_head else spec.grad_scale,
                 **_stats_kw(ctx, m),
             )
+            grad_in = grad if isinstance(grad, dict) else {"hidden": grad}
             if blocks:
-                torch.autograd.backward(y["hidden"], grad_in)
-                grad_in = x["hidden"].grad
+                _backprop(y, grad_in)
+                grad_in = _input_grads(x)
         ctx.losses[m] = loss.detach()
         _free(device, x)
-        if grad_in is not None and len(self.stages.bwd) > 1:
-            ctx.acts[_Grad(1, m)] = {"hidden": grad_in}
-            _track(device, ctx.acts[_Grad(1, m)])
+        if len(self.stages.bwd) > 1:
+            ctx.acts[_Grad(1, m)] = grad_in
+            _track(device, grad_in)
             if spec.defer_head:
                 ctx.head_out = _HeadOut(a.device, grads, grad_in, m)
 
@@ -522,17 +570,23 @@ class Executor:
         """Evaluation: the head-stage blocks and the head's loss, no gradient."""
         x, layers, m = ctx.acts.pop(in_key), self.stages.bwd[0], a.microbatch
         stats = _stats_kw(ctx, m)
+        head_module: Any = self._load(device, layers[-1], weights).module
+        outputs = _returns_outputs(head_module)
         with torch.no_grad():
-            for layer in layers[:-1] if stats else layers:
+            for layer in layers[:-1] if stats or outputs else layers:
                 x = self._call(ctx, device, layer, x, m, weights)
+            if outputs:  # a module model: its outputs go to the caller
+                ctx.acts[_Out(m)] = x = head_module.outputs(x)
+                ctx.losses[m] = head_module.loss_of(x)
+                return
             if stats:  # the head called with its statistics dict (no dropout in a head)
-                x = {"loss": self._load(device, layers[-1], weights).module(x, **stats)}
+                x = {"loss": head_module(x, **stats)}
         ctx.losses[m] = x["loss"].detach()
 
     def _backward(self, ctx: _Ctx, a: Action) -> None:
         layers, m = self.stages.bwd[a.stage], a.microbatch
         x_key = _BwdIn(a.stage, m)
-        if layers[0] == 0 and self.stages.has_prefix:  # the prefix recomputes from the batch
+        if layers[0] == 0:  # the first layer (the prefix, if any) recomputes from the batch
             self._put_host(ctx, x_key, functools.partial(dict, ctx.spec.batches[m]))
         else:
             self._put_saved(ctx, x_key, a)
@@ -541,18 +595,16 @@ class Executor:
 
         def body(device: Device, weights: WeightUpload) -> None:
             x = _with_grad_input(ctx.acts.pop(x_key))
-            grad_out = ctx.acts.pop(g_key)["hidden"]
+            grad_out = ctx.acts.pop(g_key)
             with torch.enable_grad():
                 y = x
                 for layer in layers:  # recompute, same RNG seeds as the forward
                     y = self._call(ctx, device, layer, y, m, weights)
-                torch.autograd.backward(y["hidden"], grad_out)
+                _backprop(y, grad_out)
             _free(device, x)
-            _free(device, {"hidden": grad_out})
+            _free(device, grad_out)
             if not last:  # the last stage's input is the micro-batch: no gradient flows on
-                grad_in = x["hidden"].grad
-                assert grad_in is not None, f"{a}: its input received no gradient"
-                ctx.acts[out_key] = {"hidden": grad_in}
+                ctx.acts[out_key] = _input_grads(x)
                 _track(device, ctx.acts[out_key])
 
         done = self._launch(ctx, a, layers, [x_key, g_key], body, backward=True)
@@ -794,7 +846,7 @@ class Executor:
             ctx.timeline.append(
                 TimelineRecord(device.index, str(action), start - ctx.t0, end - ctx.t0, "host")
             )
-            for layer in ctx.remaining.arrive(layers):
+            for layer in ctx.remaining.arrive(self._touched(layers)):
                 if ctx.spec.closes_step:
                     if layer in sole and layer not in mixed:  # none landed: 0, as the host pass
                         self.store.note_sq_norm(layer, ctx.spec.step, sq.get(layer, 0.0))
@@ -836,13 +888,58 @@ def _wait(stream: Any, *events: Event | None) -> None:
             stream.wait(event)
 
 
+def _grad_keys(state: State) -> list[str]:
+    """The keys of ``state`` that carry gradient between stages: "hidden" and "hidden.<any>"
+    holding a floating tensor (transfer.py's convention); every other key passes through."""
+    return [
+        k
+        for k, v in state.items()
+        if (k == "hidden" or k.startswith("hidden."))
+        and isinstance(v, torch.Tensor)
+        and v.is_floating_point()
+    ]
+
+
 def _with_grad_input(state: State) -> State:
-    """Detach the stage input and make its floating 'hidden' a leaf that collects a gradient."""
-    out = {k: v.detach() for k, v in state.items()}
-    hidden = out.get("hidden")
-    if hidden is not None and hidden.is_floating_point():
-        hidden.requires_grad_(True)
+    """Detach the stage input and make each gradient-carrying value a leaf that collects one."""
+    out = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    for k in _grad_keys(out):
+        out[k].requires_grad_(True)
     return out
+
+
+def _detached_grad_keys(state: State) -> State:
+    """``state`` with its gradient-carrying values detached (a head's own input leaves)."""
+    return {k: state[k].detach() if k in _grad_keys(state) else v for k, v in state.items()}
+
+
+def _backprop(y: State, grads: Mapping[str, torch.Tensor]) -> None:
+    """Backward from a stage's outputs given d(loss)/d(each gradient key). Outputs that need no
+    gradient (a parameterless first layer over the raw batch) are skipped, and a stage none of
+    whose outputs does is left alone: nothing upstream of it can receive a gradient."""
+    pairs = [
+        (y[k], g)
+        for k, g in grads.items()
+        if isinstance(y.get(k), torch.Tensor) and y[k].requires_grad
+    ]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def _input_grads(x: State) -> State:
+    """The gradients a stage's input leaves collected (keys that received none are left out:
+    a zero gradient contributes nothing upstream)."""
+    out: State = {}
+    for k in _grad_keys(x):
+        grad = x[k].grad
+        if grad is not None:
+            out[k] = grad
+    return out
+
+
+def _returns_outputs(module: Any) -> bool:
+    """Whether a head hands the model's outputs to the caller (model/module.py OutputHead)."""
+    return bool(getattr(module, "returns_outputs", False))
 
 
 def _counted(ctx: _Ctx, put: Callable[[State], None], *, h2d: bool) -> Callable[[State], None]:

@@ -42,6 +42,13 @@ class ModelShape:
     block_param_bytes: tuple[int, ...]
     head_param_bytes: int
     prefix_param_bytes: int
+    # the head stage holds no block: a module model's head hands its outputs to the caller,
+    # whose loss arrives only at engine.backward (model/module.py)
+    head_alone: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError("a model needs at least one block for the planner to place")
 
     @classmethod
     def from_sequence(cls, seq: LayerSequence, store: HostStore) -> ModelShape:
@@ -54,6 +61,7 @@ class ModelShape:
             block_param_bytes=tuple(layers[p + i].param_bytes for i in range(seq.num_blocks)),
             head_param_bytes=layers[-1].param_bytes,
             prefix_param_bytes=layers[0].param_bytes if p else 0,
+            head_alone=seq.returns_outputs,
         )
 
 
@@ -129,7 +137,16 @@ class Planner:
     def set_cuts(self, fwd_cuts: tuple[int, ...], bwd_cuts: tuple[int, ...]) -> None:
         """Use these cuts. Cuts the executor rejects raise ValueError naming the roundpipe key
         when the user wrote them, else RuntimeError (a planner bug: the search never offers
-        such cuts)."""
+        such cuts). A head that must stand alone (``ModelShape.head_alone``) gets the blocks
+        the search gave its stage as a backward stage of their own."""
+        if self.shape.head_alone and bwd_cuts and bwd_cuts[0] != 0:
+            if self.user_cuts:
+                raise ValueError(
+                    f"roundpipe.bwd_cuts {list(bwd_cuts)} must start with 0 for this model: its "
+                    "loss is computed by the caller from its outputs, so the head stage holds "
+                    f"no block (e.g. {[0, *bwd_cuts]})"
+                )
+            bwd_cuts = (0, *bwd_cuts)
         try:
             stages = StageMap.from_cuts(
                 num_blocks=self.shape.num_blocks,

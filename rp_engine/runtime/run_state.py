@@ -92,6 +92,9 @@ class RunSpec:
     profile: bool = False
     carry: Carry | None = None  # from the forward run of the imperative loop
     head_factor: float = 1.0  # d(user loss)/d(our loss), applied to the carried head gradients
+    # a module model's backward run (model/module.py's OutputHead): d(user loss)/d(each output),
+    # host tensors keyed as the outputs were; they seed the backward stages instead of a head
+    output_grads: State | None = None
     token_stats: bool = False  # the head also reports per-token statistics (RunResult)
 
     @property
@@ -113,7 +116,7 @@ class Carry:
     saved: dict[tuple[int, int], State]
     head_device: int
     head_grads: dict[int, torch.Tensor]
-    grad_in: torch.Tensor | None
+    grad_in: State | None  # d(our loss)/d(each gradient-carrying key of the head's input)
     microbatch: int
 
 
@@ -157,6 +160,8 @@ class RunResult:
     boundary_bytes: int = 0  # the largest state a forward stage handed on (one micro-batch)
     # per micro-batch, with RunSpec.token_stats: the head's per-token statistics (host tensors)
     token_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    # per micro-batch, from a head that returns the model's outputs (OutputHead): host copies
+    outputs: list[State] = field(default_factory=list)
 
 
 class Countdown:
@@ -223,7 +228,14 @@ class _Grad:
     microbatch: int
 
 
-_Key = _Batch | _FwdOut | _Saved | _BwdIn | _Grad
+@dataclass(frozen=True)
+class _Out:
+    """A module model's outputs (OutputHead), on the head's device before their download."""
+
+    microbatch: int
+
+
+_Key = _Batch | _FwdOut | _Saved | _BwdIn | _Grad | _Out
 
 
 @dataclass
@@ -232,7 +244,7 @@ class _HeadOut:
 
     device: int
     grads: dict[int, torch.Tensor]  # filled on the compute stream (the group's accumulators)
-    grad_in: torch.Tensor | None
+    grad_in: State | None
     microbatch: int
 
 
@@ -291,6 +303,7 @@ class _Ctx:
         self.stats = RunStats()
         self._count_lock = threading.Lock()  # copy threads of every device count at once
         self.head_out: _HeadOut | None = None
+        self.outputs: dict[int, State] = {}  # mb -> an OutputHead's outputs, on the host
         self.boundary_bytes = 0
         self.t0 = time.perf_counter()
 

@@ -56,6 +56,8 @@ def run_stages(seq: LayerSequence, batch: Any, *, grad_scale: float = 1.0) -> to
         outputs.append(state["hidden"])
     head_in = {**state, "hidden": state["hidden"].detach()}
     loss, grad = seq.head.forward_backward(head_in, grad_scale=grad_scale)
+    if isinstance(grad, dict):  # a head may return the gradient of each "hidden*" key
+        grad = grad.get("hidden", torch.zeros_like(head_in["hidden"], dtype=torch.float32))
     assert not loss.requires_grad and grad.shape == head_in["hidden"].shape
     for out, x in zip(reversed(outputs[1:]), reversed(inputs), strict=True):
         if out.requires_grad:
@@ -336,11 +338,12 @@ def test_sequential_stages_match(as_dict: bool) -> None:
     torch.testing.assert_close(seq.run_reference(batch), loss, **TIGHT)
 
 
-def test_sequential_needs_loss_fn_and_odd_models_are_refused() -> None:
-    with pytest.raises(ValueError, match="needs loss_fn"):
-        to_layers(models.tiny_mlp())
-    with pytest.raises(ValueError, match="expected a Hugging Face causal LM shaped"):
-        to_layers(nn.Linear(2, 2))
+def test_modules_without_loss_fn_are_module_models_and_odd_inputs_are_refused() -> None:
+    # an nn.Sequential without loss_fn, or any other module, returns its outputs to the caller
+    assert to_layers(models.tiny_mlp()).kind == "module:traced"
+    assert to_layers(nn.Linear(2, 2)).kind == "module:whole_module"
+    with pytest.raises(ValueError, match="expected an nn.Module"):
+        to_layers(object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="loss_fn is not supported for Hugging Face"):
         to_layers(models.tiny_llama(layers=1), loss_fn=F.cross_entropy)
     with pytest.raises(ValueError, match="head_chunk_tokens"):
@@ -380,9 +383,12 @@ def test_tuple_activations() -> None:
     torch.testing.assert_close(run_stages(seq, ((x, mask), y)), loss.detach(), **TIGHT)
     assert_grads_close(take_grads(model), want, **TIGHT)
 
-    leaky = to_layers(nn.Sequential(_Masked(8, leak=True), _Last()), loss_fn=F.cross_entropy)
-    with pytest.raises(NotImplementedError, match="element 1 requires grad"):
-        leaky.run_reference(((x, mask), y))
+    # a second tuple element that carries gradient is a "hidden.1" key: the runtime carries its
+    # gradient too (tests/engine/test_module_models.py runs it through the engine)
+    leaky_model = nn.Sequential(_Masked(8, leak=True), _Last())
+    leaky = to_layers(leaky_model, loss_fn=F.cross_entropy)
+    want_loss = F.cross_entropy(leaky_model((x, mask)), y)
+    torch.testing.assert_close(leaky.run_reference(((x, mask), y)), want_loss, **TIGHT)
 
 
 def test_layer_spec_list_with_tied_layers() -> None:

@@ -1,0 +1,377 @@
+"""Any nn.Module through the engine (issue 29): traced pieces (b) and the whole module (c), the
+caller's own loss, forward without backward, evaluation, and the two bugs the DeepSpeed-test
+rewrap found (a one-layer Sequential, a parameterless first layer).
+
+References are plain PyTorch (engine_helpers.reference_losses: AdamW, staleness 0 or 1); the
+comparison with real DeepSpeed ZeRO-3 is in tests/interop/test_module_parity.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import assert_same_weights, config, engine_for, reference_losses
+from torch import nn
+
+from rp_engine.device.base import DeviceError
+
+GAS, STEPS = 2, 3
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class Residual(nn.Module):
+    """Repeated blocks with a skip connection, a batch-size int crossing the cuts, a weight
+    read functionally in the last piece (tied to the first), and two outputs."""
+
+    def __init__(self, width: int = 8, classes: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(3))
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.inp(x)
+        n = x.shape[0]
+        for block in self.blocks:
+            h = block(h) + h
+        logits = self.out(h) + F.linear(h, self.inp.weight)[:, : self.out.out_features]
+        return F.cross_entropy(logits, y), (h.pow(2).sum() / n) * 1e-2
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc = nn.Linear(4 * 3 * 3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.max_pool2d(torch.relu(self.conv(x)), 2).flatten(1))
+
+
+def residual_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randint(0, 8, (4,), generator=g)) for _ in range(n)]
+
+
+def cnn_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def residual_loss(out: Any, _batch: Any) -> torch.Tensor:
+    return out[0] + out[1]
+
+
+def cnn_loss(out: Any, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(out, batch[1])
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], list[Any]], Any, bool, str]] = {
+    # name: (model, batches, loss from (outputs, batch), forward takes (x, y), strategy)
+    "residual": (Residual, residual_batches, residual_loss, True, "traced"),
+    "cnn": (SmallCNN, cnn_batches, cnn_loss, False, "whole_module"),
+}
+
+
+def call(engine_or_model: Any, batch: Any, takes_labels: bool) -> Any:
+    x, y = batch
+    return engine_or_model(x, y) if takes_labels else engine_or_model(x)
+
+
+def train_imperative(
+    engine: Any, batches: list[Any], loss_of: Any, takes_labels: bool, *,
+    extra_forward_at: int | None = None,
+) -> list[float]:  # fmt: skip
+    """DeepSpeed's loop; per-step mean of the caller's losses."""
+    losses: list[float] = []
+    total = 0.0
+    for i, batch in enumerate(batches):
+        if i == extra_forward_at:  # a training-mode forward whose loss is only logged
+            float(loss_of(call(engine, batch, takes_labels), batch))
+        loss = loss_of(call(engine, batch, takes_labels), batch)
+        engine.backward(loss)
+        engine.step()
+        total += float(loss)
+        if (i + 1) % GAS == 0:
+            losses.append(total / GAS)
+            total = 0.0
+    return losses
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_module_model_matches_pytorch(name: str, async_optimizer: bool) -> None:
+    build, make_batches, loss_of, takes_labels, strategy = CASES[name]
+    torch.manual_seed(0)
+    model = build()
+    ref = copy.deepcopy(model)
+    batches = make_batches(GAS * STEPS)
+    engine = engine_for(model, config(devices=2, gas=GAS, async_optimizer=async_optimizer))
+    try:
+        assert engine.layering.strategy == strategy, engine.layering
+        got = train_imperative(engine, batches, loss_of, takes_labels)
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    want = reference_losses(
+        ref, batches, steps=STEPS, gas=GAS, staleness=1 if async_optimizer else 0,
+        loss_of=lambda m, b: loss_of(call(m, b, takes_labels), b),
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_without_backward_then_a_step(name: str) -> None:
+    """DeepSpeed allows a training-mode forward with no backward (logging a loss): the next
+    step's losses and weights are as if it never ran."""
+    build, make_batches, loss_of, takes_labels, _ = CASES[name]
+    torch.manual_seed(0)
+    model = build()
+    twin = copy.deepcopy(model)
+    batches = make_batches(GAS * 2)
+    runs = []
+    for m, extra in ((model, None), (twin, 1)):
+        engine = engine_for(m, config(devices=2, gas=GAS))
+        try:
+            runs.append(
+                train_imperative(engine, batches, loss_of, takes_labels, extra_forward_at=extra)
+            )
+            engine.synchronize()
+        finally:
+            engine.destroy()
+    # not bit for bit: a tied weight's contributions from two stages on two devices are added
+    # on the host in the order their downloads land
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-6, atol=1e-6)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_without_backward_on_a_sequential_model() -> None:
+    """The same for a model whose loss is computed in the pipeline's fused head (its carry
+    holds device gradients, which the next forward releases)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model.loss_fn = F.cross_entropy  # type: ignore[assignment]
+    twin = copy.deepcopy(model)
+    batches = residual_batches(GAS * 2)
+    runs = []
+    for m, extra in ((model, None), (twin, 2)):
+        engine = engine_for(m, config(devices=2, gas=GAS))
+        try:
+            runs.append(
+                train_imperative(engine, batches, lambda o, b: o, True, extra_forward_at=extra)
+            )
+            engine.synchronize()
+        finally:
+            engine.destroy()
+    assert runs[0] == runs[1]
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_evaluation_returns_the_models_outputs(name: str) -> None:
+    build, make_batches, _, takes_labels, _ = CASES[name]
+    torch.manual_seed(0)
+    model = build()
+    batch = make_batches(1)[0]
+    want = call(model, batch, takes_labels)
+    engine = engine_for(model, config(devices=2, gas=GAS))
+    try:
+        engine.eval()
+        got = call(engine, batch, takes_labels)
+        with torch.no_grad():
+            engine.train()
+            also = call(engine, batch, takes_labels)
+    finally:
+        engine.destroy()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, check_layout=False)
+    torch.testing.assert_close(also, want, rtol=1e-6, atol=1e-7)
+    assert type(got) is type(want)
+
+
+class LossModel(nn.Module):
+    """DeepSpeed's test shape: Linear layers in a ModuleList, forward(x, y) -> one loss."""
+
+    def __init__(self, layers: int, width: int = 8) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for linear in self.linears:
+            x = linear(x)
+        return F.cross_entropy(x, y)
+
+
+def test_train_batch_runs_a_model_that_returns_its_loss() -> None:
+    """train_batch (all GAS micro-batches in one schedule) works for a model returning one
+    scalar loss; a model returning several outputs is told to use DeepSpeed's loop."""
+    torch.manual_seed(0)
+    model = LossModel(4)
+    ref = copy.deepcopy(model)
+    batches = residual_batches(GAS * STEPS)
+    engine = engine_for(model, config(devices=2, gas=GAS))
+    try:
+        assert engine.layering.strategy == "traced"
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(STEPS)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    want = reference_losses(ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: m(*b))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, ref)
+
+    engine = engine_for(Residual(), config(devices=2, gas=GAS))
+    try:
+        # found on the device running the head: a DeviceError whose cause is the ValueError
+        with pytest.raises(DeviceError, match="one scalar loss") as info:
+            engine.train_batch(iter(residual_batches(GAS)))
+        assert isinstance(info.value.__cause__, ValueError)
+    finally:
+        engine.destroy()
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for linear in self.linears:
+            x = linear(x) if x.sum() > 0 else -linear(x)
+        return F.cross_entropy(x, y)
+
+
+def test_strategy_choice_split_points_and_fallback() -> None:
+    cfg = config(devices=2, gas=GAS)
+    engine = engine_for(Branchy(), cfg)
+    try:
+        assert engine.layering.strategy == "whole_module"
+        assert "cannot trace" in engine.layering.reason
+        got = train_imperative(engine, residual_batches(GAS), lambda o, b: o, True)
+        assert len(got) == 1
+    finally:
+        engine.destroy()
+    engine = engine_for(LossModel(1), cfg)  # one layer: nothing repeated
+    try:
+        assert engine.layering.strategy == "whole_module"
+        assert "no repeated" in engine.layering.reason
+    finally:
+        engine.destroy()
+    engine = engine_for(LossModel(4), config(devices=2, gas=GAS, roundpipe={
+        "split_points": ["linears.2"]}))  # fmt: skip
+    try:
+        assert engine.layering.strategy == "traced"
+        assert engine.layering.split_points == ("linears.2",) and engine.seq.num_blocks == 2
+    finally:
+        engine.destroy()
+    engine = engine_for(LossModel(4), config(devices=2, gas=GAS, roundpipe={
+        "split_points": ["nowhere"]}))  # fmt: skip
+    try:
+        assert engine.layering.strategy == "whole_module"
+        assert "nowhere" in engine.layering.reason
+    finally:
+        engine.destroy()
+    with pytest.raises(ValueError, match="roundpipe.bwd_cuts .* must start with 0"):
+        engine_for(LossModel(4), config(devices=2, gas=GAS, fwd_cuts=[2, 2], bwd_cuts=[2, 2]))
+
+
+# --- the two bugs found by running DeepSpeed's tests over rp_engine ------------------------------
+def _sequential_run(model: nn.Sequential) -> None:
+    """train_batch over a Sequential + loss_fn equals plain PyTorch."""
+    model.loss_fn = F.cross_entropy  # type: ignore[assignment]
+    ref = copy.deepcopy(model)
+    batches = residual_batches(GAS * STEPS)
+    engine = engine_for(model, config(devices=2, gas=GAS))
+    try:
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(STEPS)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    want = reference_losses(
+        ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: F.cross_entropy(m(b[0]), b[1])
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, ref)
+
+
+def test_one_layer_sequential_trains() -> None:
+    """Was IndexError in the planner: the one layer became the head and no block was left."""
+    torch.manual_seed(0)
+    _sequential_run(nn.Sequential(nn.Linear(8, 8)))
+
+
+def test_parameterless_first_layer_trains() -> None:
+    """Was DeviceError 'element 0 of tensors does not require grad': the first stage's output
+    over the raw batch needs no gradient, and backward was called on it anyway."""
+    torch.manual_seed(0)
+    _sequential_run(nn.Sequential(nn.Identity(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)))
+
+
+class _Pair(nn.Module):
+    """(x, mask) -> (h, 2h): both tuple elements carry gradient to the next layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        x, mask = inputs
+        h = torch.tanh(self.linear(x)) * mask
+        return h, h * 2
+
+
+class _Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.linear(inputs[0] * inputs[1])
+
+
+def test_second_tuple_element_carries_gradient_between_stages() -> None:
+    """A tuple element after the first that requires grad was refused; it is now a
+    "hidden.1" key whose gradient the runtime carries back like "hidden"'s."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Pair(), _Pair(), _Join())
+    model.loss_fn = F.cross_entropy  # type: ignore[assignment]
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    batches = [
+        ((torch.randn(4, 8, generator=g), torch.ones(4, 8)), torch.randint(0, 8, (4,), generator=g))
+        for _ in range(GAS * STEPS)
+    ]
+    engine = engine_for(model, config(devices=2, gas=GAS, fwd_cuts=[1, 1], bwd_cuts=[0, 1, 1]))
+    try:
+        it = iter(batches)
+        got = [float(engine.train_batch(it)) for _ in range(STEPS)]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    want = reference_losses(
+        ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: F.cross_entropy(m(b[0]), b[1])
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, ref)
