@@ -87,9 +87,10 @@ def reference_losses(
     staleness: int = 0,
     loss_of: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     set_position: Callable[[int, int], None] | None = None,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> list[float]:
-    """Plain PyTorch on one device: GAS micro-batches per step, AdamW(weight_decay=0); the
-    per-step mean losses, ``model`` left with the final weights.
+    """Plain PyTorch on one device: GAS micro-batches per step, AdamW(weight_decay=0) (or
+    ``make_optimizer(params)``); the per-step mean losses, ``model`` left with the final weights.
 
     With ``staleness`` s > 0 the gradients of step t are taken at the weights of step
     max(t-1-s, 0): w_t = AdamW(w_{t-1}, grad at w_{max(t-1-s, 0)}); s = 1 is the asynchronous
@@ -98,7 +99,10 @@ def reference_losses(
     The run records its ``AdamSlack`` on ``model``: ``assert_same_weights(engine_model, model)``
     then allows each element what gradient rounding moves Adam's step by, and no more.
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    if make_optimizer is None:
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    else:  # e.g. DeepSpeed's CPU Adam, to compare with the engine's own kernel bit for bit
+        opt = make_optimizer(model.parameters())
     slack = AdamSlack.of(model)
     loss_of = loss_of or (lambda m, b: m(**b).loss)
     compute = copy.deepcopy(model) if staleness else model
@@ -120,7 +124,7 @@ def reference_losses(
             mb += 1
         if staleness:
             for p, q in zip(model.parameters(), compute.parameters(), strict=True):
-                p.grad = q.grad.clone()
+                p.grad = None if q.grad is None else q.grad.clone()  # unused: no gradient
         opt.step()
         slack.record(opt)
         opt.zero_grad()
