@@ -47,17 +47,27 @@ def initialize(
 ) -> tuple[RoundPipeEngine, Any, Any, Any]:
     """Same arguments and 4-tuple as ``deepspeed.initialize``.
 
-    Returns ``(engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)``.
+    Returns ``(engine, optimizer, engine.training_dataloader, engine.lr_scheduler)``. The
+    optimizer is what DeepSpeed 0.19.8 returns for the same arguments and config
+    (``rp_engine.optim.build.returned_optimizer``): the client's own optimizer object (or the one
+    its callable built) where DeepSpeed returns it unwrapped (ZeRO stage 0, fp32), else
+    ``engine.optimizer``, whose ``.optimizer`` is the client's object as in DeepSpeed's wrappers.
+    Either way the client's object steps the fp32 host masters, driven by ``engine.step()``.
+    Misuse that DeepSpeed asserts against raises an error that is also an AssertionError.
     Works in a plain single process: no launcher environment, no mpi4py. ``auto_values`` fills
     Hugging Face ``"auto"`` placeholders (see ``rp_engine.config.hf_auto_values``). Raises
     ``PreflightError`` when the model's host state would not fit in memory (host_preflight.py).
     """
     from rp_engine.config import load_config, resolve_config_arg
+    from rp_engine.config.errors import _InitArgError
     from rp_engine.engine import RoundPipeEngine
     from rp_engine.host_preflight import check_initialize
+    from rp_engine.optim.build import returned_optimizer
 
-    if model is None:
-        raise ValueError("initialize(model=...) is required")
+    if model is None:  # deepspeed.initialize asserts it: the error is also an AssertionError
+        raise _InitArgError(
+            "initialize(model=...) is required: pass the torch.nn.Module to train as model="
+        )
     if mpu is not None or mesh_param is not None:
         raise ValueError("model parallelism (mpu / mesh_param) is not supported by rp_engine")
     world = _data_parallel_world(distributed_port, dist_init_required)
@@ -74,7 +84,8 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    opt = returned_optimizer(engine.optimizer, cfg, client_given=optimizer is not None)
+    return engine, opt, engine.training_dataloader, engine.lr_scheduler
 
 
 def _data_parallel_world(port: int, dist_init_required: bool | None) -> int:

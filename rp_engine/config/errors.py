@@ -23,6 +23,20 @@ class _ConfigArgError(ConfigError, AssertionError):
     """Raised where deepspeed.initialize asserts about its config arguments."""
 
 
+class _ConfigAssertError(ConfigError, AssertionError):
+    """Raised where DeepSpeed 0.19.8 asserts while reading the config (batch sizes, precision
+    modes, optimizer name: deepspeed/runtime/config.py and engine.py): code written against
+    DeepSpeed that catches AssertionError keeps working, and the message is still ours."""
+
+
+class _InitArgError(ValueError, AssertionError):
+    """Raised where deepspeed.initialize asserts about its other arguments (``model`` given)."""
+
+
+class _InitArgTypeError(TypeError, AssertionError):
+    """Raised where DeepSpeed asserts an argument's type (the client optimizer)."""
+
+
 def _show(value: Any) -> str:
     try:
         return json.dumps(value)

@@ -22,6 +22,7 @@ from typing import Any
 from rp_engine.config.auto import _apply_auto_values, _find_autos
 from rp_engine.config.errors import (
     ConfigError,
+    _ConfigAssertError,
     _ConfigTypeError,
     _did_you_mean,
     _show,
@@ -122,8 +123,8 @@ def _parse_batch(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
     spec = _Spec(int, optional=True)
     tbs, mbs, gas = (_coerce(raw.get(k), k, spec) for k in keys)
     for key, value in zip(keys, (tbs, mbs, gas), strict=True):
-        if value is not None and value <= 0:
-            raise _type_error(key, value, "an integer > 0")
+        if value is not None and value <= 0:  # DeepSpeed asserts it (_batch_assertion)
+            raise _ConfigAssertError(f"{key} = {value} is not valid: expected an integer > 0")
     ws = world_size
     inferred = ""
     if tbs is not None and mbs is not None and gas is not None:
@@ -142,7 +143,7 @@ def _parse_batch(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
     elif mbs is not None:
         tbs, gas = mbs * ws, 1
     else:
-        raise ConfigError(
+        raise _ConfigAssertError(
             "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided "
             "(gradient_accumulation_steps alone is not enough): set "
             "train_micro_batch_size_per_gpu (samples per device per step) in the config"
@@ -151,13 +152,13 @@ def _parse_batch(raw: Mapping[str, Any], world_size: int) -> tuple[int, int, int
     why = f" (inferred: {inferred} with world_size {ws})" if inferred else ""
     for key, value in zip(keys, (tbs, mbs, gas), strict=True):
         if value <= 0:
-            raise ConfigError(
+            raise _ConfigAssertError(
                 f"{key} = {value}: has to be greater than 0{why}; choose values with "
                 "train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps "
                 "* world_size, all three > 0"
             )
     if tbs != mbs * gas * ws:
-        raise ConfigError(
+        raise _ConfigAssertError(
             "Check batch related parameters: train_batch_size is not equal to "
             "train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size: "
             f"{tbs} != {mbs} * {gas} * {ws}{why}. Set train_batch_size = {mbs * gas * ws}, or "
@@ -248,7 +249,7 @@ def _parse_optimizer(section: Any) -> OptimizerConfig | None:
         torch_optims = _torch_optimizers()
         if name not in torch_optims:
             valid = [*DEEPSPEED_OPTIMIZERS, *sorted(torch_optims)]
-            raise ConfigError(
+            raise _ConfigAssertError(
                 f"optimizer.type = {_show(name)}: {name} is not a supported DeepSpeed Optimizer"
                 f"{_did_you_mean(name, valid)}. Valid types: {', '.join(DEEPSPEED_OPTIMIZERS)} "
                 "(any case), or a torch.optim class name, case-sensitive: "
@@ -464,7 +465,7 @@ def _parse_precision(raw: Mapping[str, Any], zero_stage: int) -> tuple[FP16Confi
         BF16Config, _read(raw.get(bf16_key), bf16_key, _specs_of(BF16Config), strict=True)
     )
     if fp16.enabled and bf16.enabled:
-        raise ConfigError(
+        raise _ConfigAssertError(
             f"fp16.enabled and {bf16_key}.enabled are both true: bfloat16 and fp16 modes cannot "
             "be enabled together; set one of them to false"
         )
@@ -482,9 +483,9 @@ def _parse_precision(raw: Mapping[str, Any], zero_stage: int) -> tuple[FP16Confi
     ]
     for key, on in needs_zero:
         if on and zero_stage == 0:
-            raise ConfigError(f"{key} = true is only supported with ZeRO stage 1, 2 or 3")
+            raise _ConfigAssertError(f"{key} = true is only supported with ZeRO stage 1, 2 or 3")
     if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
-        raise ConfigError(
+        raise _ConfigAssertError(
             f"{bf16_key}.bf16_optimizer_states = true requires "
             f"{bf16_key}.bf16_master_weights_and_grads = true"
         )

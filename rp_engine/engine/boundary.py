@@ -97,6 +97,8 @@ class OptimizerBoundary:
         overflow = bool(result and result.overflow) if in_flight is None else in_flight
         self.optimizer.overflow = overflow
         self.optimizer.loss_scaler.update(overflow)
+        if not overflow:
+            self.optimizer.note_step_applied()  # before any scheduler, the engine's or the user's
         if not overflow and self.lr_scheduler is not None:
             self.optimizer.step_scheduler(self.lr_scheduler, **(lr_kwargs or {}))
         self._note_stale_model()

@@ -134,6 +134,10 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             cfg, self.store, model=model, client_optimizer=optimizer,
             model_parameters=model_parameters, device_kind=self.pool.kind,
         )  # fmt: skip
+        # DeepSpeed's names: the caller's optimizer argument, and the unwrapped optimizer (the
+        # client's own object when one was given) that ``self.optimizer`` drives
+        self.client_optimizer = optimizer
+        self.basic_optimizer = self.optimizer.optimizer
         self.lr_scheduler = build_scheduler(cfg, self.optimizer, client_scheduler=lr_scheduler)
         self.stepper = OptimizerStepper(
             self.store,

@@ -201,7 +201,11 @@ class HostOptimizer:
         per_layer: bool,
         scaler: LossScaler,
         slice_elems: int = ADAM_SLICE,
+        step_fn: Callable[[], Any] | None = None,
     ) -> None:
+        """``step_fn``: what steps ``inner`` (all groups at once) when it is not per-layer;
+        default ``inner.step``. A client's optimizer passes its original ``step``: user code
+        calling ``inner.step()`` gets a no-op guard instead (rp_engine.optim.build)."""
         if slice_elems <= 0 or slice_elems % _SIMD_SPAN:
             raise ValueError(
                 f"slice_elems={slice_elems}: must be a positive multiple of {_SIMD_SPAN} (the CPU "
@@ -209,6 +213,7 @@ class HostOptimizer:
             )
         self.slice_elems = slice_elems
         self.optimizer = inner
+        self._step_fn = step_fn
         self.per_layer = per_layer
         self.loss_scaler = scaler
         self.overflow = False
@@ -231,6 +236,13 @@ class HostOptimizer:
         with self.hyperparams_lock:
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
             scheduler.step(**kwargs)
+
+    def note_step_applied(self) -> None:
+        """The engine closed a step that applies (its optimizer work may still be running in the
+        background): set the flag torch's LR schedulers read to warn that the scheduler stepped
+        before the optimizer, so a scheduler the user built on the client's optimizer and steps
+        after ``engine.step()`` (as under DeepSpeed) does not warn."""
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The hyper-parameters of every group now (frozen into a step when it is issued)."""
@@ -326,7 +338,7 @@ class HostOptimizer:
             for live, frozen in zip(live_groups, groups, strict=True):
                 live.update(frozen)
             try:
-                self.optimizer.step()
+                (self._step_fn or self.optimizer.step)()
             finally:
                 for live, now in zip(live_groups, current, strict=True):
                     live.update(now)
