@@ -51,7 +51,8 @@ def initialize(
     optimizer is what DeepSpeed 0.19.8 returns for the same arguments and config
     (``rp_engine.optim.build.returned_optimizer``): the client's own optimizer object (or the one
     its callable built) where DeepSpeed returns it unwrapped (ZeRO stage 0, fp32), else
-    ``engine.optimizer``, whose ``.optimizer`` is the client's object as in DeepSpeed's wrappers.
+    rp_engine's wrapper, whose ``.optimizer`` is the client's object as in DeepSpeed's wrappers;
+    ``engine.optimizer`` is the same object (the engine drives ``engine.host_optimizer``).
     Either way the client's object steps the fp32 host masters, driven by ``engine.step()``.
     Misuse that DeepSpeed asserts against raises an error that is also an AssertionError.
     Works in a plain single process: no launcher environment, no mpi4py. ``auto_values`` fills
@@ -62,7 +63,6 @@ def initialize(
     from rp_engine.config.errors import _InitArgError
     from rp_engine.engine import RoundPipeEngine
     from rp_engine.host_preflight import check_initialize
-    from rp_engine.optim.build import returned_optimizer
 
     if model is None:  # deepspeed.initialize asserts it: the error is also an AssertionError
         raise _InitArgError(
@@ -84,8 +84,7 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
-    opt = returned_optimizer(engine.optimizer, cfg, client_given=optimizer is not None)
-    return engine, opt, engine.training_dataloader, engine.lr_scheduler
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
 def _data_parallel_world(port: int, dist_init_required: bool | None) -> int:

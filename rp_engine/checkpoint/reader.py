@@ -91,7 +91,7 @@ def load(
     if saved != now:  # the files hold the whole state: each rank keeps the layers it owns
         log.info("resharding checkpoint %s: saved at dp world size %s, loading at %d", folder,
                  saved, now)  # fmt: skip
-    load_optimizer = optimizer_states and not module_only and engine.optimizer is not None
+    load_optimizer = optimizer_states and not module_only and engine.host_optimizer is not None
     placeholders = _zero3_placeholders(engine.module, ckpt)
     osd = None
     if load_optimizer or placeholders:
@@ -219,7 +219,7 @@ def _load_optimizer(
         inner = _unflatten_state(engine, ckpt, inner, ids, list(flats), osd, stage=stage)
     if inner is not None:
         try:
-            engine.optimizer.load_state_dict(_materialize(inner))
+            engine.host_optimizer.load_state_dict(_materialize(inner))
         except (ValueError, KeyError) as exc:
             raise RuntimeError(
                 f"the checkpoint's optimizer state does not fit this optimizer ({exc}); it was "
@@ -228,10 +228,10 @@ def _load_optimizer(
             ) from exc
     scaler_state = osd.get(_RP_LOSS_SCALER, osd.get(_LOSS_SCALER))
     if scaler_state is not None:
-        engine.optimizer.loss_scaler.load_state_dict(
-            _scaler_dict(scaler_state, engine.optimizer.loss_scaler)
+        engine.host_optimizer.loss_scaler.load_state_dict(
+            _scaler_dict(scaler_state, engine.host_optimizer.loss_scaler)
         )
-    engine.optimizer.overflow = bool(osd.get("overflow", False))
+    engine.host_optimizer.overflow = bool(osd.get("overflow", False))
 
 
 def _zero3_placeholders(module: nn.Module, ckpt: Mapping[str, Any]) -> list[str]:
@@ -320,7 +320,7 @@ def _unflatten_state(
     stage: int,
 ) -> dict[str, Any]:
     """DeepSpeed's flat-partition optimizer state as a per-parameter state_dict of
-    ``engine.optimizer``: state tensors the size of a flat partition (Adam's moments; ZeRO-1/2
+    ``engine.host_optimizer``: state tensors the size of a flat partition (Adam's moments; ZeRO-1/2
     ones include the partition's tail padding) are split like the fp32 partitions (zero_to_fp32's
     layout); other entries (``step``) go to every parameter of the partition."""
     flat_states = [inner["state"].get(i, {}) for i in ids]
@@ -399,14 +399,14 @@ def _groups_like(
     per_param: Callable[[str], dict[str, Any] | None],
     state: dict[int, dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    """``engine.optimizer``'s param groups in state_dict form (params numbered in order), with
+    """``engine.host_optimizer``'s param groups in state_dict form (params numbered in order), with
     the saved hyper-parameters; ``state[index] = per_param(name)`` where that is not None."""
     names = _ParamNames(engine.module)
     owner = {id(hp.master): hp for hp in engine.store.owned_params()}
     saved = inner["param_groups"]
     groups: list[dict[str, Any]] = []
     index = 0
-    for gi, group in enumerate(engine.optimizer.optimizer.param_groups):
+    for gi, group in enumerate(engine.host_optimizer.optimizer.param_groups):
         ids = []
         for master in group["params"]:
             entry = per_param(names.of(owner[id(master)].param))

@@ -87,7 +87,7 @@ def save(
     )
     model_state.update(client_state)
     files: dict[str, Any] = {model_file_name(stage): model_state}
-    if engine.optimizer is not None:
+    if engine.host_optimizer is not None:
         files[optim_file_name(bf16=cfg.bf16.enabled)] = _optim_states(engine, units, stage=stage)
 
     os.makedirs(save_dir, exist_ok=True)
@@ -122,11 +122,11 @@ class _Group:
 def _optimized_groups(engine: Any, names: _ParamNames) -> list[_Group]:
     """Masters per inner-optimizer group, named. Zero-element parameters are left out, as
     DeepSpeed does (they are recorded with the frozen ones, keeping their shape)."""
-    if engine.optimizer is None:
+    if engine.host_optimizer is None:
         return []
     owner = {id(hp.master): hp for hp in engine.store.owned_params()}
     groups = []
-    for group in engine.optimizer.optimizer.param_groups:
+    for group in engine.host_optimizer.optimizer.param_groups:
         g = _Group()
         for master in group["params"]:
             hp = owner.get(id(master))
@@ -184,7 +184,7 @@ def _model_states(
         "buffer_names": _buffer_names(module),
         # DeepSpeed's stage-0 fp32 engine reads its (plain torch) optimizer from here; ZeRO
         # stages keep it in the optim-states file.
-        "optimizer": engine.optimizer.state_dict() if _plain_stage0(engine) else None,
+        "optimizer": engine.host_optimizer.state_dict() if _plain_stage0(engine) else None,
         # DeepSpeed records one entry per flat fp32 group (ZeRO-3: per sub-group).
         "param_shapes": [OrderedDict((n, m.shape) for n, m, _ in unit.params) for unit in units],
         "frozen_param_shapes": None if exclude_frozen else frozen_shapes,
@@ -219,7 +219,7 @@ def _plain_stage0(engine: Any) -> bool:
     parameters and saves its per-parameter state_dict in the model file (``optimizer``)."""
     cfg = engine._config
     return (
-        engine.optimizer is not None
+        engine.host_optimizer is not None
         and int(cfg.zero.stage) == 0
         and not cfg.fp16.enabled
         and not cfg.bf16.enabled
@@ -298,7 +298,7 @@ def _optim_states(engine: Any, units: list[_FlatUnit], *, stage: int) -> dict[st
     reads back with ``load_state_dict`` (stage3.py ``_rigid_load_state_dict``,
     stage_1_and_2.py ``_load_legacy_checkpoint``): flat fp32 partitions, the inner optimizer's
     state as one flat parameter per partition, DeepSpeed's loss-scaler object."""
-    opt = engine.optimizer
+    opt = engine.host_optimizer
     scaler = opt.loss_scaler
     flats = [u.flat([m for _, m, _ in u.params], with_tail=False) for u in units]
     common: dict[str, Any] = {
@@ -345,8 +345,8 @@ def _flat_optimizer_state(engine: Any, units: list[_FlatUnit]) -> dict[str, Any]
     parameter per unit, numbered in order; per-parameter state tensors (Adam's moments) are
     flattened like the fp32 partition (padded to the stepped size), other entries (``step``)
     are shared by the unit's parameters and taken from the first one."""
-    inner = engine.optimizer.optimizer
-    saved_groups = engine.optimizer.state_dict()["param_groups"]
+    inner = engine.host_optimizer.optimizer
+    saved_groups = engine.host_optimizer.state_dict()["param_groups"]
     state: dict[int, dict[str, Any]] = {}
     for index, unit in enumerate(units):
         per_param = [inner.state.get(m, {}) for _, m, _ in unit.params]

@@ -66,7 +66,8 @@ class DeepSpeedAccessors:
     _last: StepResult | None
     _step_stats: RunStats | None
     _timeline: list[TimelineRecord]
-    optimizer: HostOptimizer
+    host_optimizer: HostOptimizer  # what the engine drives
+    optimizer: Any  # what DeepSpeed's engine.optimizer is (optim/build.py returned_optimizer)
     stepper: OptimizerStepper
     training: bool
     _published_step = 0  # global_steps when the newest weights were last published
@@ -168,7 +169,7 @@ class DeepSpeedAccessors:
         return None if self._last is None else self._last.grad_norm
 
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [g["lr"] for g in self.host_optimizer.param_groups]
 
     # --- config -----------------------------------------------------------------------------------
     def train_micro_batch_size_per_gpu(self) -> int:
@@ -269,7 +270,7 @@ class DeepSpeedAccessors:
         dp = self.stepper.dp
         # data parallel: rank 0 writes the whole state (the one-process layout, any world size
         # loads it), the owners' optimizer shards gathered onto it for the write
-        writes = dp is None or dp.gather_state(self.optimizer)
+        writes = dp is None or dp.gather_state(self.host_optimizer)
         ok = False
         try:
             if writes:
@@ -280,7 +281,7 @@ class DeepSpeedAccessors:
             ok = True
         finally:
             if dp is not None:
-                dp.drop_foreign_state(self.optimizer)
+                dp.drop_foreign_state(self.host_optimizer)
                 dp.all_ok(ok, "save_checkpoint")
         return True
 
@@ -302,7 +303,7 @@ class DeepSpeedAccessors:
             module_only=load_module_only, trust=trust_checkpoint,
         )  # fmt: skip
         if self.stepper.dp is not None:  # any world size: keep the state of the owned layers
-            self.stepper.dp.drop_foreign_state(self.optimizer)
+            self.stepper.dp.drop_foreign_state(self.host_optimizer)
         return loaded
 
     def save_16bit_model(

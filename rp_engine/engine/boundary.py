@@ -77,7 +77,7 @@ class OptimizerBoundary:
         global_samples: int
         lr_scheduler: Any
         monitor: Monitor
-        optimizer: HostOptimizer
+        host_optimizer: HostOptimizer
         stepper: OptimizerStepper
 
         def train_batch_size(self) -> int: ...
@@ -95,12 +95,12 @@ class OptimizerBoundary:
         applied (a late skip is repaired by :meth:`_skipped_late`)."""
         result = self._last if in_flight is None else None
         overflow = bool(result and result.overflow) if in_flight is None else in_flight
-        self.optimizer.overflow = overflow
-        self.optimizer.loss_scaler.update(overflow)
+        self.host_optimizer.overflow = overflow
+        self.host_optimizer.loss_scaler.update(overflow)
         if not overflow:
-            self.optimizer.note_step_applied()  # before any scheduler, the engine's or the user's
+            self.host_optimizer.note_step_applied()  # before any scheduler, the engine's or the user's
         if not overflow and self.lr_scheduler is not None:
-            self.optimizer.step_scheduler(self.lr_scheduler, **(lr_kwargs or {}))
+            self.host_optimizer.step_scheduler(self.lr_scheduler, **(lr_kwargs or {}))
         self._note_stale_model()
         step, samples = self.global_steps + 1, self.global_samples + self.train_batch_size()
         every = self._config.steps_per_print
@@ -119,8 +119,8 @@ class OptimizerBoundary:
         """What the next boundary will change (taken just before it, for ``_skipped_late``)."""
         sched = self.lr_scheduler
         state = copy.deepcopy(sched.state_dict()) if sched is not None else None
-        scaler = self.optimizer.loss_scaler.state_dict()
-        return BoundaryState(scheduler=state, groups=self.optimizer.snapshot(), scaler=scaler)
+        scaler = self.host_optimizer.loss_scaler.state_dict()
+        return BoundaryState(scheduler=state, groups=self.host_optimizer.snapshot(), scaler=scaler)
 
     def _skipped_late(self, step: int, before: BoundaryState, result: StepResult) -> None:
         """Step ``step``, whose boundary was applied in flight as applied, closed skipped (a
@@ -129,14 +129,14 @@ class OptimizerBoundary:
         hyper-parameters and let the guard judge it. Its boundary is the latest one (a run is
         finished before the next boundary is applied)."""
         assert step == self.global_steps, (step, self.global_steps)
-        with self.optimizer.hyperparams_lock:  # a torch step may have its groups swapped in
+        with self.host_optimizer.hyperparams_lock:  # a torch step may have its groups swapped in
             if self.lr_scheduler is not None and before.scheduler is not None:
                 self.lr_scheduler.load_state_dict(before.scheduler)
-            for live, frozen in zip(self.optimizer.param_groups, before.groups, strict=True):
+            for live, frozen in zip(self.host_optimizer.param_groups, before.groups, strict=True):
                 live.update(frozen)
-        self.optimizer.overflow = True
-        self.optimizer.loss_scaler.load_state_dict(before.scaler)
-        self.optimizer.loss_scaler.update(True)  # raises at the minimum scale, as drained
+        self.host_optimizer.overflow = True
+        self.host_optimizer.loss_scaler.load_state_dict(before.scaler)
+        self.host_optimizer.loss_scaler.update(True)  # raises at the minimum scale, as drained
         self._counters.skipped_steps += 1
         self._counters.step_applied = False
         self.stepper.refreeze(step + 1)

@@ -4,7 +4,7 @@ Parts, each owned elsewhere::
 
     config.DSConfig --> Planner (cuts, plans)        --> Executor (runs plans on the DevicePool)
     model --> LayerSequence --> HostStore (weights, masters, grads, versions) <-- OptimizerStepper
-    optimizer: HostOptimizer (DeepSpeedCPUAdam kernel per layer), LR scheduler, LossScaler
+    host_optimizer: HostOptimizer (DeepSpeedCPUAdam kernel per layer), LR scheduler, LossScaler
     checkpoint/ (DeepSpeed layout), monitor.py (W&B / CSV)
 
 Two ways to train, with identical gradients:
@@ -39,7 +39,7 @@ from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
 from rp_engine.model.module import Layering
 from rp_engine.monitor import Monitor
-from rp_engine.optim.build import build_optimizer, build_scheduler
+from rp_engine.optim.build import build_optimizer, build_scheduler, returned_optimizer
 from rp_engine.optim.nonfinite import NonFiniteGuard
 from rp_engine.optim.stepper import OptimizerStepper, StepResult
 from rp_engine.plan.actions import Plan
@@ -130,18 +130,23 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             pin=cuda_pin if on_cuda else None,
             alloc=pinned_empty if on_cuda else None,  # uninitialised: written before read
         )
-        self.optimizer = build_optimizer(
+        self.host_optimizer = build_optimizer(
             cfg, self.store, model=model, client_optimizer=optimizer,
             model_parameters=model_parameters, device_kind=self.pool.kind,
         )  # fmt: skip
         # DeepSpeed's names: the caller's optimizer argument, and the unwrapped optimizer (the
-        # client's own object when one was given) that ``self.optimizer`` drives
+        # client's own object when one was given) that ``self.host_optimizer`` drives
         self.client_optimizer = optimizer
-        self.basic_optimizer = self.optimizer.optimizer
-        self.lr_scheduler = build_scheduler(cfg, self.optimizer, client_scheduler=lr_scheduler)
+        self.basic_optimizer = self.host_optimizer.optimizer
+        # what DeepSpeed's engine.optimizer is (and initialize returns): the client's object
+        # itself at ZeRO-0 fp32, else the wrapper; the engine itself drives host_optimizer
+        self.optimizer = returned_optimizer(
+            self.host_optimizer, cfg, client_given=optimizer is not None
+        )
+        self.lr_scheduler = build_scheduler(cfg, self.host_optimizer, client_scheduler=lr_scheduler)
         self.stepper = OptimizerStepper(
             self.store,
-            self.optimizer,
+            self.host_optimizer,
             clip=cfg.gradient_clipping,
             # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
             async_mode=rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only,

@@ -46,7 +46,7 @@ class ImperativeLoop:
         stepper: OptimizerStepper
         device: torch.device
         planner: Planner
-        optimizer: HostOptimizer
+        host_optimizer: HostOptimizer
         global_steps: int
         _counters: StepCounters
         _guard: NonFiniteGuard
@@ -121,10 +121,14 @@ class ImperativeLoop:
         scaled = loss_t / self.gradient_accumulation_steps() if scale_wrt_gas else loss_t
         run: dict[str, Any] = {}
         if outputs:  # d(loss)/d(each output) seeds the backward stages (model/module.py)
-            run["output_grads"] = _output_grads(scaled * self.optimizer.cur_scale, self._leaves)
+            run["output_grads"] = _output_grads(
+                scaled * self.host_optimizer.cur_scale, self._leaves
+            )
         else:
             assert self._loss_leaf is not None
-            run["head_factor"] = _derivative(scaled, self._loss_leaf) * self.optimizer.cur_scale
+            run["head_factor"] = (
+                _derivative(scaled, self._loss_leaf) * self.host_optimizer.cur_scale
+            )
         closes = self.is_gradient_accumulation_boundary()
         carry, batch = self._carry, self._carry_batch
         self._carry = self._carry_batch = None

@@ -148,7 +148,7 @@ class PipelinedIterations:
         global_samples: int
         micro_steps: int
         monitor: Monitor
-        optimizer: HostOptimizer
+        host_optimizer: HostOptimizer
         planner: Planner
         stepper: OptimizerStepper
 
@@ -186,7 +186,7 @@ class PipelinedIterations:
             self._drain_pipeline()
             result = self._run(
                 self.planner.plan(gas), batches, step=self.global_steps + 1, closes_step=True,
-                grad_scale=self.optimizer.cur_scale / gas, profile=profile,
+                grad_scale=self.host_optimizer.cur_scale / gas, profile=profile,
             )  # fmt: skip
             self._counters.whole_step(applied=self._apply_boundary(None))
             self._guard.raise_failed()
@@ -204,7 +204,7 @@ class PipelinedIterations:
         spec = RunSpec(
             plan=self.planner.plan(gas), batches=batches,
             version=self.stepper.required_version(step), step=step, closes_step=True,
-            grad_scale=self.optimizer.cur_scale / gas, microbatch_offset=self.micro_steps,
+            grad_scale=self.host_optimizer.cur_scale / gas, microbatch_offset=self.micro_steps,
         )  # fmt: skip
         executor = self._executor
         previous = self._inflight
@@ -220,7 +220,7 @@ class PipelinedIterations:
             except BaseException:
                 self._abort_pipeline()
                 raise
-            if spec.grad_scale != self.optimizer.cur_scale / gas:  # step t-1 overflowed (fp16)
+            if spec.grad_scale != self.host_optimizer.cur_scale / gas:  # step t-1 overflowed (fp16)
                 self._reissue(current, spec)
         try:
             losses = executor.losses(current.handle)  # (a reissued run has a new handle)
@@ -250,7 +250,7 @@ class PipelinedIterations:
             self.stepper.restart(spec.step - 1)  # declared at t-1, masters published
             self.stepper.open_step(spec.step)
             again = replace(
-                spec, grad_scale=self.optimizer.cur_scale / self.gradient_accumulation_steps()
+                spec, grad_scale=self.host_optimizer.cur_scale / self.gradient_accumulation_steps()
             )
             current.handle = current.executor.start(again)
         except BaseException:

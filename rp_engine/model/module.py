@@ -117,7 +117,7 @@ def _pack_outputs(out: Any) -> State:
 
 def output_leaves(outputs: State) -> list[tuple[str, Any]]:
     """(key, value) of each output leaf, in the structure's order."""
-    spec = outputs[SPEC_KEY]
+    spec: Any = outputs[SPEC_KEY]
     keys = [f"hidden.out.{i}" if f"hidden.out.{i}" in outputs else f"out.{i}" for i in
             range(spec.num_leaves)]  # fmt: skip
     return [(k, outputs[k]) for k in keys]
@@ -127,7 +127,8 @@ def rebuild_outputs(outputs: State, leaf: Callable[[str, Any], Any] | None = Non
     """The model's return value from its packed outputs; ``leaf(key, value)`` maps each leaf
     (e.g. to a device tensor that collects the caller's gradient)."""
     values = [v if leaf is None else leaf(k, v) for k, v in output_leaves(outputs)]
-    return pytree.tree_unflatten(values, outputs[SPEC_KEY])
+    spec: Any = outputs[SPEC_KEY]
+    return pytree.tree_unflatten(values, spec)
 
 
 class OutputHead(HeadModule):
@@ -354,13 +355,13 @@ def trace_stages(
             if path and _within(path, point):
                 current = i
                 break
-        if path and any(_within(path, p) for p in points[:current - 1]) and node.op != "get_attr":
+        if path and any(_within(path, p) for p in points[: current - 1]) and node.op != "get_attr":
             raise TraceRefused(f"the graph returns to {path!r} after a later split point")
         part[node] = current
     if current != len(points):
         raise TraceRefused(f"the forward never runs split point {points[current]!r}")
     # a tied weight read through get_attr goes with its reader, not with where it is declared
-    for node, index in list(part.items()):
+    for node in list(part):
         if node.op == "get_attr" and node.users:
             part[node] = min(part[u] for u in node.users if u in part)
     split = split_module(gm, model, lambda n: part[n], keep_original_order=True)
@@ -377,7 +378,7 @@ def _stages_of(split: fx.GraphModule, model: nn.Module) -> list[TracedStage]:
     for call in calls:
         users = list(call.users)
         if users and all(u.op == "call_function" and u.target.__name__ == "getitem" for u in users):
-            produced[call] = tuple(sorted(users, key=lambda u: u.args[1]))
+            produced[call] = tuple(sorted(users, key=lambda u: int(u.args[1])))  # type: ignore[arg-type]
         else:
             produced[call] = (call,)
     stages: list[TracedStage] = []

@@ -63,7 +63,9 @@ class SmallCNN(nn.Module):
 
 def residual_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 8, generator=g), torch.randint(0, 8, (4,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(4, 8, generator=g), torch.randint(0, 8, (4,), generator=g)) for _ in range(n)
+    ]
 
 
 def cnn_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

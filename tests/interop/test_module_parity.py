@@ -100,8 +100,13 @@ def test_async_equals_the_staleness_one_reference(name: str) -> None:
     case = MODELS[name]
     want = {
         s: reference_losses(
-            case.build(0), make_batches(name, MICRO, batch_size=MBS), steps=MICRO // GAS,
-            gas=GAS, lr=lr, staleness=s, loss_of=lambda m, b: case.loss(m(*case.inputs(b)), b),
+            case.build(0),
+            make_batches(name, MICRO, batch_size=MBS),
+            steps=MICRO // GAS,
+            gas=GAS,
+            lr=lr,
+            staleness=s,
+            loss_of=lambda m, b: case.loss(m(*case.inputs(b)), b),
         )  # fmt: skip
         for s in (0, 1)
     }
