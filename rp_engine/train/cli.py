@@ -457,7 +457,7 @@ class _Job:
             return
         self._pending[step] = {
             "train/loss": loss, "train/lr": engine.get_lr()[0], "train/tokens_per_s": tps,
-            "train/loss_scale": float(getattr(engine.host_optimizer, "cur_scale", 1.0)),
+            "train/loss_scale": float(getattr(engine.optimizer, "cur_scale", 1.0)),
             "host/rss_gb": host_rss_gb(),
         }  # fmt: skip
         self._flush_wandb(engine)

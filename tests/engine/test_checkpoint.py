@@ -111,7 +111,8 @@ class FakeEngine:
         else:
             groups = [{"params": [m for _, m in masters]}]
         inner = torch.optim.AdamW(groups, lr=1e-2)
-        self.optimizer = HostOptimizer(inner, per_layer=False, scaler=LossScaler())
+        self.host_optimizer = HostOptimizer(inner, per_layer=False, scaler=LossScaler())
+        self.optimizer = self.host_optimizer  # what DeepSpeed calls engine.optimizer
         self.lr_scheduler = WarmupLR(self.optimizer, warmup_max_lr=1e-2, warmup_num_steps=5)
         self.stepper = OptimizerStepper(
             self.store, self.optimizer, clip=0.0, async_mode=False, fp16=False

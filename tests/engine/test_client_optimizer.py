@@ -64,7 +64,9 @@ def test_client_instance_is_returned_and_optimizes_the_masters() -> None:
     try:
         assert opt is client and type(opt) is torch.optim.AdamW
         assert engine.client_optimizer is client and engine.basic_optimizer is client
-        assert isinstance(engine.optimizer, HostOptimizer) and engine.optimizer.optimizer is client
+        assert engine.optimizer is client  # DeepSpeed's engine.optimizer is the same object
+        assert isinstance(engine.host_optimizer, HostOptimizer)
+        assert engine.host_optimizer.optimizer is client
         masters = _masters(engine)
         assert {id(p) for g in client.param_groups for p in g["params"]} == masters
         engine.train_batch(_batches(0))
@@ -217,7 +219,7 @@ def test_deepspeed_cpu_adam_client_steps_layer_by_layer() -> None:
         client = DeepSpeedCPUAdam(model.parameters(), lr=1e-3)
     engine, opt, _, _ = rp_engine.initialize(model=model, optimizer=client, config=_cfg())
     try:
-        assert opt is client and engine.optimizer.per_layer
+        assert opt is client and engine.host_optimizer.per_layer
         before = _weights(engine)
         engine.train_batch(_batches(0))
         assert not _same(before, _weights(engine))
