@@ -77,6 +77,13 @@ class EmulatedZeroLink:
 
         return hook
 
+    @classmethod
+    def over(cls, modules: Sequence[Any], bytes_per_param: int, gbps: float) -> EmulatedZeroLink:
+        """The link over ``modules`` (execution order), each fetched and its gradients
+        offloaded at ``bytes_per_param`` per parameter (4: fp32, 2: bf16)."""
+        nbytes = [sum(p.numel() for p in m.parameters()) * bytes_per_param for m in modules]
+        return cls(modules, nbytes, nbytes, gbps)
+
     def wait_gradients(self) -> None:
         _sleep_until(self.d2h_free)
         self._ready.clear()  # a prefetch past the last module of a pass is never consumed

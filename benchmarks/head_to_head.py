@@ -202,13 +202,18 @@ def _torch(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tu
     return step, sync, dict, _nothing
 
 
-def _deepspeed(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
-    import torch
-
+def one_rank_env() -> None:
+    """The launcher variables of a one-process DeepSpeed run (world size 1), where unset."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+
+
+def _deepspeed(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
+    import torch
+
+    one_rank_env()
     import deepspeed
 
     from benchmarks.emulated_link import EmulatedZeroLink
@@ -219,8 +224,7 @@ def _deepspeed(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -
         inner = model.model
         modules = [inner.embed_tokens, *inner.layers, model.lm_head]
         size = 2 if preset["dtype"] == "bf16" else 4
-        pbytes = [sum(p.numel() for p in m.parameters()) * size for m in modules]
-        link = EmulatedZeroLink(modules, pbytes, pbytes, args.pcie_gbps)
+        link = EmulatedZeroLink.over(modules, size, args.pcie_gbps)
     cfg = ds_config(preset, devices=None, pcie_gbps=None)
     cfg.pop("roundpipe")
     engine, _, _, _ = deepspeed.initialize(
@@ -512,6 +516,14 @@ def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--pcie-gbps", str(args.pcie_gbps)]
     if not args.calibrate:
         cmd += ["--no-calibrate"]
+    return child_json(cmd, system, timeout=args.timeout, child_log=args.child_log)
+
+
+def child_json(
+    cmd: list[str], system: str, *, timeout: float | None, child_log: str | None
+) -> dict[str, Any]:
+    """Run one system's process (``cmd``, from the repository root) and return the dict of its
+    last ``JSON:`` line, or ``{"system", "error"}`` when it failed or ran past ``timeout``."""
     root = Path(__file__).resolve().parent.parent
     env = {
         **os.environ,
@@ -522,12 +534,12 @@ def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, cwd=root, env=env, timeout=args.timeout
+            cmd, capture_output=True, text=True, cwd=root, env=env, timeout=timeout
         )
     except subprocess.TimeoutExpired as exc:  # killed: the next system still gets its turn
-        _log_child(args, system, _text(exc.stderr))
-        return {"system": system, "error": [f"timed out after {args.timeout:g} s"]}
-    _log_child(args, system, proc.stderr)
+        _log_child(child_log, system, _text(exc.stderr))
+        return {"system": system, "error": [f"timed out after {timeout:g} s"]}
+    _log_child(child_log, system, proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
     if proc.returncode or not lines:
         return {"system": system, "error": proc.stderr.strip().splitlines()[-8:]}
@@ -541,10 +553,10 @@ def _text(out: str | bytes | None) -> str:
     return out or ""
 
 
-def _log_child(args: argparse.Namespace, system: str, stderr: str) -> None:
+def _log_child(child_log: str | None, system: str, stderr: str) -> None:
     """Append a child's whole stderr to ``--child-log`` (DeepSpeed's set-up logs, tracebacks)."""
-    if args.child_log:
-        with open(args.child_log, "a") as f:
+    if child_log:
+        with open(child_log, "a") as f:
             f.write(f"---- {system} ----\n{stderr}\n")
 
 
