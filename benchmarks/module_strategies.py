@@ -16,6 +16,10 @@ ZeRO-3, params and optimizer offloaded to CPU, AdamW, clipping 1.0):
   switch that asks for (c); the run names a split point that is not a module of the model
   (``FORCE_WHOLE``), so the trace is refused and (c) is the documented fallback (its
   ``engine.layering.reason`` says so, and the JSON keeps it);
+- ``traced_train_batch`` / ``whole_module_train_batch``: the same two strategies driven by
+  ``engine.train_batch(data_iter)`` (rp_engine's fast path, PipelineEngine's API; the model
+  returns one scalar loss, so it can): all GAS micro-batches in one schedule, one weight upload
+  per slot and step with the gradients accumulated on the device;
 - ``deepspeed``: real DeepSpeed ZeRO-Infinity (CPU form), one process.
 
 "On the emulated link": rp_engine's CPU virtual devices charge ``roundpipe.pcie_gbps`` on every
@@ -45,8 +49,8 @@ from torch import nn
 from benchmarks.head_to_head import child_json, ds_config, machine_info, one_rank_env
 from benchmarks.host_load import CoreShare
 
-SYSTEMS = ("traced", "whole_module", "deepspeed")
-RP_SYSTEMS = ("traced", "whole_module")
+SYSTEMS = ("traced", "whole_module", "traced_train_batch", "whole_module_train_batch", "deepspeed")
+RP_SYSTEMS = ("traced", "whole_module", "traced_train_batch", "whole_module_train_batch")
 # a split point no model has: rp_engine refuses the trace and runs strategy (c) (module.py)
 FORCE_WHOLE = "__whole_module__"
 DEFAULT_JSON = Path(__file__).resolve().parent / "module_strategies.json"
@@ -108,7 +112,7 @@ def config(args: argparse.Namespace, system: str) -> dict[str, Any]:
         cfg.pop("roundpipe")
         return cfg
     cfg = ds_config(run, devices=args.devices, pcie_gbps=args.pcie_gbps)
-    if system == "whole_module":
+    if system.startswith("whole_module"):
         cfg["roundpipe"]["split_points"] = [FORCE_WHOLE]
     return cfg
 
@@ -125,6 +129,9 @@ def run_system(system: str, args: argparse.Namespace) -> dict[str, Any]:
     it = iter(data)
 
     def step() -> torch.Tensor:
+        if system.endswith("_train_batch"):  # all GAS micro-batches in one schedule
+            batches = [tuple(t.to(engine.device) for t in next(it)) for _ in range(args.gas)]
+            return engine.train_batch(iter(batches)).detach().cpu()
         total = torch.zeros(())
         for _ in range(args.gas):
             x, y = (t.to(engine.device) for t in next(it))
@@ -261,6 +268,8 @@ def ratios(systems: dict[str, Any]) -> dict[str, float]:
         "traced/deepspeed": ("traced", "deepspeed"),
         "whole_module/deepspeed": ("whole_module", "deepspeed"),
         "traced/whole_module": ("traced", "whole_module"),
+        "traced_train_batch/deepspeed": ("traced_train_batch", "deepspeed"),
+        "whole_module_train_batch/deepspeed": ("whole_module_train_batch", "deepspeed"),
     }
     return {k: sps[a] / sps[b] for k, (a, b) in pairs.items() if a in sps and b in sps}
 
@@ -282,6 +291,8 @@ def format_table(result: dict[str, Any]) -> str:
     label = {
         "traced": "rp_engine (b) traced",
         "whole_module": "rp_engine (c) whole module",
+        "traced_train_batch": "rp_engine (b) traced, train_batch",
+        "whole_module_train_batch": "rp_engine (c) whole module, train_batch",
         "deepspeed": "DeepSpeed ZeRO-Infinity (CPU)",
     }
     lines = [

@@ -14,7 +14,8 @@ TINY += ["--tokens", "3", "--gas", "2", "--warmup", "1", "--steps", "1", "--repe
 
 def test_rp_engine_part_reports_both_strategies_as_claimed(tmp_path: Path) -> None:
     out = tmp_path / "ms.json"
-    argv = [*TINY, "--pcie-gbps", "5", "--systems", "traced,whole_module", "--inline"]
+    systems = "traced,whole_module,whole_module_train_batch"
+    argv = [*TINY, "--pcie-gbps", "5", "--systems", systems, "--inline"]
     assert main([*argv, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result) == {"systems", "ratios", "config", "machine", "table"}
@@ -32,6 +33,12 @@ def test_rp_engine_part_reports_both_strategies_as_claimed(tmp_path: Path) -> No
     # the same weights and data: the first step's loss is the same under both strategies
     assert abs(traced["first_loss"] - whole["first_loss"]) < 1e-5
     assert set(result["ratios"]) == {"traced/whole_module"}
+    # train_batch: all GAS micro-batches in one schedule, one upload per slot and step, where
+    # DeepSpeed's loop uploads per micro-batch (GAS 2: half the weight bytes)
+    tb = result["systems"]["whole_module_train_batch"]
+    assert tb["strategy"] == "whole_module"
+    assert tb["weight_h2d_bytes_per_step"] * 2 == whole["weight_h2d_bytes_per_step"]
+    assert abs(tb["first_loss"] - whole["first_loss"]) < 1e-5
     assert result["config"]["ds_config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert "| rp_engine (b) traced | traced, 3 layer(s) |" in result["table"]
 
