@@ -377,3 +377,43 @@ def test_second_tuple_element_carries_gradient_between_stages() -> None:
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert_same_weights(model, ref)
+
+
+def test_a_hugging_face_model_that_is_not_a_causal_lm_trains_whole() -> None:
+    """A BERT classifier is no shape rp_engine pipelines and torch.fx cannot trace it: it trains
+    as one layer (c), returning its own ModelOutput, with plain PyTorch's losses and weights."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(cfg)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    batches = [
+        {"input_ids": torch.randint(0, 64, (2, 8), generator=g),
+         "labels": torch.randint(0, 3, (2,), generator=g)}
+        for _ in range(GAS * STEPS)
+    ]  # fmt: skip
+    engine = engine_for(model, config(devices=2, gas=GAS))
+    try:
+        assert engine.layering.strategy == "whole_module"
+        assert "cannot trace" in engine.layering.reason
+        got: list[float] = []
+        for i, batch in enumerate(batches):
+            out = engine(**batch)
+            assert type(out).__name__ == "SequenceClassifierOutput"
+            engine.backward(out.loss)
+            engine.step()
+            if i % GAS == 0:
+                got.append(0.0)
+            got[-1] += float(out.loss.detach()) / GAS
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    want = reference_losses(ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: m(**b).loss)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, ref)
