@@ -61,7 +61,9 @@ def test_client_optimizer_and_scheduler_override_the_config() -> None:
     )
     try:
         # stage 0, fp32: DeepSpeed returns the client's optimizer itself
-        assert optimizer is opt and engine.optimizer is opt and engine.host_optimizer.optimizer is opt
+        assert (
+            optimizer is opt and engine.optimizer is opt and engine.host_optimizer.optimizer is opt
+        )
         assert scheduler is sched and sched.optimizer is opt
         engine.train_batch(iter([random_batch(128, batch=2, seq=8, seed=i) for i in range(2)]))
         assert engine.get_lr() == [0.25]
