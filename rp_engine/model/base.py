@@ -16,9 +16,27 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["State", "HeadModule", "LayerSequence", "batch_to_dict"]
+__all__ = ["State", "HeadModule", "LayerSequence", "batch_to_dict", "grad_key", "grad_keys"]
 
 State = dict[str, torch.Tensor]
+
+
+def _floating(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def grad_key(name: str, value: Any) -> str:
+    """The state key for ``value`` named ``name``: "hidden.<name>" when it is a floating tensor
+    (it carries gradient between stages), else ``name``."""
+    return f"hidden.{name}" if _floating(value) else name
+
+
+def grad_keys(state: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state`` that carry gradient between stages: "hidden" and "hidden.<name>"
+    holding a floating tensor; every other key passes through."""
+    return [
+        k for k, v in state.items() if (k == "hidden" or k.startswith("hidden.")) and _floating(v)
+    ]
 
 
 class HeadModule(nn.Module):

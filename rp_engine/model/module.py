@@ -10,7 +10,9 @@ RoundPipe needs a sequence of layers; this module makes one without the user wri
   ``roundpipe.split_points``). Each piece is a block; the user's parameters are shared, never
   copied (the pieces hold the user's own submodules and tensors).
 * (c) **whole module**: one block that calls the model. No pipelining, but weights stay on the
-  host and go up once per slot and step, with DeepSpeed's CPU Adam, sync or async.
+  host, with DeepSpeed's CPU Adam, sync or async; through ``train_batch`` they go up once per
+  slot and step (DeepSpeed's imperative loop runs each forward and backward as its own run, so
+  there they go up per micro-batch and pass).
 
 Both end in :class:`OutputHead`, a parameterless head that hands the model's outputs back to the
 caller instead of computing a loss: ``engine.backward(loss)`` differentiates the caller's loss
@@ -31,7 +33,6 @@ user's object, which the host store, the optimizer handed back and checkpoints r
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from rp_engine.model.base import HeadModule, State
+from rp_engine.model.base import HeadModule, State, grad_key, grad_keys
 
 __all__ = [
     "Layering",
@@ -53,8 +54,6 @@ __all__ = [
     "output_leaves",
     "rebuild_outputs",
 ]
-
-log = logging.getLogger("rp_engine")
 
 SPEC_KEY = "out.spec"
 
@@ -102,15 +101,10 @@ def _is_input(key: str) -> bool:
 
 
 # --- outputs ----------------------------------------------------------------------------------
-def _out_key(i: int, value: Any) -> str:
-    floating = isinstance(value, torch.Tensor) and value.is_floating_point()
-    return f"hidden.out.{i}" if floating else f"out.{i}"
-
-
 def _pack_outputs(out: Any) -> State:
     """The model's return value as state keys + its structure under ``out.spec``."""
     leaves, spec = pytree.tree_flatten(out)
-    state: State = {_out_key(i, v): v for i, v in enumerate(leaves)}
+    state: State = {grad_key(f"out.{i}", v): v for i, v in enumerate(leaves)}
     state[SPEC_KEY] = spec  # type: ignore[assignment]  # a plain value: rides along uncopied
     return state
 
@@ -167,8 +161,10 @@ class OutputHead(HeadModule):
     def forward_backward(
         self, state: State, *, grad_scale: float = 1.0
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        leaves = [(k, v) for k, v in output_leaves(self.outputs(state))]
-        losses = [(k, v) for k, v in leaves if isinstance(v, torch.Tensor) and k.startswith("h")]
+        outputs = self.outputs(state)
+        leaves = output_leaves(outputs)
+        floating = set(grad_keys(outputs))
+        losses = [(k, v) for k, v in leaves if k in floating]
         if len(losses) != 1 or losses[0][1].numel() != 1:
             raise ValueError(
                 "train_batch needs a model whose forward returns one scalar loss; this one "
@@ -240,7 +236,7 @@ class TracedStage(nn.Module):
                     "cut; choose other roundpipe.split_points (values crossing a cut must be "
                     "tensors or plain Python values)"
                 )
-            new[_value_key(name, value)] = value
+            new[grad_key(f"v.{name}", value)] = value
         if self.result is None:
             return new
         leaves, spec = self.result
@@ -256,11 +252,6 @@ class TracedStage(nn.Module):
             if key in state:
                 return state[key]
         return self.signature.value(state, name)
-
-
-def _value_key(name: str, value: Any) -> str:
-    floating = isinstance(value, torch.Tensor) and value.is_floating_point()
-    return f"hidden.v.{name}" if floating else f"v.{name}"
 
 
 def _name(key: str) -> str:

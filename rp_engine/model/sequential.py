@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rp_engine.model.base import HeadModule, State
+from rp_engine.model.base import HeadModule, State, grad_keys
 
 __all__ = [
     "FunctionBlock",
@@ -109,13 +109,7 @@ class LossHead(HeadModule):
     def forward_backward(
         self, state: State, *, grad_scale: float = 1.0
     ) -> tuple[torch.Tensor, State]:
-        leaves = {
-            k: v.detach().requires_grad_()
-            for k, v in state.items()
-            if (k == "hidden" or k.startswith("hidden."))
-            and isinstance(v, torch.Tensor)
-            and v.is_floating_point()
-        }
+        leaves = {k: state[k].detach().requires_grad_() for k in grad_keys(state)}
         with torch.enable_grad():
             loss = self.forward({**state, **leaves})
             if loss.requires_grad:

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from rp_engine.device.base import ComputeTimer, Device, DeviceError, Event, StreamRole
+from rp_engine.model.base import grad_keys
 from rp_engine.model.host_store import GradLanding
 from rp_engine.plan.actions import Action, Op, Plan
 from rp_engine.plan.memory import cross_run_gates
@@ -888,29 +889,18 @@ def _wait(stream: Any, *events: Event | None) -> None:
             stream.wait(event)
 
 
-def _grad_keys(state: State) -> list[str]:
-    """The keys of ``state`` that carry gradient between stages: "hidden" and "hidden.<any>"
-    holding a floating tensor (transfer.py's convention); every other key passes through."""
-    return [
-        k
-        for k, v in state.items()
-        if (k == "hidden" or k.startswith("hidden."))
-        and isinstance(v, torch.Tensor)
-        and v.is_floating_point()
-    ]
-
-
 def _with_grad_input(state: State) -> State:
     """Detach the stage input and make each gradient-carrying value a leaf that collects one."""
     out = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    for k in _grad_keys(out):
+    for k in grad_keys(out):
         out[k].requires_grad_(True)
     return out
 
 
 def _detached_grad_keys(state: State) -> State:
     """``state`` with its gradient-carrying values detached (a head's own input leaves)."""
-    return {k: state[k].detach() if k in _grad_keys(state) else v for k, v in state.items()}
+    keys = set(grad_keys(state))
+    return {k: v.detach() if k in keys else v for k, v in state.items()}
 
 
 def _backprop(y: State, grads: Mapping[str, torch.Tensor]) -> None:
@@ -930,7 +920,7 @@ def _input_grads(x: State) -> State:
     """The gradients a stage's input leaves collected (keys that received none are left out:
     a zero gradient contributes nothing upstream)."""
     out: State = {}
-    for k in _grad_keys(x):
+    for k in grad_keys(x):
         grad = x[k].grad
         if grad is not None:
             out[k] = grad

@@ -299,12 +299,13 @@ def test_strategy_choice_split_points_and_fallback() -> None:
 
 
 # --- the two bugs found by running DeepSpeed's tests over rp_engine ------------------------------
-def _sequential_run(model: nn.Sequential) -> None:
-    """train_batch over a Sequential + loss_fn equals plain PyTorch."""
+def _sequential_run(model: nn.Sequential, batches: list[Any] | None = None, **cfg: Any) -> None:
+    """train_batch over a Sequential + loss_fn equals plain PyTorch (``batches``: the residual
+    ones; ``cfg``: more of engine_helpers.config's arguments)."""
     model.loss_fn = F.cross_entropy  # type: ignore[assignment]
     ref = copy.deepcopy(model)
-    batches = residual_batches(GAS * STEPS)
-    engine = engine_for(model, config(devices=2, gas=GAS))
+    batches = batches if batches is not None else residual_batches(GAS * STEPS)
+    engine = engine_for(model, config(devices=2, gas=GAS, **cfg))
     try:
         it = iter(batches)
         got = [float(engine.train_batch(it)) for _ in range(STEPS)]
@@ -357,26 +358,14 @@ def test_second_tuple_element_carries_gradient_between_stages() -> None:
     """A tuple element after the first that requires grad was refused; it is now a
     "hidden.1" key whose gradient the runtime carries back like "hidden"'s."""
     torch.manual_seed(0)
-    model = nn.Sequential(_Pair(), _Pair(), _Join())
-    model.loss_fn = F.cross_entropy  # type: ignore[assignment]
-    ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
     batches = [
         ((torch.randn(4, 8, generator=g), torch.ones(4, 8)), torch.randint(0, 8, (4,), generator=g))
         for _ in range(GAS * STEPS)
     ]
-    engine = engine_for(model, config(devices=2, gas=GAS, fwd_cuts=[1, 1], bwd_cuts=[0, 1, 1]))
-    try:
-        it = iter(batches)
-        got = [float(engine.train_batch(it)) for _ in range(STEPS)]
-        engine.synchronize()
-    finally:
-        engine.destroy()
-    want = reference_losses(
-        ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: F.cross_entropy(m(b[0]), b[1])
+    _sequential_run(
+        nn.Sequential(_Pair(), _Pair(), _Join()), batches, fwd_cuts=[1, 1], bwd_cuts=[0, 1, 1]
     )
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert_same_weights(model, ref)
 
 
 def test_a_hugging_face_model_that_is_not_a_causal_lm_trains_whole() -> None:
