@@ -200,11 +200,12 @@ def _zero_unused_specs() -> dict[str, _Spec]:
 
 @dataclass(frozen=True, kw_only=True)
 class AioConfig:
-    """Top-level `aio` (NVMe async I/O). Accepted; rp_engine does not use the NVMe tier."""
+    """Top-level `aio`: how the NVMe tier's I/O engine reads and writes (storage/io_engine.py)."""
 
     block_size: int = field(default=1_048_576, metadata=_m(gt=0))
     queue_depth: int = field(default=8, metadata=_m(gt=0))
-    intra_op_parallelism: int = field(default=1, metadata=_m(gt=0))
+    # "thread_count" is its old name (DeepSpeed dropped the alias, so the old key is ignored there)
+    intra_op_parallelism: int = field(default=1, metadata=_m(gt=0, aliases=("thread_count",)))
     single_submit: bool = False
     overlap_events: bool = True
     use_gds: bool = False
@@ -311,6 +312,8 @@ class RoundPipeConfig:
     )
     # initialize refuses a model whose host state would not fit in available memory
     host_preflight: bool = True
+    # the NVMe tier's I/O: DeepSpeed's aio op when built ("auto"), or the built-in O_DIRECT threads
+    nvme_io_engine: str = field(default="auto", metadata=_m(choices=("auto", "aio", "threads")))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -362,20 +365,19 @@ class DSConfig:
         if offloads:
             head += " with " + ", ".join(offloads)
         text = (
-            f"{head}: rp_engine keeps all weights and optimizer state in host memory "
-            "(its normal mode); ZeRO partitioning settings are not used"
+            f"{head}: rp_engine keeps weights and gradients in host memory (its normal mode); "
+            "ZeRO partitioning settings are not used"
         )
-        if "nvme" in (pdev, odev):
-            paths = sorted(
-                {
-                    str(c.nvme_path)
-                    for c in (z.offload_param, z.offload_optimizer)
-                    if c is not None and c.device == "nvme" and c.nvme_path
-                }
-            )
-            where = f" ({', '.join(paths)})" if paths else ""
+        if odev == "nvme":
             text += (
-                f"; NVMe offload{where} is accepted but rp_engine keeps state in host RAM "
-                "(NVMe tier not used)"
+                f"; fp32 masters and Adam moments live on NVMe ({z.offload_optimizer.nvme_path}: "
+                "storage/optimizer_tier.py)"
+            )
+        else:
+            text += "; the optimizer state stays in host memory"
+        if pdev == "nvme":
+            text += (
+                f"; offload_param NVMe ({z.offload_param.nvme_path}) is accepted but the compute "
+                "weights stay in host RAM (the parameter tier is not built yet)"
             )
         return text

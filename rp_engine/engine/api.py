@@ -274,10 +274,12 @@ class DeepSpeedAccessors:
         ok = False
         try:
             if writes:
-                _ckpt().save(
-                    self, save_dir, tag=tag, client_state=client_state or {},
-                    save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
-                )  # fmt: skip
+                # the NVMe tier's state is read into RAM for the write (not streamed yet)
+                with self.store.materialized(writable=False):
+                    _ckpt().save(
+                        self, save_dir, tag=tag, client_state=client_state or {},
+                        save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
+                    )  # fmt: skip
             ok = True
         finally:
             if dp is not None:
@@ -296,12 +298,13 @@ class DeepSpeedAccessors:
         refused unless ``trust_checkpoint=True``, which unpickles it fully (only for files you
         trust: unpickling can run code)."""
         self.synchronize()
-        loaded = _ckpt().load(
-            self, load_dir, tag=tag, strict=load_module_strict,
-            optimizer_states=load_optimizer_states and not load_module_only,
-            scheduler_states=load_lr_scheduler_states and not load_module_only,
-            module_only=load_module_only, trust=trust_checkpoint,
-        )  # fmt: skip
+        with self.store.materialized(writable=True):  # the NVMe tier is refilled from it
+            loaded = _ckpt().load(
+                self, load_dir, tag=tag, strict=load_module_strict,
+                optimizer_states=load_optimizer_states and not load_module_only,
+                scheduler_states=load_lr_scheduler_states and not load_module_only,
+                module_only=load_module_only, trust=trust_checkpoint,
+            )  # fmt: skip
         if self.stepper.dp is not None:  # any world size: keep the state of the owned layers
             self.stepper.dp.drop_foreign_state(self.host_optimizer)
         return loaded

@@ -29,7 +29,7 @@ from rp_engine.data import DataFeed, build_dataloader
 from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
 from rp_engine.device.cuda import pinned_empty
-from rp_engine.distributed import data_parallel
+from rp_engine.distributed import data_parallel, dp_world
 from rp_engine.engine.api import DeepSpeedAccessors
 from rp_engine.engine.boundary import OptimizerBoundary, boundary_in_flight_ok
 from rp_engine.engine.loop import FORWARD_OPS, ImperativeLoop
@@ -55,6 +55,8 @@ from rp_engine.runtime.executor import (
 )
 from rp_engine.runtime.planning import ModelShape, Planner
 from rp_engine.runtime.shutdown import watch
+from rp_engine.storage.build import build_optimizer_tier, wants_optimizer_tier
+from rp_engine.storage.optimizer_tier import OptimizerTier
 
 __all__ = ["RoundPipeEngine"]
 
@@ -99,6 +101,8 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             # a bad model/config must not leave device or optimizer threads behind
             if hasattr(self, "stepper"):
                 self.stepper.close()
+            if getattr(self, "nvme_tier", None) is not None:
+                self.nvme_tier.close()
             self.pool.close()
             raise
         self._counters = StepCounters(cfg.gradient_accumulation_steps, cfg.train_batch_size)
@@ -110,7 +114,9 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.training = model.training
         # Last: it also marks the engine as fully built (attribute fall-through needs that).
         self._box = InFlightBox(self._guard)
-        self._finalizer = watch(self, stepper=self.stepper, pool=self.pool, inflight=self._box)
+        self._finalizer = watch(
+            self, stepper=self.stepper, pool=self.pool, inflight=self._box, tier=self.nvme_tier
+        )
 
     def _wire(
         self, cfg: DSConfig, model: nn.Module, optimizer: Any, model_parameters: Any,
@@ -125,15 +131,25 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.layering = self.seq.layering or Layering("shape", f"a {self.seq.kind} model")
         modules = list(self.seq.modules())
         on_cuda = self.pool.kind == "cuda"
+        nvme = wants_optimizer_tier(cfg)
         self.store = HostStore(
             modules,
             pin=cuda_pin if on_cuda else None,
             alloc=pinned_empty if on_cuda else None,  # uninitialised: written before read
+            paged_masters=nvme,  # masters and moments live on NVMe (storage/optimizer_tier.py)
         )
         self.host_optimizer = build_optimizer(
             cfg, self.store, model=model, client_optimizer=optimizer,
             model_parameters=model_parameters, device_kind=self.pool.kind,
         )  # fmt: skip
+        self.nvme_tier: OptimizerTier | None = None
+        if nvme:
+            self.host_optimizer.journal = None  # its undo copies are what the tier moves out
+            self.nvme_tier = build_optimizer_tier(
+                cfg, self.store, self.host_optimizer, rank=0,
+                data_parallel=dp_world() > 1,
+            )  # fmt: skip
+            self.store.pager = self.nvme_tier
         # DeepSpeed's names: the caller's optimizer argument, and the unwrapped optimizer (the
         # client's own object when one was given) that ``self.host_optimizer`` drives
         self.client_optimizer = optimizer
@@ -176,6 +192,10 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             self.stepper.journal = None
         if self._overlap and self.stepper.async_mode:
             self.store.double_buffer_weights()
+        if nvme and self.stepper.async_mode:
+            # w_{t-1} is published when step t-1 ends, while the tier holds its masters, not at
+            # iteration t's backward, when they are back on NVMe (optim/stepper.py)
+            self.store.double_buffer_weights(True)
         self.planner = Planner(
             ModelShape.from_sequence(self.seq, self.store),
             num_devices=len(self.pool),

@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -46,7 +46,20 @@ from rp_engine.model.grad_buffers import GradBuffers
 if TYPE_CHECKING:
     from rp_engine.device.base import Event
 
-__all__ = ["GradLanding", "HostParam", "HostLayer", "HostStore"]
+
+class Pager(Protocol):
+    """Where paged masters live between steps (storage/optimizer_tier.py's OptimizerTier)."""
+
+    def resident(
+        self, layer: int, *, dirty: bool = False
+    ) -> contextlib.AbstractContextManager[Any]: ...
+
+    def materialized(self, *, writable: bool) -> contextlib.AbstractContextManager[Any]: ...
+
+    def prefetch(self, layers: Iterable[int]) -> None: ...
+
+
+__all__ = ["GradLanding", "HostParam", "HostLayer", "HostStore", "Pager"]
 
 
 @dataclass(eq=False)
@@ -119,8 +132,10 @@ class HostStore:
         pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
         alloc: Callable[[int], torch.Tensor] | None = None,
         double_buffer: bool | None = None,
+        paged_masters: bool = False,
     ) -> None:
         self.layers: list[HostLayer] = []
+        make_master = _paged_master if paged_masters else _make_master
         self._owner: dict[int, HostParam] = {}
         for index, module in enumerate(modules):
             params: list[Any] = _unique(module.named_parameters(remove_duplicate=False))
@@ -128,7 +143,7 @@ class HostStore:
             layer = HostLayer(index, module, list(params), buffers)
             for name, p in layer.params:
                 if p.requires_grad and id(p) not in self._owner:
-                    hp = HostParam(name, p, _make_master(p), index)
+                    hp = HostParam(name, p, make_master(p), index)
                     self._owner[id(p)] = hp
                     layer.owned.append(hp)
             self.layers.append(layer)
@@ -159,6 +174,28 @@ class HostStore:
         self._reads: list[list[tuple[int, int, Event]]] = [[] for _ in self.layers]
         self._cond = threading.Condition()
         self._failure: BaseException | None = None
+        # where paged masters live between steps (storage/optimizer_tier.py); None: in RAM
+        self.pager: Pager | None = None
+
+    # --- residency of the masters (paged to NVMe by the optimizer tier) -----------------------
+    def resident(
+        self, layer: int, *, dirty: bool = False
+    ) -> contextlib.AbstractContextManager[Any]:
+        """The layer's masters (and optimizer moments) hold their values for the block; with
+        ``dirty`` the block changes them. Always true in RAM; the NVMe tier reads and writes."""
+        return self.pager.resident(layer, dirty=dirty) if self.pager else contextlib.nullcontext()
+
+    def materialized(self, *, writable: bool) -> contextlib.AbstractContextManager[Any]:
+        """Every master and moment holds its values for the block (checkpoint save/load);
+        ``writable``: what the block leaves in them is kept. No optimizer step may run."""
+        if self.pager is None:
+            return contextlib.nullcontext()
+        return self.pager.materialized(writable=writable)
+
+    def prefetch(self, layers: Iterable[int]) -> None:
+        """Hint: the optimizer steps ``layers`` next, in this order (the tier starts reading)."""
+        if self.pager is not None:
+            self.pager.prefetch(layers)
 
     # --- lookup -------------------------------------------------------------------------------
     def master_of(self, param: nn.Parameter) -> torch.Tensor:
@@ -499,9 +536,16 @@ class HostStore:
             for event in readers:
                 with contextlib.suppress(Exception):  # a failed upload reads nothing more
                     event.synchronize()
+            with self._cond:
+                twin = [o for o in range(copies) if o != b and self._held[layer][o] == version]
             with torch.no_grad():
-                for hp in self.layers[layer].owned:
-                    self._weight(hp, b).copy_(hp.master)
+                if twin:  # the same cast of the same masters: copy it, never touch the masters
+                    for hp in self.layers[layer].owned:
+                        self._weight(hp, b).copy_(self._weight(hp, twin[0]))
+                else:
+                    with self.resident(layer):
+                        for hp in self.layers[layer].owned:
+                            self._weight(hp, b).copy_(hp.master)
             with self._cond:
                 self._held[layer][b] = max(self._held[layer][b], version)
                 self._cond.notify_all()
@@ -537,7 +581,7 @@ class HostStore:
 
     def reload_masters(self) -> None:
         """Refresh masters from the compute weights (after the user edited module weights)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.materialized(writable=True):
             for hp in self.owned_params():
                 hp.master.copy_(hp.param.data)
         self._refresh_shadow()
@@ -556,6 +600,13 @@ def _pinned_by(pin: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], t
         return pin(torch.zeros(n, dtype=torch.float32))
 
     return alloc
+
+
+def _paged_master(p: nn.Parameter) -> torch.Tensor:
+    """A master without memory (shape only): the NVMe tier fills it while a step needs it."""
+    master = torch.empty(p.shape, dtype=torch.float32)
+    master.untyped_storage().resize_(0)
+    return master
 
 
 def _make_master(p: nn.Parameter) -> torch.Tensor:

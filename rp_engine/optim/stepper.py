@@ -442,14 +442,23 @@ class OptimizerStepper:
         masters = [hp.master for hp in self.store.layers[layer].owned]
 
         def task() -> None:
-            if not skip and masters:
-                if self.journal is not None:
-                    self.journal.record(st.step, layer, masters)
-                self.store.attach_grads([layer])
-                self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
-            self._finish([layer], st.step)
+            # the masters and moments hold their values inside ``resident`` (the NVMe tier
+            # reads them before and writes them back after; in RAM it does nothing)
+            with self.store.resident(layer, dirty=not skip):
+                if not skip and masters:
+                    if self.journal is not None:
+                        self.journal.record(st.step, layer, masters)
+                    self.store.attach_grads([layer])
+                    self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
+                self._finish([layer], st.step)  # publishes from the masters
 
         self._submit(task, f"layer {layer}", st.step)
+        # the tier starts reading this layer and the ones stepped after it: immediate steps
+        # come in backward order, a closed step's in layer order (``close_step``)
+        if self.immediate:
+            self.store.prefetch(range(layer, -1, -1))
+        else:
+            self.store.prefetch(range(layer, self._num_layers))
 
     def _enqueue_dp(self, layer: int, st: _OpenStep, *, coef: float, skip: bool) -> None:
         """Data parallel: the owner rank steps the layer; then every rank receives its weights

@@ -37,16 +37,23 @@ log = logging.getLogger("rp_engine")
 
 
 def watch(
-    engine: Any, *, stepper: OptimizerStepper, pool: DevicePool, inflight: Any = None
+    engine: Any,
+    *,
+    stepper: OptimizerStepper,
+    pool: DevicePool,
+    inflight: Any = None,
+    tier: Any = None,
 ) -> weakref.finalize:
     """Shut ``stepper`` and ``pool`` down when ``engine`` is collected or the process exits;
     call the returned finaliser to do it now (idempotent: it runs at most once). ``inflight``
     (engine.pipeline.InFlightBox): a training run still in flight is finished and its step
-    applied first."""
-    return weakref.finalize(engine, shutdown, stepper, pool, inflight)
+    applied first. ``tier`` (storage's OptimizerTier): closed last (its swap file removed)."""
+    return weakref.finalize(engine, shutdown, stepper, pool, inflight, tier)
 
 
-def shutdown(stepper: OptimizerStepper, pool: DevicePool, inflight: Any = None) -> None:
+def shutdown(
+    stepper: OptimizerStepper, pool: DevicePool, inflight: Any = None, tier: Any = None
+) -> None:
     """Stop the devices, finish in-flight optimizer steps, publish, join every worker thread.
 
     Safe from any thread: a garbage-collection pass may run the finaliser on one of the engine's
@@ -56,7 +63,7 @@ def shutdown(stepper: OptimizerStepper, pool: DevicePool, inflight: Any = None) 
     workers = {stepper.thread, *(t for d in pool.devices for t in getattr(d, "threads", ()))}
     if threading.current_thread() in workers:
         threading.Thread(
-            target=shutdown, args=(stepper, pool, inflight), name="rp-shutdown"
+            target=shutdown, args=(stepper, pool, inflight, tier), name="rp-shutdown"
         ).start()
         return
     try:
@@ -72,3 +79,5 @@ def shutdown(stepper: OptimizerStepper, pool: DevicePool, inflight: Any = None) 
             log.debug("optimizer not drained at shutdown: %r", exc)
         finally:
             stepper.close()
+            if tier is not None:
+                tier.close()
