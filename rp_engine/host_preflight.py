@@ -15,6 +15,10 @@ Counted (bytes per parameter; the model's own weights already exist and are not 
                              is "on" ("if_memory_allows" takes it only then, as the second
                              gradient arena: neither is counted then)
 
+With the NVMe optimizer tier (``offload_optimizer.device: "nvme"``) the masters and moments
+(12 B per trainable parameter) live on NVMe, not in RAM: they are not counted here (the tier
+checks its disk at ``initialize``, storage/swap_file.py) and the message says where they are.
+
 Not counted: activations and the CPU virtual devices' stage copies (host memory too), which
 depend on the plan; so passing the preflight is necessary, not sufficient.
 ``roundpipe.host_preflight: false`` skips the check.
@@ -57,6 +61,7 @@ class HostNeed:
     gradients: int
     moments: int
     journal: int
+    on_nvme: int = 0  # masters + moments kept on NVMe by the optimizer tier (not in RAM)
 
     @property
     def total(self) -> int:
@@ -70,22 +75,32 @@ class HostNeed:
             ("step journal (step_journal on)", self.journal),
             ("cast to the compute dtype", self.cast),
         ]
-        return [f"  {name:<32}{format_bytes(n)}" for name, n in parts if n]
+        lines = [f"  {name:<32}{format_bytes(n)}" for name, n in parts if n]
+        if self.on_nvme:
+            lines.append(
+                f"  (on NVMe, not in RAM: fp32 masters + Adam moments, {format_bytes(self.on_nvme)})"
+            )
+        return lines
 
 
-def host_need(model: nn.Module, *, dtype: torch.dtype, journal: str) -> HostNeed:
-    """What the engine will allocate for ``model`` trained in ``dtype`` (see the module doc)."""
+def host_need(
+    model: nn.Module, *, dtype: torch.dtype, journal: str, nvme_optimizer: bool = False
+) -> HostNeed:
+    """What the engine will allocate in RAM for ``model`` trained in ``dtype`` (see the module
+    doc); ``nvme_optimizer``: masters and moments live on NVMe instead."""
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     size = torch.empty(0, dtype=dtype).element_size()
     cast = sum(p.numel() * max(0, size - p.element_size()) for p in params if p.is_floating_point())
+    in_ram = 0 if nvme_optimizer else 1
     return HostNeed(
         trainable=trainable,
         cast=cast,
-        masters=4 * trainable,
+        masters=4 * trainable * in_ram,
         gradients=4 * trainable,
-        moments=8 * trainable,
-        journal=12 * trainable if journal == "on" else 0,
+        moments=8 * trainable * in_ram,
+        journal=12 * trainable if journal == "on" and in_ram else 0,
+        on_nvme=12 * trainable * (1 - in_ram),
     )
 
 
@@ -96,7 +111,10 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
     from rp_engine.model.batches import compute_dtype
 
     rp = cfg.roundpipe
-    need = host_need(model, dtype=compute_dtype(cfg), journal=rp.step_journal)
+    need = host_need(
+        model, dtype=compute_dtype(cfg), journal=rp.step_journal,
+        nvme_optimizer=cfg.zero.offload_optimizer_device == "nvme",
+    )  # fmt: skip
     if not rp.host_preflight:
         return need
     free = available_bytes() if available is None else available
@@ -105,6 +123,9 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
             "train a LoRA adapter (peft: only the adapters get masters, gradients and moments)",
             "freeze part of the model (requires_grad=False)",
         ]
+        if not need.on_nvme:
+            fixes.insert(0, 'zero_optimization.offload_optimizer {"device": "nvme", "nvme_path": '
+                            '...}: fp32 masters and Adam moments on NVMe, not in RAM')  # fmt: skip
         if need.journal:
             fixes.append('roundpipe.step_journal "if_memory_allows" or "off" (a failed step is then undone '
                          "only if memory allows)")  # fmt: skip

@@ -368,14 +368,14 @@ class DSConfig:
             f"{head}: rp_engine keeps weights and gradients in host memory (its normal mode); "
             "ZeRO partitioning settings are not used"
         )
-        if odev == "nvme":
+        if z.offload_optimizer is not None and odev == "nvme":
             text += (
                 f"; fp32 masters and Adam moments live on NVMe ({z.offload_optimizer.nvme_path}: "
                 "storage/optimizer_tier.py)"
             )
         else:
             text += "; the optimizer state stays in host memory"
-        if pdev == "nvme":
+        if z.offload_param is not None and pdev == "nvme":
             text += (
                 f"; offload_param NVMe ({z.offload_param.nvme_path}) is accepted but the compute "
                 "weights stay in host RAM (the parameter tier is not built yet)"

@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rp_engine.model.host_store import HostStore
 from rp_engine.runtime.counters import StepCounters
+from rp_engine.storage.io_engine import IOStats
+from rp_engine.storage.optimizer_tier import OptimizerTier
 
 if TYPE_CHECKING:
     import weakref
@@ -66,6 +69,10 @@ class DeepSpeedAccessors:
     _last: StepResult | None
     _step_stats: RunStats | None
     _timeline: list[TimelineRecord]
+    _nvme_mark: IOStats
+    _nvme_step: IOStats
+    nvme_tier: OptimizerTier | None
+    store: HostStore
     host_optimizer: HostOptimizer  # what the engine drives
     optimizer: Any  # what DeepSpeed's engine.optimizer is (optim/build.py returned_optimizer)
     stepper: OptimizerStepper
@@ -108,9 +115,11 @@ class DeepSpeedAccessors:
 
     def synchronize(self) -> None:
         """Finish the run and the optimizer steps in flight and publish the newest weights to
-        the module."""
+        the module; the NVMe tier's write-backs are on disk too."""
         self._drain_pipeline()
         self.stepper.synchronize()
+        if self.nvme_tier is not None:
+            self.nvme_tier.flush()
         self._published_step = self.global_steps
 
     @property
@@ -259,6 +268,27 @@ class DeepSpeedAccessors:
             "busy_fraction": {
                 d: (b / st.seconds if st.seconds > 0 else 0.0) for d, b in st.busy_s.items()
             },
+            **self._nvme_stats(),
+        }
+
+    def _close_nvme_window(self) -> None:
+        """A step closed: the NVMe tier's traffic since the previous close is this step's."""
+        if self.nvme_tier is not None:
+            now = self.nvme_tier.stats
+            self._nvme_step, self._nvme_mark = now.minus(self._nvme_mark), now
+
+    def _nvme_stats(self) -> dict[str, Any]:
+        """The NVMe tier's traffic between the last two step closes (with the asynchronous
+        optimizer that is mostly the previous step's state streaming through), and the bytes
+        written in total (SSD wear). Empty without the tier."""
+        if self.nvme_tier is None:
+            return {}
+        io = self._nvme_step
+        return {
+            "nvme_read_bytes": io.read_bytes,
+            "nvme_write_bytes": io.write_bytes,
+            "nvme_busy_s": io.busy_s,
+            "nvme_total_write_bytes": self._nvme_mark.write_bytes,
         }
 
     # --- checkpoints --------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from rp_engine.runtime.executor import (
 from rp_engine.runtime.planning import ModelShape, Planner
 from rp_engine.runtime.shutdown import watch
 from rp_engine.storage.build import build_optimizer_tier, wants_optimizer_tier
+from rp_engine.storage.io_engine import IOStats
 from rp_engine.storage.optimizer_tier import OptimizerTier
 
 __all__ = ["RoundPipeEngine"]
@@ -101,8 +102,9 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             # a bad model/config must not leave device or optimizer threads behind
             if hasattr(self, "stepper"):
                 self.stepper.close()
-            if getattr(self, "nvme_tier", None) is not None:
-                self.nvme_tier.close()
+            tier = getattr(self, "nvme_tier", None)
+            if tier is not None:
+                tier.close()
             self.pool.close()
             raise
         self._counters = StepCounters(cfg.gradient_accumulation_steps, cfg.train_batch_size)
@@ -110,6 +112,8 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self._timeline: list[TimelineRecord] = []
         self._stats_open = RunStats()  # runs of the optimizer step in progress
         self._step_stats: RunStats | None = None
+        self._nvme_mark = IOStats()  # the NVMe tier's totals at the last step's close
+        self._nvme_step = IOStats()  # its traffic between the last two step closes
         self.device = self.pool[0].torch_device
         self.training = model.training
         # Last: it also marks the engine as fully built (attribute fall-through needs that).
@@ -288,6 +292,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self._stats_open.add(result.stats)
         if closes_step:
             self._step_stats, self._stats_open = self._stats_open, RunStats()
+            self._close_nvme_window()
             self.monitor.write_step_stats(self._stats_dict(), self.global_samples)
         return result
 

@@ -141,6 +141,9 @@ class PipelinedIterations:
         _last: StepResult | None
         _stats_open: RunStats
         _step_stats: RunStats | None
+
+        def _close_nvme_window(self) -> None: ...
+
         _timeline: list[TimelineRecord]
         _carry: Any
         _carry_batch: Any
@@ -273,6 +276,7 @@ class PipelinedIterations:
             self._skipped_late(inflight.step, inflight.before, self._last)
         self._stats_open.add(result.stats)
         self._step_stats, self._stats_open = self._stats_open, RunStats()
+        self._close_nvme_window()
         self._timeline = result.timeline
         self.monitor.write_step_stats(self._stats_dict(), self.global_samples)
         self._after_run(result, profile=False)

@@ -188,7 +188,7 @@ class ThreadEngine(IOEngine):
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
     def _pread(self, path: str, buffer: torch.Tensor, offset: int) -> None:
-        fd, view = self._fd(path), memoryview(buffer.numpy())
+        fd, view = self._fd(path), _bytes_of(buffer)
         for start in range(0, len(view), self.block_size):
             piece = view[start : start + self.block_size]
             got = os.preadv(fd, [piece], offset + start)
@@ -198,7 +198,7 @@ class ThreadEngine(IOEngine):
                 )
 
     def _pwrite(self, path: str, buffer: torch.Tensor, offset: int) -> None:
-        fd, view = self._fd(path), memoryview(buffer.numpy())
+        fd, view = self._fd(path), _bytes_of(buffer)
         for start in range(0, len(view), self.block_size):
             piece = view[start : start + self.block_size]
             done = 0
@@ -211,6 +211,11 @@ class ThreadEngine(IOEngine):
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def _bytes_of(buffer: torch.Tensor) -> memoryview:
+    """The tensor's bytes, shared (no copy), for os.preadv/os.pwritev."""
+    return memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class AioEngine(IOEngine):

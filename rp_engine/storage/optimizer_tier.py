@@ -131,6 +131,7 @@ class OptimizerTier:
         self.buffer_bytes = largest * len(self._buffers)
         self._cond = threading.Condition()
         self._clock = 0
+        self._materialized: bool | None = None  # inside materialized(): whether writable
         self._placeholders = {id(hp): placeholder(hp.master.shape) for hp in store.owned_params()}
         try:
             self._write_initial()
@@ -183,7 +184,13 @@ class OptimizerTier:
     def materialized(self, *, writable: bool) -> Iterator[None]:
         """Every layer's masters and moments in RAM for the block (one read of the file).
         ``writable``: what the block leaves in them (checkpoint load: new tensors put into the
-        optimizer's state included) is written back to the file at exit. No step may run."""
+        optimizer's state included) is written back to the file at exit. No step may run.
+        Nested blocks share the outermost one (a writable one needs a writable outer block)."""
+        if self._materialized is not None:
+            if writable and not self._materialized:
+                raise RuntimeError("a writable materialized() inside a read-only one")
+            yield
+            return
         self.flush()
         with self._cond:
             if any(b.pins for b in self._buffers):
@@ -194,9 +201,11 @@ class OptimizerTier:
         live = [r for r in self._records if r is not None]
         for rec in live:
             self._attach(rec, whole[rec.offset : rec.offset + rec.nbytes])
+        self._materialized = writable
         try:
             yield
         finally:
+            self._materialized = None
             for rec in live:
                 self._detach(rec, whole[rec.offset : rec.offset + rec.nbytes], ingest=writable)
             if writable:
@@ -233,6 +242,7 @@ class OptimizerTier:
             for hp, s, _n in rec.params:
                 floats[s : s + hp.master.numel()].copy_(hp.param.detach().reshape(-1))
             buf.write = self.engine.write(self.path, view, rec.offset)
+            buf.layer, buf.read = rec.layer, None  # it still holds the layer: a hit later
             if time.monotonic() - last > 15:
                 last = time.monotonic()
                 log.warning(
@@ -240,8 +250,6 @@ class OptimizerTier:
                     i + 1, len(live), last - start,
                 )  # fmt: skip
         self.flush()
-        for buf in self._buffers:
-            buf.write = None
 
     def _holding(self, layer: int) -> _Buffer | None:
         for buf in self._buffers:

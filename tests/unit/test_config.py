@@ -678,7 +678,11 @@ def test_offload_summary_nvme_and_stage_only():
     zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}
     s = load_config(cfg(zero_optimization=zero)).offload_summary()
     assert s is not None and "offload_param=nvme" in s
-    assert "/local_nvme" in s and "NVMe tier not used" in s
+    assert "/local_nvme" in s and "parameter tier is not built yet" in s
+    assert "optimizer state stays in host memory" in s
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}
+    s = load_config(cfg(zero_optimization=zero)).offload_summary()
+    assert s is not None and "Adam moments live on NVMe (/local_nvme" in s
     s = load_config(cfg(zero_optimization={"stage": 2})).offload_summary()
     assert s is not None and s.startswith("zero_optimization stage 2:")
 
@@ -796,6 +800,20 @@ def test_fixture_hf_auto_needs_values():
     assert c.steps_per_print == 2000
 
 
+def test_aio_thread_count_is_the_old_name_of_intra_op_parallelism():
+    assert load_config(cfg(aio={"thread_count": 3})).aio.intra_op_parallelism == 3
+    assert load_config(cfg(aio={"intra_op_parallelism": 2})).aio.intra_op_parallelism == 2
+
+
+def test_nvme_io_engine_choices():
+    assert load_config(cfg()).roundpipe.nvme_io_engine == "auto"
+    assert (
+        load_config(cfg(roundpipe={"nvme_io_engine": "threads"})).roundpipe.nvme_io_engine
+        == "threads"
+    )
+    assert "roundpipe.nvme_io_engine" in err(cfg(roundpipe={"nvme_io_engine": "dma"}))
+
+
 def test_fixture_bad_aio():
     msg = err(_fixture("zero_infinity_nvme_bad_aio.json"))
     assert "zero_optimization.aio" in msg and "top level" in msg
@@ -808,7 +826,7 @@ def test_fixture_bad_aio_fixed_is_accepted():
     assert c.fp16.enabled and c.zero.offload_param_device == "nvme"
     assert c.aio.block_size == 262144 and c.aio.queue_depth == 32
     summary = c.offload_summary()
-    assert summary is not None and "NVMe tier not used" in summary
+    assert summary is not None and "moments live on NVMe" in summary
 
 
 # ------------------------------------------------------------------ repo ds_configs/

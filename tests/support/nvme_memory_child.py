@@ -1,0 +1,53 @@
+"""Peak host memory of one training run, host-resident or with the NVMe optimizer tier.
+
+    python nvme_memory_child.py '{"tier": true, "dir": D, "layers": 64, "width": 1280}'
+
+prints ``JSON:{"peak_rss": bytes, "trainable": n, "losses": [...]}``. Run in a fresh process
+per variant so each peak (``ru_maxrss``) is that run's own (tests/engine/test_nvme_memory.py).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+import torch
+from torch import nn
+
+import rp_engine
+
+
+def main(spec: dict) -> None:
+    torch.manual_seed(0)
+    width, layers = spec["width"], spec["layers"]
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    model.loss_fn = nn.functional.mse_loss  # type: ignore[assignment]
+    rp = {"devices": "cpu:1", "async_optimizer": True, "step_journal": "off", "seed": 0}
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "roundpipe": rp,
+    }
+    if spec["tier"]:
+        cfg["zero_optimization"] = {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": spec["dir"], "buffer_count": 4},
+        }
+        rp["nvme_io_engine"] = "threads"
+    engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, width, generator=gen), torch.randn(2, width, generator=gen))
+               for _ in range(spec.get("steps", 3))]  # fmt: skip
+    losses = [float(engine.train_batch(iter([b]))) for b in batches]
+    engine.synchronize()
+    engine.destroy()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    trainable = sum(p.numel() for p in model.parameters())
+    print("JSON:" + json.dumps({"peak_rss": peak, "trainable": trainable, "losses": losses}))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
