@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/rp_engine/torch_extensions
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: train test test-fast test-avx2 lint install
+.PHONY: train test test-fast test-avx2 lint install aio
 
 # Pure functions and small units, seconds each: run these while editing (the tiers: README.md).
 FAST_TESTS := tests/plan tests/unit
@@ -19,7 +19,18 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,hf]"
+	-$(MAKE) --no-print-directory aio
 	touch $@
+
+# The NVMe tier's fast I/O engine: DeepSpeed's aio op needs libaio-dev (installed here when we
+# are root and can), and its first JIT build takes minutes: built once into the shared cache.
+# Never fails: without it the tier uses its built-in O_DIRECT engine.
+aio:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libaio-dev >/dev/null 2>&1; then \
+		apt-get install -y -q libaio-dev >/dev/null 2>&1 || \
+		echo "rp_engine: could not install libaio-dev; the NVMe tier will use its built-in engine"; \
+	fi
+	-$(PY) -m rp_engine.storage.build_aio
 
 install: $(VENV)/.installed
 

@@ -72,6 +72,11 @@ class Monitor:
                     sum(busy.values()) / len(busy) if busy else 0.0,
                     samples,
                 ),
+                *[  # the NVMe tier's bytes (SSD wear), when it is on
+                    (f"Train/Samples/{key}", float(stats[key]), samples)
+                    for key in ("nvme_write_bytes", "nvme_total_write_bytes")
+                    if key in stats
+                ],
             ]
         )
 

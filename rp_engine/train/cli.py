@@ -557,6 +557,7 @@ class _Job:
             "adapter": str(self.run_dir / "adapter") if self.args.lora else None,
             "wandb": self._wandb_dir,
             "tensorboard": self._tensorboard_dir,
+            "nvme": _nvme_summary(engine, trained),
         }
 
     def _finish_wandb(self, status: int) -> None:
@@ -605,7 +606,10 @@ def _report_metrics(engine: Any, report: Any) -> dict[str, float]:
             peak = torch.cuda.max_memory_allocated(device.torch_device)
             metrics[f"device/{i}/peak_memory_gb"] = peak / 2**30
             device.reset_peak()
-    metrics.update(_flatten("transfer", report.stats))  # bytes, busy per device
+    nvme = {k: v for k, v in report.stats.items() if k.startswith("nvme_")}
+    transfer = {k: v for k, v in report.stats.items() if k not in nvme}
+    metrics.update(_flatten("transfer", transfer))  # bytes, busy per device
+    metrics.update({f"nvme/{k[5:]}": float(v) for k, v in nvme.items()})  # SSD wear: bytes
     if report.timeline:
         from rp_engine.plan.render import measured_result
 
@@ -616,6 +620,22 @@ def _report_metrics(engine: Any, report: Any) -> dict[str, float]:
             busy = sum(i.end_ms - i.start_ms for i in measured.timeline(d) if i.busy)
             metrics[f"timeline/busy_fraction/{d}"] = busy / span
     return metrics
+
+
+def _nvme_summary(engine: Any, steps: int) -> dict[str, Any] | None:
+    """What the NVMe tier wrote (SSD wear is what its users watch) and read; None without it."""
+    tier = getattr(engine, "nvme_tier", None)
+    if tier is None:
+        return None
+    io = tier.stats
+    return {
+        "swap_file": tier.path,
+        "disk_bytes": tier.disk_bytes,
+        "io_engine": tier.engine.describe(),
+        "write_bytes_total": io.write_bytes,  # the initial write included
+        "read_bytes_total": io.read_bytes,
+        "write_bytes_per_step": (io.write_bytes - tier.disk_bytes) / steps if steps else None,
+    }
 
 
 def _gas(engine: Any) -> int:

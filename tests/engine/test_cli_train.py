@@ -375,3 +375,28 @@ def test_wandb_rows_go_out_in_step_order_when_their_step_has_finished() -> None:
         assert metrics["train/loss"] == step
         assert metrics["train/grad_norm"] == step  # that step's own norm
         assert metrics["transfer/h2d_bytes"] == 10 * step
+
+
+def test_nvme_tier_bytes_are_in_the_summary(tmp_path: Path, capsys) -> None:
+    """With ``offload_optimizer.device: "nvme"`` the summary says what the tier wrote (SSD
+    wear: per step and in total) and the swap file is gone after the run."""
+    (tmp_path / "nvme").mkdir()
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")},
+        },
+    }
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    argv = [*TINY, "--deepspeed", str(tmp_path / "ds.json"), "--steps", "3", "--no-wandb",
+            "--out", str(tmp_path / "r")]  # fmt: skip
+    rc, out, _ = _run(argv, capsys)
+    assert rc == 0, out
+    nvme = _summary(tmp_path / "r")["nvme"]
+    disk = nvme["disk_bytes"]
+    assert disk > 0 and nvme["write_bytes_total"] == 4 * disk  # the initial write + 3 steps
+    assert nvme["write_bytes_per_step"] == disk
+    assert not list((tmp_path / "nvme").rglob("*.swp"))

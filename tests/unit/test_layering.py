@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transfer", ("rp_engine.transfer",)),  # uploads/downloads on copy streams
     ("distributed", ("rp_engine.distributed",)),  # data parallel over the host store
     ("optim", ("rp_engine.optim",)),  # CPU Adam, the stepper (which reduces across ranks)
+    ("storage", ("rp_engine.storage",)),  # the NVMe tier (shares CPU Adam's extension cache)
     ("engine services", ("rp_engine.monitor", "rp_engine.data")),  # W&B/CSV/TB, data loader
     ("runtime", ("rp_engine.runtime",)),  # where plans meet devices: planner, executor
     ("checkpoint", ("rp_engine.checkpoint",)),  # DeepSpeed's files; reads the engine duck-typed
