@@ -1,0 +1,111 @@
+"""The NVMe tier's parts: aligned buffers, both I/O engines, the swap file and its checks."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from rp_engine.config.schema import AioConfig
+from rp_engine.storage import ALIGN, NvmeSpaceError, SwapFile, aligned_empty, check_nvme_path
+from rp_engine.storage.io_engine import ThreadEngine, aio_op_built, make_io_engine
+
+
+def test_aligned_buffers_are_page_aligned_and_rounded_up() -> None:
+    for n in (1, 4095, 4096, 10_000):
+        buf = aligned_empty(n)
+        assert buf.dtype == torch.uint8 and buf.data_ptr() % ALIGN == 0
+        assert buf.numel() == -(-n // ALIGN) * ALIGN
+
+
+def _roundtrip(engine, path: str) -> None:
+    data = aligned_empty(3 * ALIGN + 5)
+    data.copy_(torch.randint(0, 256, (data.numel(),), dtype=torch.uint8))
+    engine.write(path, data, 2 * ALIGN).result()
+    back = aligned_empty(data.numel())
+    engine.read(path, back, 2 * ALIGN).result()
+    assert torch.equal(back, data)
+    stats = engine.stats
+    assert (stats.read_bytes, stats.write_bytes) == (data.numel(), data.numel())
+    assert (stats.reads, stats.writes) == (1, 1) and stats.busy_s > 0
+
+
+def test_thread_engine_reads_back_what_it_wrote(tmp_path) -> None:
+    path = str(tmp_path / "f.swp")
+    SwapFile(str(tmp_path), "f.swp", 8 * ALIGN)  # a reserved file, as the tier's
+    engine = ThreadEngine(block_size=ALIGN, threads=2)  # several blocks per operation
+    try:
+        _roundtrip(engine, path)
+    finally:
+        engine.close()
+
+
+def test_aio_engine_reads_back_what_it_wrote(tmp_path) -> None:
+    if not aio_op_built():
+        pytest.skip("DeepSpeed's aio op is not built here (needs libaio-dev; make install)")
+    SwapFile(str(tmp_path), "f.swp", 8 * ALIGN)
+    engine = make_io_engine("aio", AioConfig())
+    try:
+        assert "DeepSpeed aio" in engine.describe()
+        _roundtrip(engine, str(tmp_path / "f.swp"))
+    finally:
+        engine.close()
+
+
+def test_engines_refuse_what_o_direct_cannot_do(tmp_path) -> None:
+    engine = ThreadEngine()
+    try:
+        with pytest.raises(ValueError, match="4 KiB alignment"):
+            engine.write(str(tmp_path / "f"), aligned_empty(ALIGN), 100)
+        with pytest.raises(ValueError, match="4 KiB alignment"):
+            engine.write(str(tmp_path / "f"), aligned_empty(2 * ALIGN)[1 : ALIGN + 1], 0)
+        with pytest.raises(ValueError, match="uint8"):
+            engine.write(str(tmp_path / "f"), torch.zeros(ALIGN), 0)
+    finally:
+        engine.close()
+
+
+def test_io_engine_choice_is_checked() -> None:
+    with pytest.raises(ValueError, match="auto, aio, threads"):
+        make_io_engine("dma", AioConfig())
+    engine = make_io_engine("threads", AioConfig(block_size=1 << 21, intra_op_parallelism=3))
+    try:
+        assert isinstance(engine, ThreadEngine) and engine.block_size == 1 << 21
+    finally:
+        engine.close()
+
+
+def test_swap_file_is_reserved_locked_and_removed(tmp_path) -> None:
+    swap = SwapFile(str(tmp_path), "rp_engine/rank0/optimizer.swp", 1 << 20)
+    st = os.stat(swap.path)
+    assert st.st_size == 1 << 20 and st.st_blocks * 512 >= 1 << 20  # allocated, not sparse
+    with pytest.raises(NvmeSpaceError, match="in use by another running process") as info:
+        SwapFile(str(tmp_path), "rp_engine/rank0/optimizer.swp", 1 << 20)
+    assert info.value.errno == errno.EBUSY
+    swap.close()
+    assert os.listdir(tmp_path) == []  # the folders it made go too
+    # a file left by a killed run (no lock holder) is taken over
+    os.makedirs(tmp_path / "rp_engine" / "rank0")
+    (tmp_path / "rp_engine" / "rank0" / "optimizer.swp").write_bytes(b"stale" * 100)
+    again = SwapFile(str(tmp_path), "rp_engine/rank0/optimizer.swp", 8192)
+    assert os.path.getsize(again.path) == 8192
+    again.close()
+
+
+def test_nvme_path_checks_name_the_key_the_path_and_the_bytes(tmp_path, monkeypatch) -> None:
+    key = "zero_optimization.offload_optimizer.nvme_path"
+    with pytest.raises(NvmeSpaceError, match=f"{key} is not set"):
+        check_nvme_path(None, 10, key=key)
+    with pytest.raises(NvmeSpaceError, match="does not exist") as info:
+        check_nvme_path(str(tmp_path / "nope"), 10, key=key)
+    assert key in str(info.value) and str(tmp_path / "nope") in str(info.value)
+    assert check_nvme_path(str(tmp_path), 10, key=key) == str(tmp_path)
+
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr("rp_engine.storage.swap_file.shutil.disk_usage", lambda _: Usage)
+    with pytest.raises(NvmeSpaceError, match=r"needs 0\.00 GiB \(5000 bytes\).*\(1000 bytes\)"):
+        check_nvme_path(str(tmp_path), 5000, key=key)
