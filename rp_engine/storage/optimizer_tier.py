@@ -127,7 +127,7 @@ class OptimizerTier:
         self.file = SwapFile(folder, f"rp_engine/rank{rank}/optimizer.swp", disk)
         self.path = self.file.path
         self.disk_bytes = disk
-        self._buffers = [_Buffer(aligned_empty(largest)) for _ in range(max(2, buffer_count))]
+        self._buffers = [_Buffer(engine.alloc(largest)) for _ in range(max(2, buffer_count))]
         self.buffer_bytes = largest * len(self._buffers)
         self._cond = threading.Condition()
         self._clock = 0

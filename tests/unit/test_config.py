@@ -807,6 +807,8 @@ def test_aio_thread_count_is_the_old_name_of_intra_op_parallelism():
 
 def test_nvme_io_engine_choices():
     assert load_config(cfg()).roundpipe.nvme_io_engine == "auto"
+    # "auto" written out is the choice itself, not a placeholder left for the HF Trainer
+    assert load_config(cfg(roundpipe={"nvme_io_engine": "auto"})).roundpipe.nvme_io_engine == "auto"
     assert (
         load_config(cfg(roundpipe={"nvme_io_engine": "threads"})).roundpipe.nvme_io_engine
         == "threads"

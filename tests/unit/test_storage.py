@@ -49,6 +49,9 @@ def test_aio_engine_reads_back_what_it_wrote(tmp_path) -> None:
     engine = make_io_engine("aio", AioConfig())
     try:
         assert "DeepSpeed aio" in engine.describe()
+        # the tier's buffers come from the op's own locked memory: no bounce copy per operation
+        locked = engine.alloc(5 * ALIGN)
+        assert locked.data_ptr() % ALIGN == 0 and engine._handle.is_pinned(locked[:ALIGN])
         _roundtrip(engine, str(tmp_path / "f.swp"))
     finally:
         engine.close()
