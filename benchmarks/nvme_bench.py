@@ -1,4 +1,4 @@
-"""NVMe optimizer tier: the disk's raw bandwidth, what the tier achieves of it, and what it costs.
+"""NVMe tiers: the disk's raw bandwidth, what the tiers achieve of it, and what they cost.
 
     python -m benchmarks.nvme_bench                       # CPU, ~6 min on 2 cores
     python -m benchmarks.nvme_bench --quick --out q.json  # tiny sizes (the smoke test's)
@@ -32,6 +32,10 @@ One run measures, in this order of the report:
     ratio rp_engine (tier, async) / DeepSpeed. When DeepSpeed's NVMe path fails here, the
     error's first lines are reported in place of the number.
 
+(e) **both tiers**: rp_engine with the compute weights on NVMe too (``offload_param.device:
+    "nvme"``, ``max_in_cpu`` 0: storage/param_tier.py), async, against host-resident, and
+    DeepSpeed ZeRO-3 with the same ``offload_param`` + ``offload_optimizer`` NVMe config.
+
 Every training run is its own process (so ``ru_maxrss`` is that run's peak RSS); the variants
 alternate (A B C D E, ``--repeats`` times) so drift hits all alike; each warms up, then times
 one window of ``--steps`` steps synchronised only at its two ends (``engine.synchronize()``,
@@ -62,14 +66,17 @@ ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 RAW_BLOCKS_MIB = (1, 2, 4)
 
-# variant: (optimizer state on NVMe, async optimizer); "deepspeed" is the fifth system
-RP_VARIANTS: dict[str, tuple[bool, bool]] = {
-    "tier_async": (True, True),
-    "host_async": (False, True),
-    "tier_sync": (True, False),
-    "host_sync": (False, False),
+# variant: (optimizer state on NVMe, async optimizer, compute weights on NVMe too); the
+# DeepSpeed systems follow: optimizer on NVMe, and both (offload_param too)
+RP_VARIANTS: dict[str, tuple[bool, bool, bool]] = {
+    "tier_async": (True, True, False),
+    "host_async": (False, True, False),
+    "tier_sync": (True, False, False),
+    "host_sync": (False, False, False),
+    "both_async": (True, True, True),
 }
-SYSTEMS = (*RP_VARIANTS, "deepspeed")
+DS_VARIANTS: dict[str, bool] = {"deepspeed": False, "deepspeed_both": True}  # offload_param?
+SYSTEMS = (*RP_VARIANTS, *DS_VARIANTS)
 
 # Qwen3-shaped models with random weights. "full": 15.3 M trainable parameters, 368 MB of tier
 # I/O per step (0.2-0.6 s at the 0.65-2 GB/s this virtual disk has shown) against 2-3 s of
@@ -193,32 +200,40 @@ def batches(preset: dict[str, Any], n: int) -> list[dict[str, Any]]:
     return out
 
 
-def ds_config(preset: dict[str, Any], *, nvme_path: str | None) -> dict[str, Any]:
+def ds_config(
+    preset: dict[str, Any], *, nvme_path: str | None, params: bool = False
+) -> dict[str, Any]:
     """The DeepSpeed config both systems read: ZeRO-3, AdamW, clipping 1.0, fp32; the optimizer
     state on NVMe under ``nvme_path`` (4 buffers, the "aio" section above), or in host RAM when
-    None. The caller adds rp_engine's "roundpipe" section."""
+    None; ``params``: the parameters on NVMe too (``offload_param``, nothing kept in RAM by
+    ``max_in_cpu``). The caller adds rp_engine's "roundpipe" section."""
     offload: dict[str, Any] = {"device": "cpu"}
+    zero: dict[str, Any] = {"stage": 3, "offload_optimizer": offload}
     if nvme_path is not None:
-        offload = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}
+        if params:
+            zero["offload_param"] = {
+                "device": "nvme", "nvme_path": nvme_path, "buffer_count": 4, "max_in_cpu": 0,
+            }  # fmt: skip
     return {
         "train_micro_batch_size_per_gpu": preset["mbs"],
         "gradient_accumulation_steps": preset["gas"],
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95]}},
-        "zero_optimization": {"stage": 3, "offload_optimizer": offload},
+        "zero_optimization": zero,
         "aio": dict(AIO),
     }
 
 
 def rp_config(
     preset: dict[str, Any], *, tier: bool, async_optimizer: bool, folder: Path, devices: str,
-    io_engine: str = "auto",
+    io_engine: str = "auto", params: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """rp_engine's config of one variant: ``ds_config`` plus its "roundpipe" section. The undo
     journal is off in every variant (it would cost the host-resident runs 12 B/param more).
     ``io_engine``: the tier's ``nvme_io_engine`` ("auto": the aio op when built)."""
-    cfg = ds_config(preset, nvme_path=str(folder / "rp_swap") if tier else None)
+    cfg = ds_config(preset, nvme_path=str(folder / "rp_swap") if tier else None, params=params)
     cfg["roundpipe"] = {
         "devices": devices,
         "async_optimizer": async_optimizer,
@@ -265,7 +280,7 @@ def run_system(
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     warmup, steps, gas = preset["warmup"], preset["steps"], preset["gas"]
     data = batches(preset, (warmup + steps) * gas)
-    setup = _deepspeed if system == "deepspeed" else _rp_engine
+    setup = _deepspeed if system in DS_VARIANTS else _rp_engine
     step_fn, sync, tier_stats, extra, close = setup(
         system, model, preset, data, folder, devices, io_engine
     )
@@ -329,11 +344,11 @@ def _rp_engine(
     """rp_engine's variant ``system``: (step, synchronize, tier stats or None, extra, close)."""
     import rp_engine
 
-    tier, async_optimizer = RP_VARIANTS[system]
+    tier, async_optimizer, params = RP_VARIANTS[system]
     (folder / "rp_swap").mkdir(parents=True, exist_ok=True)  # nvme_path must exist
     cfg = rp_config(
         preset, tier=tier, async_optimizer=async_optimizer, folder=folder, devices=devices,
-        io_engine=io_engine,
+        io_engine=io_engine, params=params,
     )  # fmt: skip
     engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
     it = iter(data)
@@ -342,17 +357,17 @@ def _rp_engine(
         return engine.train_batch(it)  # a tensor: no synchronisation
 
     def tier_stats() -> Any:
-        return engine.nvme_tier.stats if engine.nvme_tier is not None else None
+        return engine.tiers.stats if engine.tiers else None  # both tiers' I/O, summed
 
     def extra() -> dict[str, Any]:
         out: dict[str, Any] = {"last_step": engine.last_step_stats(), "config": cfg}
-        if engine.nvme_tier is not None:
-            t = engine.nvme_tier
+        if engine.tiers:
+            t = engine.tiers
             out["tier"] = {
-                "io_engine": t.engine.describe(),
-                "path": str(t.path),
+                "io_engine": t.tiers[0].engine.describe(),
+                "path": [str(x.path) for x in t.tiers],
                 "disk_bytes": t.disk_bytes,
-                "buffer_bytes": t.buffer_bytes,
+                "buffer_bytes": sum(x.buffer_bytes for x in t.tiers),
                 "block_size": cfg["aio"]["block_size"],
             }
         return out
@@ -386,7 +401,7 @@ def _deepspeed(
 
     swap = folder / "ds_swap"
     swap.mkdir(parents=True, exist_ok=True)
-    cfg = ds_config(preset, nvme_path=str(swap))
+    cfg = ds_config(preset, nvme_path=str(swap), params=DS_VARIANTS[system])
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=cfg
     )
@@ -571,6 +586,8 @@ def ratios(systems: dict[str, Any]) -> dict[str, float]:
         "tier/host sync": ("tier_sync", "host_sync"),
         "tier async/deepspeed": ("tier_async", "deepspeed"),
         "tier sync/deepspeed": ("tier_sync", "deepspeed"),
+        "both tiers/host async": ("both_async", "host_async"),
+        "both tiers/deepspeed both": ("both_async", "deepspeed_both"),
     }
     return {k: tps[a] / tps[b] for k, (a, b) in pairs.items() if a in tps and b in tps}
 
@@ -585,7 +602,7 @@ def result_of(
     block = AIO["block_size"]
     tier_bw = {
         name: tier_bandwidth(systems[name]["tier_io"], raw, block)
-        for name in ("tier_async", "tier_sync")
+        for name in ("tier_async", "tier_sync", "both_async")
         if "tier_io" in systems.get(name, {})
     }
     return {
@@ -611,7 +628,9 @@ _LABEL = {
     "host_async": "rp_engine, host-resident, async",
     "tier_sync": "rp_engine, tier on NVMe, sync",
     "host_sync": "rp_engine, host-resident, sync",
+    "both_async": "rp_engine, optimizer + weights on NVMe, async",
     "deepspeed": "DeepSpeed ZeRO-3, optimizer on NVMe",
+    "deepspeed_both": "DeepSpeed ZeRO-3, optimizer + params on NVMe",
 }
 
 
@@ -741,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     result["table"] = table
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    failed = [n for n, s in result["systems"].items() if "error" in s and n != "deepspeed"]
+    failed = [n for n, s in result["systems"].items() if "error" in s and n not in DS_VARIANTS]
     return 1 if failed else 0
 
 

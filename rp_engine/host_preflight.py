@@ -18,6 +18,9 @@ Counted (bytes per parameter; the model's own weights already exist and are not 
 With the NVMe optimizer tier (``offload_optimizer.device: "nvme"``) the masters and moments
 (12 B per trainable parameter) live on NVMe, not in RAM: they are not counted here (the tier
 checks its disk at ``initialize``, storage/swap_file.py) and the message says where they are.
+With the parameter tier (``offload_param.device: "nvme"``) the compute weights leave RAM once
+``initialize`` wrote them to NVMe: they were never counted (they exist already), and the message
+says where they go.
 
 Not counted: activations and the CPU virtual devices' stage copies (host memory too), which
 depend on the plan; so passing the preflight is necessary, not sufficient.
@@ -62,6 +65,7 @@ class HostNeed:
     moments: int
     journal: int
     on_nvme: int = 0  # masters + moments kept on NVMe by the optimizer tier (not in RAM)
+    weights_on_nvme: int = 0  # compute weights (one buffer) moved to NVMe by the parameter tier
 
     @property
     def total(self) -> int:
@@ -80,14 +84,21 @@ class HostNeed:
             lines.append(
                 f"  (on NVMe, not in RAM: fp32 masters + Adam moments, {format_bytes(self.on_nvme)})"
             )
+        if self.weights_on_nvme:
+            lines.append(
+                "  (leaving RAM for NVMe after initialize: compute weights, "
+                f"{format_bytes(self.weights_on_nvme)})"
+            )
         return lines
 
 
 def host_need(
-    model: nn.Module, *, dtype: torch.dtype, journal: str, nvme_optimizer: bool = False
-) -> HostNeed:
+    model: nn.Module, *, dtype: torch.dtype, journal: str, nvme_optimizer: bool = False,
+    nvme_params: bool = False,
+) -> HostNeed:  # fmt: skip
     """What the engine will allocate in RAM for ``model`` trained in ``dtype`` (see the module
-    doc); ``nvme_optimizer``: masters and moments live on NVMe instead."""
+    doc); ``nvme_optimizer``: masters and moments live on NVMe instead; ``nvme_params``: the
+    compute weights move to NVMe (reported, not subtracted: they exist during ``initialize``)."""
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     size = torch.empty(0, dtype=dtype).element_size()
@@ -101,6 +112,7 @@ def host_need(
         moments=8 * trainable * in_ram,
         journal=12 * trainable if journal == "on" and in_ram else 0,
         on_nvme=12 * trainable * (1 - in_ram),
+        weights_on_nvme=sum(p.numel() * size for p in params) if nvme_params else 0,
     )
 
 
@@ -114,6 +126,7 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
     need = host_need(
         model, dtype=compute_dtype(cfg), journal=rp.step_journal,
         nvme_optimizer=cfg.zero.offload_optimizer_device == "nvme",
+        nvme_params=cfg.zero.offload_param_device == "nvme",
     )  # fmt: skip
     if not rp.host_preflight:
         return need

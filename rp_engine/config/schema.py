@@ -82,7 +82,9 @@ class BF16Config:
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadParamConfig:
-    """zero_optimization.offload_param. rp_engine keeps weights in host RAM whatever the device."""
+    """zero_optimization.offload_param. "nvme": the compute weights live in a swap file under
+    ``nvme_path`` (storage/param_tier.py), except the first layers fitting in ``max_in_cpu``
+    elements; "cpu" and "none" keep them in host RAM, rp_engine's normal mode."""
 
     device: str = field(default="none", metadata=_m(choices=_OFFLOAD_DEVICES))
     nvme_path: str | None = None
@@ -377,7 +379,8 @@ class DSConfig:
             text += "; the optimizer state stays in host memory"
         if z.offload_param is not None and pdev == "nvme":
             text += (
-                f"; offload_param NVMe ({z.offload_param.nvme_path}) is accepted but the compute "
-                "weights stay in host RAM (the parameter tier is not built yet)"
+                f"; compute weights live on NVMe ({z.offload_param.nvme_path}: "
+                f"storage/param_tier.py), the first {z.offload_param.max_in_cpu:,} elements "
+                "kept in RAM (max_in_cpu)"
             )
         return text

@@ -19,8 +19,10 @@ import torch
 
 from rp_engine.model.host_store import HostStore
 from rp_engine.runtime.counters import StepCounters
+from rp_engine.storage.build import Tiers
 from rp_engine.storage.io_engine import IOStats
 from rp_engine.storage.optimizer_tier import OptimizerTier
+from rp_engine.storage.param_tier import ParamTier
 
 if TYPE_CHECKING:
     import weakref
@@ -72,6 +74,8 @@ class DeepSpeedAccessors:
     _nvme_mark: IOStats
     _nvme_step: IOStats
     nvme_tier: OptimizerTier | None
+    param_tier: ParamTier | None
+    tiers: Tiers
     store: HostStore
     host_optimizer: HostOptimizer  # what the engine drives
     optimizer: Any  # what DeepSpeed's engine.optimizer is (optim/build.py returned_optimizer)
@@ -118,8 +122,7 @@ class DeepSpeedAccessors:
         the module; the NVMe tier's write-backs are on disk too."""
         self._drain_pipeline()
         self.stepper.synchronize()
-        if self.nvme_tier is not None:
-            self.nvme_tier.flush()
+        self.tiers.flush()
         self._published_step = self.global_steps
 
     @property
@@ -273,15 +276,15 @@ class DeepSpeedAccessors:
 
     def _close_nvme_window(self) -> None:
         """A step closed: the NVMe tier's traffic since the previous close is this step's."""
-        if self.nvme_tier is not None:
-            now = self.nvme_tier.stats
+        if self.tiers:
+            now = self.tiers.stats
             self._nvme_step, self._nvme_mark = now.minus(self._nvme_mark), now
 
     def _nvme_stats(self) -> dict[str, Any]:
         """The NVMe tier's traffic between the last two step closes (with the asynchronous
         optimizer that is mostly the previous step's state streaming through), and the bytes
         written in total (SSD wear). Empty without the tier."""
-        if self.nvme_tier is None:
+        if not self.tiers:
             return {}
         io = self._nvme_step
         return {
@@ -304,7 +307,7 @@ class DeepSpeedAccessors:
         ok = False
         try:
             if writes:
-                # the NVMe tier's state is read into RAM for the write (not streamed yet)
+                # the NVMe tiers' state is read into RAM for the write (not streamed yet)
                 with self.store.materialized(writable=False):
                     _ckpt().save(
                         self, save_dir, tag=tag, client_state=client_state or {},
@@ -346,9 +349,10 @@ class DeepSpeedAccessors:
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         self.synchronize()
-        return _ckpt().save_16bit(
-            self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters
-        )
+        with self.store.materialized(writable=False):  # weights on NVMe: read into RAM here
+            return _ckpt().save_16bit(
+                self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters
+            )
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's flag (``stage3_gather_16bit_weights_on_model_save``), which Hugging Face
@@ -362,7 +366,8 @@ class DeepSpeedAccessors:
         """The module's whole state_dict in the compute dtype, newest weights (DeepSpeed's
         ZeRO-3 gather; Hugging Face's save path calls it)."""
         self.synchronize()
-        state = self._module.state_dict()
+        with self.store.materialized(writable=False):  # weights on NVMe: read into RAM here
+            state = self._module.state_dict()  # its tensors keep that RAM after the block
         if exclude_frozen_parameters:
             for name, p in self._module.named_parameters(remove_duplicate=False):
                 if not p.requires_grad:

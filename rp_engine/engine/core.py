@@ -55,9 +55,16 @@ from rp_engine.runtime.executor import (
 )
 from rp_engine.runtime.planning import ModelShape, Planner
 from rp_engine.runtime.shutdown import watch
-from rp_engine.storage.build import build_optimizer_tier, wants_optimizer_tier
+from rp_engine.storage.build import (
+    Tiers,
+    build_optimizer_tier,
+    build_param_tier,
+    wants_optimizer_tier,
+    wants_param_tier,
+)
 from rp_engine.storage.io_engine import IOStats
 from rp_engine.storage.optimizer_tier import OptimizerTier
+from rp_engine.storage.param_tier import ParamTier
 
 __all__ = ["RoundPipeEngine"]
 
@@ -102,9 +109,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             # a bad model/config must not leave device or optimizer threads behind
             if hasattr(self, "stepper"):
                 self.stepper.close()
-            tier = getattr(self, "nvme_tier", None)
-            if tier is not None:
-                tier.close()
+            Tiers(getattr(self, "nvme_tier", None), getattr(self, "param_tier", None)).close()
             self.pool.close()
             raise
         self._counters = StepCounters(cfg.gradient_accumulation_steps, cfg.train_batch_size)
@@ -119,7 +124,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # Last: it also marks the engine as fully built (attribute fall-through needs that).
         self._box = InFlightBox(self._guard)
         self._finalizer = watch(
-            self, stepper=self.stepper, pool=self.pool, inflight=self._box, tier=self.nvme_tier
+            self, stepper=self.stepper, pool=self.pool, inflight=self._box, tier=self.tiers
         )
 
     def _wire(
@@ -194,12 +199,21 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         )  # fmt: skip
         if self.stepper.dp is not None:
             self.stepper.journal = None
+        # with the parameter tier, the paged layers' second buffer lives on disk, not in RAM
+        paged_weights = wants_param_tier(cfg)
         if self._overlap and self.stepper.async_mode:
-            self.store.double_buffer_weights()
+            self.store.double_buffer_weights(allocate=not paged_weights)
         if nvme and self.stepper.async_mode:
             # w_{t-1} is published when step t-1 ends, while the tier holds its masters, not at
             # iteration t's backward, when they are back on NVMe (optim/stepper.py)
-            self.store.double_buffer_weights(True)
+            self.store.double_buffer_weights(True, allocate=not paged_weights)
+        self.param_tier: ParamTier | None = None
+        if paged_weights:  # compute weights on NVMe (storage/param_tier.py)
+            self.param_tier = build_param_tier(
+                cfg, self.store, rank=0, data_parallel=dp_world() > 1
+            )
+            self.store.allocate_shadows()  # the layers max_in_cpu keeps in RAM
+        self.tiers = Tiers(self.nvme_tier, self.param_tier)
         self.planner = Planner(
             ModelShape.from_sequence(self.seq, self.store),
             num_devices=len(self.pool),
@@ -213,6 +227,9 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             round_size=rp.round_size,
             link_gbps=rp.pcie_gbps,
             overlap_iterations=self._overlap,  # memory validated with two runs in flight
+            # every upload reads its weights from NVMe first (a layer max_in_cpu keeps in RAM
+            # has nothing to read: its READ is a no-op)
+            nvme_slots=self.param_tier is not None,
         )
         self._staging = staging_pools(self.pool.devices)  # shared by every executor made
         self._executor = self._make_executor()

@@ -27,6 +27,11 @@ held by the optimizer) + gradient (4) = 18 B for bf16/fp16 models, 20 B for fp32
 with double-buffered gradients (the default when host memory allows, ``double_buffer``), one
 compute weight more (2 or 4 B) with double-buffered compute weights, and 12 B more with the
 optimizer's step journal (optim/step_journal.py, likewise).
+
+Below RAM (storage/): with the optimizer tier the masters and moments are paged (``pager``:
+``resident`` around each step), with the parameter tier the compute weights of its layers
+(``weight_pager``: ``page_in``/``page_out`` around each upload, every weight buffer on disk,
+``publish`` writes through it); ``materialized`` brings both into RAM for whole-state readers.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class Pager(Protocol):
     def prefetch(self, layers: Iterable[int]) -> None: ...
 
 
-__all__ = ["GradLanding", "HostParam", "HostLayer", "HostStore", "Pager"]
+__all__ = ["GradLanding", "HostParam", "HostLayer", "HostStore", "Pager", "placeholder"]
 
 
 @dataclass(eq=False)
@@ -176,6 +181,8 @@ class HostStore:
         self._failure: BaseException | None = None
         # where paged masters live between steps (storage/optimizer_tier.py); None: in RAM
         self.pager: Pager | None = None
+        # where paged compute weights live (storage/param_tier.py's ParamTier); None: in RAM
+        self.weight_pager: Any = None
 
     # --- residency of the masters (paged to NVMe by the optimizer tier) -----------------------
     def resident(
@@ -186,11 +193,18 @@ class HostStore:
         return self.pager.resident(layer, dirty=dirty) if self.pager else contextlib.nullcontext()
 
     def materialized(self, *, writable: bool) -> contextlib.AbstractContextManager[Any]:
-        """Every master and moment holds its values for the block (checkpoint save/load);
-        ``writable``: what the block leaves in them is kept. No optimizer step may run."""
-        if self.pager is None:
-            return contextlib.nullcontext()
-        return self.pager.materialized(writable=writable)
+        """Every master and moment, and every compute weight, holds its values for the block
+        (checkpoint save/load, state_dict); ``writable``: what the block leaves in them is
+        kept. No optimizer step may run."""
+        return self._materialized(writable)
+
+    @contextmanager
+    def _materialized(self, writable: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for pager in (self.pager, self.weight_pager):
+                if pager is not None:
+                    stack.enter_context(pager.materialized(writable=writable))
+            yield
 
     def prefetch(self, layers: Iterable[int]) -> None:
         """Hint: the optimizer steps ``layers`` next, in this order (the tier starts reading)."""
@@ -445,25 +459,52 @@ class HostStore:
         """Buffers of compute weights: 2 with ``double_buffer_weights``, else 1."""
         return len(self._held[0])
 
-    def double_buffer_weights(self, enable: bool | None = None) -> bool:
+    def double_buffer_weights(self, enable: bool | None = None, *, allocate: bool = True) -> bool:
         """Give every owned compute weight a second buffer (see the module docstring); None
         decides by free host memory, as for the gradients (the second buffer must leave at least
         three times its size available). Returns whether the weights are double-buffered. Call
-        it while no run is in flight."""
+        it while no run is in flight. ``allocate=False``: the RAM copies wait for
+        ``allocate_shadows`` (the parameter tier holds the paged layers' second buffer on disk;
+        only the others get one in RAM)."""
         if self.weight_copies == 2:
             return True
+        if self.weight_pager is not None:
+            raise RuntimeError("decide the weight buffers before the parameter tier is built")
         owned = self.owned_params()
         nbytes = sum(hp.param.numel() * hp.param.element_size() for hp in owned)
         if enable is None:
             enable = _second_arena_fits(nbytes)
         if not enable:
             return False
-        for hp in owned:
-            copy = hp.param.detach().clone()
-            self._shadow[id(hp.param)] = self._pin(copy) if self._pin is not None else copy
         with self._cond:
             self._held = [[max(h), max(h)] for h in self._held]
+        if allocate:
+            self.allocate_shadows()
         return True
+
+    def allocate_shadows(self) -> None:
+        """Double-buffered: a second RAM buffer for each owned compute weight that has none and
+        does not live in the parameter tier (``page_weights``)."""
+        if self.weight_copies != 2:
+            return
+        pager = self.weight_pager
+        for hp in self.owned_params():
+            if id(hp.param) in self._shadow:
+                continue
+            if pager is not None and id(hp.param) in pager.views_of(hp.layer):
+                continue
+            copy = hp.param.detach().clone()
+            self._shadow[id(hp.param)] = self._pin(copy) if self._pin is not None else copy
+
+    def page_weights(self, pager: Any) -> None:
+        """From now on the compute weights of ``pager``'s layers live in it (storage/
+        param_tier.py's ParamTier, which holds every weight buffer): their RAM copies go."""
+        self.weight_pager = pager
+        for layer in self.layers:
+            paged = pager.views_of(layer.index)
+            for hp in layer.owned:
+                if id(hp.param) in paged:
+                    self._shadow.pop(id(hp.param), None)
 
     def _buffer_of(self, version: int) -> int:
         return version % self.weight_copies
@@ -487,6 +528,42 @@ class HostStore:
         if self._buffer_of(version) == 0:
             return list(tensors)
         return [self._shadow.get(id(t), t) for t in tensors]
+
+    def page_in(
+        self, key: object, layers: Sequence[int], version: int, tensors: Sequence[torch.Tensor],
+        sources: list[torch.Tensor], leases: list[Any],
+    ) -> None:  # fmt: skip
+        """On the upload's copy thread, before it copies: with compute weights on NVMe
+        (``weight_pager``), pin ``layers``' weights of ``version``'s buffer, point the matching
+        entries of ``sources`` (from ``weight_sources(tensors, version)``) at them, and add the
+        lease to ``leases`` (``page_out`` releases it)."""
+        if self.weight_pager is None:
+            return
+        lease = self.weight_pager.acquire(key, layers, version)
+        if lease is not None:
+            leases.append(lease)
+            for i, t in enumerate(tensors):
+                view = lease.views.get(id(t))
+                if view is not None:
+                    sources[i] = view
+
+    def page_out(self, leases: list[Any], done: Event) -> None:
+        """When the upload is issued: what ``page_in`` adds to ``leases`` (later, before
+        ``done``) is released once ``done`` completes, the copies' end."""
+        if self.weight_pager is not None:
+            self.weight_pager.release_after(leases, done)
+
+    def queue_page_in(self, key: object, layers: Sequence[int], version: int) -> None:
+        """A plan READ: ``page_in(key, ...)`` follows; start reading (non-blocking)."""
+        if self.weight_pager is not None:
+            self.weight_pager.queue_reads(key, layers, version)
+
+    def nvme_reads(self, run: object) -> list[tuple[Any, float, float]]:
+        """The parameter tier's reads for the uploads of run ``run`` (``page_in``'s key
+        ``(run, action)``): ``(action, start, end)``, perf_counter seconds; [] without it."""
+        if self.weight_pager is None:
+            return []
+        return list(self.weight_pager.take_reads(run))
 
     def note_read(self, layers: Iterable[int], version: int, done: Event) -> None:
         """An upload issued now reads ``version``'s buffer of ``layers`` until ``done``: a later
@@ -538,20 +615,39 @@ class HostStore:
                     event.synchronize()
             with self._cond:
                 twin = [o for o in range(copies) if o != b and self._held[layer][o] == version]
-            with torch.no_grad():
+            with torch.no_grad(), self._weights(layer, b, overwrite=True) as dst:
                 if twin:  # the same cast of the same masters: copy it, never touch the masters
-                    for hp in self.layers[layer].owned:
-                        self._weight(hp, b).copy_(self._weight(hp, twin[0]))
+                    with self._weights(layer, twin[0], overwrite=False) as src:
+                        for hp in self.layers[layer].owned:
+                            dst(hp).copy_(src(hp))
                 else:
                     with self.resident(layer):
                         for hp in self.layers[layer].owned:
-                            self._weight(hp, b).copy_(hp.master)
+                            dst(hp).copy_(hp.master)
             with self._cond:
                 self._held[layer][b] = max(self._held[layer][b], version)
                 self._cond.notify_all()
 
     def _weight(self, hp: HostParam, buffer: int) -> torch.Tensor:
         return hp.param.data if buffer == 0 else self._shadow[id(hp.param)]
+
+    @contextmanager
+    def _weights(
+        self, layer: int, buffer: int, *, overwrite: bool
+    ) -> Iterator[Callable[[HostParam], torch.Tensor]]:
+        """The layer's compute weights in ``buffer`` for the block, as ``HostParam -> tensor``;
+        paged ones (``weight_pager``) are views of the tier's buffer, written back after the
+        block when ``overwrite``."""
+        pager = self.weight_pager
+        if pager is None or not pager.paged(layer):
+            yield lambda hp: self._weight(hp, buffer)
+            return
+        with pager.buffer(layer, buffer, overwrite=overwrite) as views:
+            yield (
+                lambda hp: (
+                    views[id(hp.param)] if id(hp.param) in views else self._weight(hp, buffer)
+                )
+            )
 
     def rewind(self, layer: int, version: int) -> None:
         """Copy the layer's masters into every compute-weight buffer and mark them as
@@ -574,6 +670,13 @@ class HostStore:
 
     def _refresh_shadow(self) -> None:
         with torch.no_grad():
+            if self.weight_pager is not None and self.weight_copies == 2:
+                for layer in range(len(self.layers)):
+                    if self.weight_pager.paged(layer):
+                        with self._weights(layer, 0, overwrite=False) as src:
+                            with self._weights(layer, 1, overwrite=True) as dst:
+                                for hp in self.layers[layer].owned:
+                                    dst(hp).copy_(src(hp))
             for hp in self.owned_params():
                 shadow = self._shadow.get(id(hp.param))
                 if shadow is not None:
@@ -602,11 +705,18 @@ def _pinned_by(pin: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], t
     return alloc
 
 
+def placeholder(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A CPU tensor of ``shape`` and ``dtype`` that owns no memory (storage of size 0): where
+    the NVMe tiers' state lives between uses, so a stray read fails instead of reading stale
+    numbers."""
+    t = torch.empty(tuple(shape), dtype=dtype)
+    t.untyped_storage().resize_(0)
+    return t
+
+
 def _paged_master(p: nn.Parameter) -> torch.Tensor:
     """A master without memory (shape only): the NVMe tier fills it while a step needs it."""
-    master = torch.empty(p.shape, dtype=torch.float32)
-    master.untyped_storage().resize_(0)
-    return master
+    return placeholder(p.shape)
 
 
 def _make_master(p: nn.Parameter) -> torch.Tensor:

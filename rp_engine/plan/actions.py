@@ -26,6 +26,15 @@ DOWNLOAD of the gradients accumulated over all its groups, one FREE after its la
   SEND(slot, m)@d      the output of compute action (slot, m) moved to device d (via the host,
                        or peer to peer), for the consumers of it on d
   OPT(layer, 0)@h      CPU optimizer step of one layer (layer L = the head)
+  READ(slot, m0)@d     the slot's weights read from NVMe into a host staging buffer, for the
+                       UPLOAD(slot, m0)@d it feeds (slots whose weights live on NVMe: a lowered
+                       plan's ``nvme_slots``). The device names the UPLOAD fed; the read itself
+                       is host work, on one host-wide NVMe lane (grid row "nvme").
+
+NVMe reads (``Plan.nvme_slots``, ``Plan.nvme_read_ahead`` = R): the UPLOAD waits for its READ;
+the READs form one FIFO (each waits for the READ before it in issue order) over a pool of R host
+staging buffers, so READ k (the k-th READ in issue order) also waits for the UPLOAD fed by READ
+k - R: that copy out of the staging buffer READ k reuses has finished.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ class Op(enum.Enum):
     SEND = "S"  # activation / activation-gradient transfer to another device
     OPT = "O"  # optimizer step of one layer on the host
     FREE = "X"  # release of an upload's weights on the device
+    READ = "R"  # weights of an NVMe slot read into a host staging buffer, before their UPLOAD
 
     # members are singletons: identity hashing is correct and far cheaper than Enum.__hash__,
     # which matters because plans hash thousands of actions
@@ -156,6 +166,10 @@ class Plan:
     # (stage k on a fixed device: GPipe, 1F1B, interleaved, looped BFS, Mobius)
     offloaded: bool = False
     bound: bool = False
+    # slots whose weights live on NVMe (lowered plans): each of their UPLOADs is fed by a READ;
+    # nvme_read_ahead: host staging buffers the READs cycle through (how far ahead they run)
+    nvme_slots: tuple[int, ...] = ()
+    nvme_read_ahead: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(self.actions))
@@ -172,6 +186,9 @@ class Plan:
             raise PlanError(f"optimizer must be '', 'sync' or 'async', got {self.optimizer!r}")
         if self.prefetch_depth < 0:
             raise PlanError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        object.__setattr__(self, "nvme_slots", tuple(sorted({int(s) for s in self.nvme_slots})))
+        if self.nvme_read_ahead < 1:
+            raise PlanError(f"nvme_read_ahead must be >= 1, got {self.nvme_read_ahead}")
 
     # ---- shape -------------------------------------------------------------------------------
     @property
@@ -224,7 +241,8 @@ class Plan:
         return tuple(ranges)
 
     def per_device(self, device: int) -> list[Action]:
-        """Actions of one device (``HOST`` for the optimizer) in execution order."""
+        """Actions of one device (``HOST`` for the optimizer) in execution order (a READ is
+        listed under the device of the UPLOAD it feeds, though the host runs it)."""
         return list(self._by_device.get(device, ()))
 
     @functools.cached_property
@@ -270,9 +288,11 @@ class Plan:
             + (f" prefetch={self.prefetch_depth}" if self.prefetch_depth != 1 else "")
             + (" offloaded=1" if self.offloaded else "")
             + (" bound=1" if self.bound else "")
+            + (f" nvme={_csv(self.nvme_slots)}" if self.nvme_slots else "")
+            + (f" read_ahead={self.nvme_read_ahead}" if self.nvme_read_ahead != 2 else "")
         )
         lines = [header, format_grid(self)]
-        lines.append("issue: " + " ".join(_run_length(_row_name(a.device) for a in self.actions)))
+        lines.append("issue: " + " ".join(_run_length(_grid_row(a) for a in self.actions)))
         return "\n".join(lines) + "\n"
 
     @classmethod
@@ -306,27 +326,41 @@ class Plan:
             prefetch_depth=int(meta.get("prefetch", 1)),
             offloaded=meta.get("offloaded", "0") == "1",
             bound=meta.get("bound", "0") == "1",
+            nvme_slots=_parse_csv(meta.get("nvme", "")),
+            nvme_read_ahead=int(meta.get("read_ahead", 2)),
         )
 
 
 def format_grid(plan: Plan, *, mark: Action | None = None, limit: int | None = None) -> str:
-    """Device x step grid (one row per device, actions in execution order).
+    """Device x step grid (one row per device, actions in execution order; the host's OPTs on
+    row "h", the READs from NVMe on row "nvme", in issue order).
 
     ``mark`` is shown as ``>>F3.1@2<<`` (the failing step in an error); ``limit`` trims each row
     to the steps around the mark (or the first ``limit`` steps) so errors stay readable.
     """
-    devices = sorted(plan._by_device, key=lambda d: (d == HOST, d))
     rows = []
-    for d in devices:
-        row = list(plan._by_device[d])
+    for name, row in _grid_rows(plan).items():
         cells = [f">>{a}<<" if a == mark else str(a) for a in row]
         if limit is not None and len(cells) > limit:
             centre = row.index(mark) if mark in row else limit // 2
             lo = max(0, min(centre - limit // 2, len(cells) - limit))
             cells = (["..."] if lo else []) + cells[lo : lo + limit]
             cells += ["..."] if lo + limit < len(row) else []
-        rows.append(f"{_row_name(d)}: " + " ".join(cells))
+        rows.append(f"{name}: " + " ".join(cells))
     return "\n".join(rows)
+
+
+def _grid_rows(plan: Plan) -> dict[str, list[Action]]:
+    """The grid's rows by name: devices, then the host ("h"), then the NVMe reads ("nvme")."""
+    rows: dict[str, list[Action]] = {}
+    for d in sorted(plan._by_device, key=lambda d: (d == HOST, d)):
+        row = [a for a in plan._by_device[d] if a.op is not Op.READ]
+        if row:
+            rows[_row_name(d)] = row
+    reads = [a for a in plan.actions if a.op is Op.READ]
+    if reads:
+        rows[_NVME_ROW] = reads
+    return rows
 
 
 # ---- dependency derivation -------------------------------------------------------------------
@@ -392,7 +426,10 @@ class _DepContext:
         }
         self.device_pos = {a: i for row in self.device_compute.values() for i, a in enumerate(row)}
         self.send_consumers: dict[Action, list[Action]] = defaultdict(list)
+        self.reads = [a for a in plan.actions if a.op is Op.READ]  # the FIFO, in issue order
+        self.read_index = {r: k for k, r in enumerate(self.reads)}
         self.handlers = {
+            Op.READ: self.read_deps,
             Op.UPLOAD: self.upload_deps,
             Op.FREE: self.free_deps,
             Op.DOWNLOAD: self.download_deps,
@@ -460,9 +497,20 @@ class _DepContext:
         gi = self.group_index.get((t.device, t.stage, t.microbatch, t.iteration))
         return None if gi is None else self.holding_of.get((t.device, gi))
 
+    def read_deps(self, r: Action) -> list[Action]:
+        """The READ before it (one FIFO) and the UPLOAD fed by the READ ``nvme_read_ahead``
+        back, whose copy out of the staging buffer this READ reuses has then finished."""
+        k, back = self.read_index[r], self.plan.nvme_read_ahead
+        deps = [self.reads[k - 1]] if k else []
+        if k >= back:
+            fed = self.by_key.get((Op.UPLOAD, *_transfer_key(self.reads[k - back])))
+            deps += [fed] if fed is not None else []
+        return deps
+
     def upload_deps(self, u: Action) -> list[Action]:
         h = self._holding(u)
-        deps: list[Action] = []
+        read = self.by_key.get((Op.READ, *_transfer_key(u)))
+        deps: list[Action] = [read] if read is not None else []
         for gate in h.gates if h is not None else ():
             if gate.free is not None:
                 deps.append(gate.free)
@@ -511,6 +559,11 @@ class _DepContext:
                 else:
                     deps += list(group)
         return deps
+
+
+def _transfer_key(a: Action) -> tuple[int, int, int, int]:
+    """(slot, m0, device, iteration): what the transfers of one holding share."""
+    return (a.stage, a.microbatch, a.device, a.iteration)
 
 
 def compute_groups(plan: Plan) -> dict[int, list[list[Action]]]:
@@ -624,8 +677,16 @@ def format_bytes(n: float) -> str:
 
 
 # ---- small text helpers ----------------------------------------------------------------------
+_NVME_ROW = "nvme"  # the grid row of the READs (host work, one NVMe lane)
+
+
 def _row_name(device: int) -> str:
     return "h" if device == HOST else f"d{device}"
+
+
+def _grid_row(action: Action) -> str:
+    """The grid row ``action`` is drawn on (and the text form's issue line names)."""
+    return _NVME_ROW if action.op is Op.READ else _row_name(action.device)
 
 
 def _csv(values: Sequence[int]) -> str:

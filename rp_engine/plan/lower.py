@@ -11,6 +11,15 @@ no UPLOAD of its own; the weights of the earlier group stay on the device (no FR
 its gradients keep accumulating there, and one DOWNLOAD and one FREE follow the last of them
 (``actions.weight_holdings``). Every group of one run reads one weight version, so reuse within
 a plan is safe; a plan never reuses another plan's upload.
+
+NVMe reads (``nvme_slots``): every UPLOAD of a slot whose weights live on NVMe gets a READ of
+them into a host staging buffer. The READs share one NVMe link and ``nvme_read_ahead`` staging
+buffers host-wide, so they are placed on the plan's UPLOADs of such slots (its *nvme uploads*)
+as a whole, after the rest of the order is fixed: the READ of the k-th nvme upload in issue
+order right after the (k - R)-th nvme upload (R = ``nvme_read_ahead``; its buffer is free once
+that copy is done), the first R at the front of the plan:
+
+    R0 R1 | ... U0 R2 ... U1 R3 ... U2 R4 ...        (R = 2; Uk the k-th nvme upload)
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import defaultdict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from .actions import HOST, Action, Op, Plan, PlanError, compute_groups, format_grid
 
@@ -32,6 +41,8 @@ def lower(
     optimizer: str = "async",
     prefetch_depth: int = 1,
     resident: bool | Collection[int] = False,
+    nvme_slots: bool | Collection[int] = False,
+    nvme_read_ahead: int = 2,
 ) -> Plan:
     """Add transfer and optimizer actions to a compute-only plan.
 
@@ -47,11 +58,29 @@ def lower(
 
     ``resident``: True, or the slots, whose weights stay on a device between the groups of the
     slot there (see the module docstring); the memory this holds is ``validate``'s to check.
+
+    ``nvme_slots``: True, or the slots, whose weights live on NVMe: each of their UPLOADs gets
+    a READ (``Op.READ``, same slot, micro-batch, device and iteration) placed ``nvme_read_ahead``
+    (>= 1) such uploads ahead of it in issue order (see the module docstring); the plan records
+    both (``Plan.nvme_slots``, ``Plan.nvme_read_ahead``). Needs ``offload`` (only uploaded
+    weights are read). Without it the plan is exactly what it was before READs existed.
     """
-    plan = dataclasses.replace(plan, prefetch_depth=prefetch_depth)
+    if nvme_read_ahead < 1:
+        raise ValueError(f"nvme_read_ahead must be >= 1, got {nvme_read_ahead}")
+    # what the plan says about NVMe is what this lowering adds (a compute plan has no READs)
+    plan = dataclasses.replace(
+        plan, prefetch_depth=prefetch_depth, nvme_slots=(), nvme_read_ahead=2
+    )
     if any(not a.is_compute for a in plan.actions):
         raise ValueError("lower() takes a compute-only plan (FWD/HEAD/BWD actions)")
     offload = plan.offloaded if offload is None else offload
+    nvme = _slot_set(plan, nvme_slots, "nvme_slots")
+    if nvme and not offload:
+        raise ValueError(
+            f"nvme_slots {sorted(nvme)} need an offloaded plan (lower(..., offload=True)): "
+            f"only weights uploaded per slot are read from NVMe ({plan.schedule} keeps them "
+            "on its devices)"
+        )
     key = {a: float(i) for i, a in enumerate(plan.actions)}
     key.update(_send_keys(plan, key))
     if offload:
@@ -66,7 +95,42 @@ def lower(
     )
     for o in (a for a in draft.actions if a.op is Op.OPT):
         key[o] = max(key[d] for d in draft.deps[o]) + 0.45
-    return dataclasses.replace(draft, actions=_stable_topological(draft, key))
+    actions = _stable_topological(draft, key)
+    if not nvme:
+        return dataclasses.replace(draft, actions=actions)
+    return dataclasses.replace(
+        draft,
+        actions=_with_reads(actions, nvme, nvme_read_ahead),
+        nvme_slots=tuple(sorted(nvme)),
+        nvme_read_ahead=nvme_read_ahead,
+    )
+
+
+def _slot_set(plan: Plan, slots: bool | Collection[int], name: str) -> frozenset[int]:
+    """``True`` -> every slot; a collection -> those (each a slot of ``plan``)."""
+    if slots is True:
+        return frozenset(range(plan.num_slots))
+    out = frozenset(int(s) for s in (slots or ()))
+    bad = sorted(s for s in out if not 0 <= s < plan.num_slots)
+    if bad:
+        raise ValueError(f"{name} {bad}: the plan's slots are 0..{plan.num_slots - 1}")
+    return out
+
+
+def _with_reads(
+    actions: Sequence[Action], nvme: frozenset[int], read_ahead: int
+) -> tuple[Action, ...]:
+    """``actions`` with the READ of each nvme upload k right after nvme upload k - read_ahead
+    (the first ``read_ahead`` at the front): the module docstring's placement."""
+    uploads = [a for a in actions if a.op is Op.UPLOAD and a.stage in nvme]
+    reads = [Action(Op.READ, u.stage, u.microbatch, u.device, u.iteration) for u in uploads]
+    after = {uploads[k - read_ahead]: r for k, r in enumerate(reads) if k >= read_ahead}
+    out = reads[:read_ahead]
+    for a in actions:
+        out.append(a)
+        if a in after:
+            out.append(after[a])
+    return tuple(out)
 
 
 def _send_keys(plan: Plan, key: Mapping[Action, float]) -> dict[Action, float]:

@@ -8,6 +8,9 @@ in the style of the RoundPipe paper's schedule figure. matplotlib is imported on
 
     d0 |FFFFFFFF..rrrBBBBBBB|      F forward   r recompute   B backward
     d1 |..FFFFFFFFhhhHHHHHH.|      h head fwd  H head bwd    . idle
+
+Host lanes are rows of their own: "host" (the CPU optimizer, lane "cpu") and "nvme" (a plan's
+READs of weights from NVMe, lane "nvme"), shown when ``lanes`` names them.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ PHASE_CHARS = {
     "send_h2d": "S",
     "opt": "O",
     "accumulate": "A",
+    "read": "R",
 }
 _COLORS = {
     "fwd": "#4C72B0",
@@ -59,8 +63,9 @@ _COLORS = {
     "send_h2d": "#C44E52",
     "opt": "#8C8C8C",
     "accumulate": "#64B5CD",
+    "read": "#CCB974",
 }
-_LANES = ("compute", "h2d_param", "h2d_act", "d2h", "d2h_act", "host", "cpu")
+_LANES = ("compute", "h2d_param", "h2d_act", "d2h", "d2h_act", "host", "cpu", "nvme")
 STREAM_LANES = _LANES  # every lane a measured timeline may have, in display order
 
 
@@ -70,9 +75,7 @@ def text_grid(result: SimResult, *, width: int = 100, lanes: Sequence[str] = ("c
     span = result.makespan_ms or 1.0
     step = span / width
     rows_ = _rows(result, lanes)
-    names = [
-        "host" if d == HOST else f"d{d}" + ("" if ln == "compute" else f":{ln}") for d, ln in rows_
-    ]
+    names = [_text_row_name(d, ln) for d, ln in rows_]
     pad = max([len(n) for n in names] + [4])
     rows = [f"{'':>{pad}}  0 ms{'':{max(width - 12, 1)}}{span:8.1f} ms"]
     for (device, lane), name in zip(rows_, names, strict=True):
@@ -208,7 +211,15 @@ def _draw_row(ax: Axes, row: int, intervals: Sequence[Interval], span: float) ->
 
 
 def _png_row_name(device: int, lane: str) -> str:
-    return "host" if device == HOST else f"GPU {device}" + ("" if lane == "compute" else f" {lane}")
+    if device == HOST:
+        return "NVMe" if lane == "nvme" else "host"
+    return f"GPU {device}" + ("" if lane == "compute" else f" {lane}")
+
+
+def _text_row_name(device: int, lane: str) -> str:
+    if device == HOST:
+        return "nvme" if lane == "nvme" else "host"
+    return f"d{device}" + ("" if lane == "compute" else f":{lane}")
 
 
 def _rows(result: SimResult, lanes: Sequence[str]) -> list[tuple[int, str]]:
@@ -232,6 +243,7 @@ _MEASURED_PHASE = {
     Op.UPLOAD: "upload",
     Op.DOWNLOAD: "download",
     Op.SEND: "send",
+    Op.READ: "read",
 }
 
 
@@ -242,7 +254,7 @@ class TimelineRecordLike(Protocol):
     action: str
     start: float  # seconds
     end: float
-    stream: str  # "compute", "h2d_param", "h2d_act", "d2h", "d2h_act" or "host"
+    stream: str  # "compute", "h2d_param", "h2d_act", "d2h", "d2h_act", "host" or "nvme"
 
 
 def measured_result(
@@ -252,15 +264,19 @@ def measured_result(
 
     ``records`` are objects with ``device``, ``action`` (text such as "F2.3@1"), ``start``,
     ``end`` in seconds and ``stream`` (``RoundPipeEngine.last_timeline()``): one lane per
-    stream; only compute counts as busy, so the bubble is 1 - busy / (devices x span).
+    stream; only compute counts as busy, so the bubble is 1 - busy / (devices x span). A READ
+    is drawn on the host's "nvme" row, whatever device and stream it was recorded with.
     """
     intervals = []
     for r in records:
         action = parse_action(r.action)
         lane = getattr(r, "stream", "compute")
+        device = r.device
+        if action.op is Op.READ:  # host work on the NVMe lane, as the simulator draws it
+            device, lane = HOST, "nvme"
         phase = "accumulate" if lane == "host" else _MEASURED_PHASE[action.op]
         busy = lane == "compute"
-        intervals.append(Interval(r.device, lane, phase, r.start * 1e3, r.end * 1e3, action, busy))
+        intervals.append(Interval(device, lane, phase, r.start * 1e3, r.end * 1e3, action, busy))
     t0 = min((i.start_ms for i in intervals), default=0.0)
     intervals = [
         Interval(i.device, i.lane, i.phase, i.start_ms - t0, i.end_ms - t0, i.action, i.busy)

@@ -1,10 +1,12 @@
 """Checks of a plan before it runs: ``validate``.
 
 Complete (every compute action once, on a real device), topologically ordered, every UPLOAD
-released by a FREE and every compute action on an uploading device fed by an UPLOAD, and, given
-costs and a budget, each device's peak memory (the rule of memory.py) within the budget; with
-``then`` (the run issued next, which may overlap this one's tail), the peak over both runs back
-to back (``memory.consecutive``: what a device holds with iterations overlapping).
+released by a FREE and every compute action on an uploading device fed by an UPLOAD, every
+UPLOAD of an NVMe slot (``Plan.nvme_slots``) fed by exactly one READ issued before it and every
+READ feeding exactly one later UPLOAD, and, given costs and a budget, each device's peak memory
+(the rule of memory.py) within the budget; with ``then`` (the run issued next, which may
+overlap this one's tail), the peak over both runs back to back (``memory.consecutive``: what a
+device holds with iterations overlapping).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def validate(
 ) -> tuple[int, ...]:
     """Check a plan; raise PlanError (with the device x step grid, failing step marked) if
     actions are missing or duplicated, on bad devices, issued before what they depend on,
-    an upload is never released, or (given costs and a budget) a device exceeds its memory.
+    an upload is never released, an UPLOAD of an NVMe slot has no READ before it (or a READ
+    feeds no later UPLOAD), or (given costs and a budget) a device exceeds its memory.
     ``then``: the run issued right after this one (checked alike), overlapping its tail; the
     memory peak is then over both runs back to back (its actions are marked "#1" and up).
 
@@ -33,6 +36,7 @@ def validate(
     """
     for p in (plan,) if then is None else (plan, then):
         _check_complete(p)
+        _check_reads(p)  # before the order: a READ after its UPLOAD is named as such
         _check_order(p)
         _check_uploads(p)
     if costs is None:
@@ -128,3 +132,31 @@ def _check_uploads(plan: Plan) -> None:
             and not any(d.op is Op.UPLOAD for d in plan.deps[a])
         ):
             _fail(plan, a, f"{a} runs on a device with uploaded weights but has no UPLOAD")
+
+
+def _check_reads(plan: Plan) -> None:
+    """Each UPLOAD of an NVMe slot is fed by one READ (same slot, micro-batch, device,
+    iteration) issued before it; each READ, of an NVMe slot, feeds one later UPLOAD."""
+    nvme = set(plan.nvme_slots)
+    pending: dict[tuple[int, int, int, int], Action] = {}  # READs not yet consumed
+    for a in plan.actions:
+        k = (a.stage, a.microbatch, a.device, a.iteration)
+        if a.op is Op.READ:
+            if a.stage not in nvme:
+                _fail(
+                    plan,
+                    a,
+                    f"{a} reads slot {a.stage} from NVMe, which is not an NVMe slot "
+                    f"(nvme_slots {sorted(nvme)})",
+                )
+            pending[k] = a
+        elif a.op is Op.UPLOAD and a.stage in nvme and pending.pop(k, None) is None:
+            _fail(
+                plan,
+                a,
+                f"{a} uploads NVMe slot {a.stage} with no READ R{a.stage}.{a.microbatch} "
+                "issued before it",
+            )
+    if pending:
+        r = next(iter(pending.values()))
+        _fail(plan, r, f"{r} feeds no later UPLOAD (no matching U{r.stage}.{r.microbatch})")

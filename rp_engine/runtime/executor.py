@@ -154,6 +154,7 @@ class Executor:
             Op.FREE: self._free,
             Op.SEND: _bookkeeping,
             Op.OPT: _bookkeeping,
+            Op.READ: self._read,
         }
 
     # --- public -----------------------------------------------------------------------------
@@ -278,13 +279,17 @@ class Executor:
             outputs=[ctx.outputs[m] for m in sorted(ctx.outputs)],
         )
 
-    @staticmethod
     def _timeline(
-        ctx: _Ctx,
+        self, ctx: _Ctx
     ) -> tuple[list[TimelineRecord], dict[int, list[float]], dict[int, list[float]]]:
         """After the drain: every span on the run's time axis, and the profile (per-layer
         forward ms, per-backward-stage ms) from the same timers."""
         records = list(ctx.timeline)
+        for a, start, end in self.store.nvme_reads(id(ctx)):  # the NVMe row (parameter tier)
+            read = Action(Op.READ, a.stage, a.microbatch, a.device, a.iteration)
+            records.append(
+                TimelineRecord(a.device, str(read), start - ctx.t0, end - ctx.t0, "nvme")
+            )
         bwd_ms: dict[int, list[float]] = {}
         for device, stream, a, timer in ctx.spans:
             start, end = timer.offsets(ctx.base[device])
@@ -407,18 +412,24 @@ class Executor:
         hosts = list(seen.values())
         readers = self.store.versioned_layers(layers)  # with the owners of shared weights
 
+        sources = self.store.weight_sources(hosts, version)
+        leases: list[Any] = []  # weights paged in from NVMe for this copy (parameter tier)
+
         def wait_versions() -> None:
             for layer in readers:
                 self.store.wait_version(layer, version)
+            # compute weights on NVMe: pinned in RAM (read now unless the plan's READ got
+            # there first) until the copy's end, released through ``page_out`` below
+            self.store.page_in((id(ctx), a), layers, version, hosts, sources, leases)
             timer.append(device.timer())  # the copy starts once its versions are there
 
         weights = upload_weights(
-            device, hosts, sources=self.store.weight_sources(hosts, version),
-            after=gates, before=wait_versions, label=str(a),
-        )  # fmt: skip
+            device, hosts, sources=sources, after=gates, before=wait_versions, label=str(a)
+        )
         # a publish into the buffer this upload reads waits for it (HostStore.publish)
         assert weights.event is not None
         self.store.note_read(readers, version, weights.event)
+        self.store.page_out(leases, weights.event)
 
         def copied() -> None:
             timer[0].stop()
@@ -429,6 +440,13 @@ class Executor:
         ctx.stats.uploads += 1
         ctx.stats.weight_h2d_bytes += weights.nbytes
         ctx.count(weights.nbytes, h2d=True)  # copy threads add to h2d_bytes concurrently
+
+    def _read(self, ctx: _Ctx, a: Action) -> None:
+        """READ: the weights of UPLOAD(slot, m0)@d come from NVMe (the parameter tier); queue
+        their read now, in plan order, so it runs ahead of the upload as buffers allow."""
+        upload = Action(Op.UPLOAD, a.stage, a.microbatch, a.device, a.iteration)
+        layers = self._slot_layers(ctx.spec.plan, a.stage)
+        self.store.queue_page_in((id(ctx), upload), layers, ctx.spec.version)
 
     def _download(self, ctx: _Ctx, a: Action) -> None:
         """DOWNLOAD: the gradients the group accumulated on the device, once, to the host."""

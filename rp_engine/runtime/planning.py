@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,8 +83,19 @@ class Planner:
         round_size: int | None = None,
         link_gbps: float | None = None,
         overlap_iterations: bool = False,
+        nvme_slots: bool | Collection[int] = False,
+        nvme_read_ahead: int = 2,
     ) -> None:
+        """``nvme_slots``: True, or the slots (of the cuts in use), whose weights the parameter
+        tier keeps on NVMe: the lowered plans read them into host staging buffers before each
+        UPLOAD (``Op.READ``, ``nvme_read_ahead`` uploads ahead; ``schedules.lower``). Default
+        none: the plans are as without the tier."""
         self.shape = shape
+        # the parameter tier: set before the first lowering (set_cuts validates a plan)
+        self.nvme_slots: bool | tuple[int, ...] = (
+            True if nvme_slots is True else tuple(sorted(nvme_slots or ()))
+        )
+        self.nvme_read_ahead = nvme_read_ahead
         # train_batch may issue the next run before this one's tail is done: every memory peak
         # is then validated over two runs back to back (plan/memory.py, ``consecutive``)
         self.overlap_iterations = overlap_iterations
@@ -230,20 +241,29 @@ class Planner:
         round_size: int | None = None,
         prefetch_depth: int | None = None,
         resident: tuple[int, ...] | None = None,
+        nvme_slots: bool | Collection[int] | None = None,
     ) -> int:
         """Validate the lowered plan of one iteration with these cuts (issue order, every
         upload freed, no compute without its upload; PlanError otherwise) and return its
         largest per-device memory peak: weights and gradients, byte sizes of the model. With
         ``overlap_iterations``, the peak of that run and the next one (from the next start
         device) back to back: what a device holds with two runs in flight. Defaults: the
-        planner's round size, prefetch depth and resident slots."""
+        planner's round size, prefetch depth, resident slots and NVMe slots (their READs are
+        validated too; they hold host, not device, memory)."""
         depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
         kept = self.resident if resident is None else resident
+        nvme = self.nvme_slots if nvme_slots is None else nvme_slots
 
         def lowered(start: int) -> Plan:
             compute = self._schedule(self.num_microbatches, start, round_size=round_size)
             return schedules.lower(
-                compute, offload=True, optimizer="", prefetch_depth=depth, resident=kept
+                compute,
+                offload=True,
+                optimizer="",
+                prefetch_depth=depth,
+                resident=kept,
+                nvme_slots=nvme,
+                nvme_read_ahead=self.nvme_read_ahead,
             )
 
         plan = lowered(0)
@@ -333,10 +353,17 @@ class Planner:
         )
 
     # --- plans --------------------------------------------------------------------------------
-    def plan(self, num_microbatches: int, *, ops: frozenset[Op] | None = None) -> Plan:
+    def plan(
+        self,
+        num_microbatches: int,
+        *,
+        ops: frozenset[Op] | None = None,
+        nvme_slots: bool | Collection[int] | None = None,
+    ) -> Plan:
         """The lowered plan of one iteration (or of its ``ops`` part: the imperative loop runs
         the forward and the backward of one micro-batch separately), starting on the rolling
-        start device: what the executor runs and what the simulator counts."""
+        start device: what the executor runs and what the simulator counts. ``nvme_slots``:
+        the slots read from NVMe before their UPLOADs (default: the planner's)."""
         plan = self._schedule(num_microbatches, self.start_device)
         if ops is None or Op.BWD in ops:  # the iteration (or its backward half) is issued
             self.start_device = plan.next_start_device
@@ -348,6 +375,8 @@ class Planner:
             optimizer="",
             prefetch_depth=self.prefetch_depth,
             resident=self.resident,
+            nvme_slots=self.nvme_slots if nvme_slots is None else nvme_slots,
+            nvme_read_ahead=self.nvme_read_ahead,
         )
         if ops is None:
             self.last_plan = lowered

@@ -1,14 +1,18 @@
 """The memory tiers below host RAM: NVMe files, the I/O engines that move them (DeepSpeed's aio
-op or the built-in O_DIRECT threads), aligned staging buffers, and the optimizer tier that streams
-each layer's fp32 masters and Adam moments through those buffers (optimizer_tier.py).
+op or the built-in O_DIRECT threads), aligned staging buffers cached by a record pool
+(record_pool.py), the optimizer tier that streams each layer's fp32 masters and Adam moments
+through them (optimizer_tier.py), and the parameter tier that keeps the compute weights there,
+read ahead of their uploads (param_tier.py).
 
 Facts and figures: ../shared/reference/nvme_tier.md. Nothing here knows about devices or plans;
-the optimizer stepper and the host store call in (optim/stepper.py, model/host_store.py).
+the optimizer stepper, the host store and the executor call in (optim/stepper.py,
+model/host_store.py, runtime/executor.py).
 """
 
 from rp_engine.storage.aligned import ALIGN, aligned_empty, round_up
 from rp_engine.storage.io_engine import IOEngine, IOStats, make_io_engine
 from rp_engine.storage.optimizer_tier import OptimizerTier
+from rp_engine.storage.param_tier import ParamTier
 from rp_engine.storage.swap_file import NvmeSpaceError, SwapFile, check_nvme_path
 
 __all__ = [
@@ -17,6 +21,7 @@ __all__ = [
     "IOStats",
     "NvmeSpaceError",
     "OptimizerTier",
+    "ParamTier",
     "SwapFile",
     "aligned_empty",
     "check_nvme_path",

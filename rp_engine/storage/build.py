@@ -1,19 +1,30 @@
-"""Build the NVMe tier a ds_config asks for (``offload_optimizer.device: "nvme"``).
+"""Build the NVMe tiers a ds_config asks for (``offload_optimizer`` / ``offload_param`` with
+``device: "nvme"``).
 
 The engine calls ``build_optimizer_tier`` after the host store (paged masters) and the optimizer
-exist; every refusal is a ``ValueError`` or ``NvmeSpaceError`` naming the key and the fix, raised
+exist, and ``build_param_tier`` once the store's weight buffers are decided; every refusal is a ``ValueError`` or ``NvmeSpaceError`` naming the key and the fix, raised
 before anything is written to the NVMe folder.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from rp_engine.storage.io_engine import make_io_engine
+from rp_engine.storage.io_engine import IOStats, make_io_engine
 from rp_engine.storage.optimizer_tier import OptimizerTier, tier_bytes
+from rp_engine.storage.param_tier import ParamTier, param_tier_plan
 from rp_engine.storage.swap_file import check_nvme_path
 
-__all__ = ["build_optimizer_tier", "wants_optimizer_tier"]
+__all__ = [
+    "Tiers",
+    "build_optimizer_tier",
+    "build_param_tier",
+    "wants_optimizer_tier",
+    "wants_param_tier",
+]
+
+log = logging.getLogger("rp_engine.storage")
 
 _KEY = "zero_optimization.offload_optimizer.nvme_path"
 
@@ -56,3 +67,76 @@ def build_optimizer_tier(
     except BaseException:
         engine.close()
         raise
+
+
+_PARAM_KEY = "zero_optimization.offload_param.nvme_path"
+
+
+def wants_param_tier(cfg: Any) -> bool:
+    """Whether ``cfg`` (a DSConfig) puts the compute weights on NVMe."""
+    return bool(cfg.zero.offload_param_device == "nvme")
+
+
+def build_param_tier(cfg: Any, store: Any, *, rank: int, data_parallel: bool) -> ParamTier | None:
+    """The parameter tier over ``store``'s compute weights (storage/param_tier.py), its swap
+    file under ``offload_param.nvme_path``; None when ``max_in_cpu`` keeps every layer in RAM.
+    Call it once the store's weight buffers are decided (double-buffered or not)."""
+    if data_parallel:
+        raise ValueError(
+            'zero_optimization.offload_param.device "nvme" is not supported with data parallel '
+            'yet: run one process, or use device "cpu"'
+        )
+    conf = cfg.zero.offload_param
+    plan = param_tier_plan(store, conf.max_in_cpu)
+    if not plan.paged:
+        log.info(
+            "NVMe parameter tier: offload_param.max_in_cpu (%d elements) keeps every layer's "
+            "weights in RAM", conf.max_in_cpu,
+        )  # fmt: skip
+        return None
+    folder = check_nvme_path(conf.nvme_path, plan.disk_bytes(store.weight_copies), key=_PARAM_KEY)
+    engine = make_io_engine(cfg.roundpipe.nvme_io_engine, cfg.aio)
+    try:
+        tier = ParamTier(
+            store, plan, folder=folder, rank=rank, engine=engine, buffer_count=conf.buffer_count
+        )
+    except BaseException:
+        engine.close()
+        raise
+    store.page_weights(tier)
+    return tier
+
+
+class Tiers:
+    """The NVMe tiers an engine runs (optimizer, parameter; either may be absent), as one."""
+
+    def __init__(self, *tiers: Any) -> None:
+        self.tiers = [t for t in tiers if t is not None]
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    @property
+    def stats(self) -> IOStats:
+        """Both tiers' I/O, summed."""
+        total = IOStats()
+        for tier in self.tiers:
+            s = tier.stats
+            total = IOStats(
+                total.read_bytes + s.read_bytes, total.write_bytes + s.write_bytes,
+                total.busy_s + s.busy_s, total.reads + s.reads, total.writes + s.writes,
+            )  # fmt: skip
+        return total
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(t.disk_bytes for t in self.tiers)
+
+    def flush(self) -> None:
+        for tier in self.tiers:
+            tier.flush()
+
+    def close(self) -> None:
+        """Close every tier (each waits for its writes and removes its swap file)."""
+        for tier in self.tiers:
+            tier.close()

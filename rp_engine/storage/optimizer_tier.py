@@ -31,20 +31,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from rp_engine.model.host_store import placeholder
 from rp_engine.storage.aligned import aligned_empty, round_up
-from rp_engine.storage.io_engine import IOEngine, IOStats
+from rp_engine.storage.io_engine import IOEngine
+from rp_engine.storage.record_pool import PooledTier, Record, RecordPool
 from rp_engine.storage.swap_file import SwapFile
 
-__all__ = ["OptimizerTier", "placeholder", "tier_bytes"]
+__all__ = ["OptimizerTier", "tier_bytes"]
 
 log = logging.getLogger("rp_engine.storage")
 
@@ -52,34 +52,12 @@ _ELEM_ALIGN = 16  # fp32 elements: 64-byte aligned tensors inside a record (SIMD
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def placeholder(shape: torch.Size) -> torch.Tensor:
-    """A CPU fp32 tensor of ``shape`` that owns no memory (storage of size 0)."""
-    t = torch.empty(shape, dtype=torch.float32)
-    t.untyped_storage().resize_(0)
-    return t
+@dataclass(eq=False)
+class _Record(Record):
+    """One layer's state in the swap file (``key``: the layer)."""
 
-
-@dataclass
-class _Record:
-    """One layer's state in the swap file."""
-
-    layer: int
-    offset: int  # bytes, in the file
-    nbytes: int  # 4 KiB multiple
     # per owned parameter: (HostParam, element offset of its master; m and v follow, padded)
     params: list[tuple[Any, int, int]] = field(default_factory=list)  # (hp, start, padded n)
-
-
-@dataclass(eq=False)
-class _Buffer:
-    data: torch.Tensor  # aligned uint8
-    layer: int = -1  # whose record it holds (or is being read), -1: none
-    read: Future[None] | None = None
-    write: Future[None] | None = None  # write-back of ``layer`` in flight (or done)
-    pins: int = 0  # resident() holders
-    wanted: bool = False  # prefetched for a step, not yet used
-    dirty: bool = False  # modified while pinned: written back at the last unpin
-    used: int = 0  # LRU clock
 
 
 def _layouts(store: Any) -> list[_Record | None]:
@@ -109,7 +87,7 @@ def tier_bytes(store: Any, buffer_count: int) -> tuple[int, int]:
     return disk, largest * max(2, buffer_count)
 
 
-class OptimizerTier:
+class OptimizerTier(PooledTier):
     """See the module docstring. ``store``: the HostStore (built with paged masters);
     ``optimizer``: the HostOptimizer (per-layer CPU Adam); ``folder``: the checked nvme_path;
     ``engine``: the I/O engine (storage/io_engine.py); ``buffer_count`` >= 2."""
@@ -122,15 +100,13 @@ class OptimizerTier:
         self.inner = optimizer.optimizer
         self.engine = engine
         self._records = _layouts(store)
-        disk, _ = tier_bytes(store, buffer_count)
-        largest = max((r.nbytes for r in self._records if r is not None), default=4096)
-        self.file = SwapFile(folder, f"rp_engine/rank{rank}/optimizer.swp", disk)
+        live = [r for r in self._records if r is not None]
+        self.disk_bytes = sum(r.nbytes for r in live)
+        self.file = SwapFile(folder, f"rp_engine/rank{rank}/optimizer.swp", self.disk_bytes)
         self.path = self.file.path
-        self.disk_bytes = disk
-        self._buffers = [_Buffer(engine.alloc(largest)) for _ in range(max(2, buffer_count))]
-        self.buffer_bytes = largest * len(self._buffers)
-        self._cond = threading.Condition()
-        self._clock = 0
+        largest = max((r.nbytes for r in live), default=4096)
+        self.pool = RecordPool(self.path, engine, buffer_count=buffer_count, buffer_bytes=largest)
+        self.buffer_bytes = self.pool.buffer_bytes
         self._materialized: bool | None = None  # inside materialized(): whether writable
         self._placeholders = {id(hp): placeholder(hp.master.shape) for hp in store.owned_params()}
         try:
@@ -149,36 +125,16 @@ class OptimizerTier:
         if rec is None:
             yield
             return
-        buf = self._pin(rec)
+        self.pool.pin([rec], on_first=self._attach)
         try:
             yield
         finally:
-            self._unpin(rec, buf, dirty)
+            self.pool.unpin([rec], dirty=dirty, on_last=self._detach)
 
     def prefetch(self, layers: Iterable[int]) -> None:
         """Start reading these layers' records (in this order) into free buffers, without
-        blocking: a hint for what the optimizer steps next; always one buffer stays unclaimed
-        so ``resident`` can make progress."""
-        with self._cond:
-            for layer in layers:
-                rec = self._records[layer]
-                if rec is None or self._holding(layer) is not None:
-                    continue
-                free = [b for b in self._buffers if b.pins == 0 and not b.wanted]
-                if len(free) <= 1:
-                    return
-                idle = [b for b in free if b.write is None or b.write.done()]
-                if not idle:
-                    return
-                buf = min(idle, key=lambda b: (b.layer != -1, b.used))
-                self._load(buf, rec)
-                buf.wanted = True
-
-    def flush(self) -> None:
-        """Wait for every write-back; raises the first I/O error."""
-        for buf in self._buffers:
-            if buf.write is not None:
-                buf.write.result()
+        blocking: a hint for what the optimizer steps next."""
+        self.pool.prefetch(r for r in (self._records[layer] for layer in layers) if r is not None)
 
     @contextlib.contextmanager
     def materialized(self, *, writable: bool) -> Iterator[None]:
@@ -192,9 +148,8 @@ class OptimizerTier:
             yield
             return
         self.flush()
-        with self._cond:
-            if any(b.pins for b in self._buffers):
-                raise RuntimeError("materialized() while a layer is resident")
+        if self.pool.pinned():
+            raise RuntimeError("materialized() while a layer is resident")
         whole = aligned_empty(self.disk_bytes)
         if self.disk_bytes:
             self.engine.read(self.path, whole, 0).result()
@@ -207,42 +162,25 @@ class OptimizerTier:
         finally:
             self._materialized = None
             for rec in live:
-                self._detach(rec, whole[rec.offset : rec.offset + rec.nbytes], ingest=writable)
+                self._ingest(rec, whole[rec.offset : rec.offset + rec.nbytes], ingest=writable)
             if writable:
-                with self._cond:
-                    for buf in self._buffers:  # their copies are older than the file now
-                        buf.layer, buf.read, buf.wanted = -1, None, False
+                self.pool.forget()  # the buffers' copies are older than the file now
                 if self.disk_bytes:
                     self.engine.write(self.path, whole, 0).result()
-
-    @property
-    def stats(self) -> IOStats:
-        return self.engine.stats
-
-    def close(self) -> None:
-        """Wait for the writes, stop the engine, remove the swap file (idempotent)."""
-        with contextlib.suppress(Exception):
-            self.flush()
-        self.engine.close()
-        self.file.close()
 
     # --- internals ----------------------------------------------------------------------------
     def _write_initial(self) -> None:
         """Masters from the compute weights (as a host-resident master is made), zero moments,
-        through the buffers in turn: RAM never holds more than the pool."""
+        one record at a time through the pool: RAM never holds more than the pool."""
         start = last = time.monotonic()
         live = [r for r in self._records if r is not None]
         for i, rec in enumerate(live):
-            buf = self._buffers[i % len(self._buffers)]
-            if buf.write is not None:
-                buf.write.result()
-            view = buf.data[: rec.nbytes]
+            (view,) = self.pool.pin([rec], fresh=True)
             view.zero_()
             floats = view.view(torch.float32)
             for hp, s, _n in rec.params:
                 floats[s : s + hp.master.numel()].copy_(hp.param.detach().reshape(-1))
-            buf.write = self.engine.write(self.path, view, rec.offset)
-            buf.layer, buf.read = rec.layer, None  # it still holds the layer: a hit later
+            self.pool.unpin([rec], dirty=True)  # it stays cached: a hit later
             if time.monotonic() - last > 15:
                 last = time.monotonic()
                 log.warning(
@@ -251,75 +189,8 @@ class OptimizerTier:
                 )  # fmt: skip
         self.flush()
 
-    def _holding(self, layer: int) -> _Buffer | None:
-        for buf in self._buffers:
-            if buf.layer == layer:
-                return buf
-        return None
-
-    def _load(self, buf: _Buffer, rec: _Record) -> None:
-        """Under the lock: make ``buf`` read ``rec`` (its previous write-back is finished)."""
-        buf.layer, buf.write, buf.dirty = rec.layer, None, False
-        buf.read = self.engine.read(self.path, buf.data[: rec.nbytes], rec.offset)
-
-    def _pin(self, rec: _Record) -> _Buffer:
-        with self._cond:
-            while True:
-                buf = self._holding(rec.layer)
-                if buf is not None:
-                    break
-                free = [b for b in self._buffers if b.pins == 0 and not b.wanted]
-                if not free:
-                    free = [b for b in self._buffers if b.pins == 0]
-                if not free:  # every buffer is resident elsewhere: wait for one
-                    self._cond.wait()
-                    continue
-                buf = min(free, key=lambda b: (b.layer != -1, b.used))
-                pending = buf.write
-                if pending is not None and not pending.done():
-                    self._cond.release()
-                    try:
-                        pending.result()  # its data must reach the file before reuse
-                    finally:
-                        self._cond.acquire()
-                    continue  # look again: things moved meanwhile
-                self._load(buf, rec)
-                break
-            buf.pins += 1
-            buf.wanted = False
-            first = buf.pins == 1
-            read, write = buf.read, buf.write
-        try:
-            if read is not None:
-                read.result()
-            if first and write is not None:
-                write.result()  # the write-back reads the buffer: no change before it is done
-        except BaseException:
-            with self._cond:
-                buf.pins -= 1
-                buf.layer, buf.read = -1, None
-                self._cond.notify_all()
-            raise
-        if first:
-            self._attach(rec, buf.data[: rec.nbytes])
-        return buf
-
-    def _unpin(self, rec: _Record, buf: _Buffer, dirty: bool) -> None:
-        with self._cond:
-            buf.dirty = buf.dirty or dirty
-            last = buf.pins == 1
-        if last:
-            self._detach(rec, buf.data[: rec.nbytes], ingest=False)
-        with self._cond:
-            buf.pins -= 1
-            self._clock += 1
-            buf.used = self._clock
-            if buf.pins == 0 and buf.dirty:
-                buf.dirty = False
-                buf.write = self.engine.write(self.path, buf.data[: rec.nbytes], rec.offset)
-            self._cond.notify_all()
-
-    def _attach(self, rec: _Record, data: torch.Tensor) -> None:
+    def _attach(self, rec: Record, data: torch.Tensor) -> None:
+        assert isinstance(rec, _Record)
         floats = data.view(torch.float32)
         for hp, s, n in rec.params:
             views = [floats[s + k * n : s + k * n + hp.master.numel()].view(hp.master.shape)
@@ -330,7 +201,13 @@ class OptimizerTier:
                 state["step"] = 0
             state["exp_avg"], state["exp_avg_sq"] = views[1], views[2]
 
-    def _detach(self, rec: _Record, data: torch.Tensor, *, ingest: bool) -> None:
+    def _detach(self, rec: Record, data: torch.Tensor) -> None:
+        self._ingest(rec, data, ingest=False)
+
+    def _ingest(self, rec: Record, data: torch.Tensor, *, ingest: bool) -> None:
+        """Point the record's masters and moments back at their placeholders; ``ingest``: copy
+        what the caller put in their place into the record's bytes first."""
+        assert isinstance(rec, _Record)
         floats = data.view(torch.float32)
         for hp, s, n in rec.params:
             state = self.inner.state.get(hp.master)
@@ -350,10 +227,3 @@ class OptimizerTier:
                 self.inner.state.pop(hp.master, None)
             else:
                 state["exp_avg"], state["exp_avg_sq"] = ph, ph
-
-
-def ordered(layers: Sequence[int], start: int, *, descending: bool) -> list[int]:
-    """``layers`` from ``start`` on in stepping order (for prefetch hints)."""
-    if descending:
-        return [layer for layer in reversed(layers) if layer <= start]
-    return [layer for layer in layers if layer >= start]

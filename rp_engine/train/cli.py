@@ -623,18 +623,18 @@ def _report_metrics(engine: Any, report: Any) -> dict[str, float]:
 
 
 def _nvme_summary(engine: Any, steps: int) -> dict[str, Any] | None:
-    """What the NVMe tier wrote (SSD wear is what its users watch) and read; None without it."""
-    tier = getattr(engine, "nvme_tier", None)
-    if tier is None:
+    """What the NVMe tiers wrote (SSD wear is what their users watch) and read; None without."""
+    tiers = getattr(engine, "tiers", None)
+    if not tiers:
         return None
-    io = tier.stats
+    io = tiers.stats
     return {
-        "swap_file": tier.path,
-        "disk_bytes": tier.disk_bytes,
-        "io_engine": tier.engine.describe(),
+        "swap_files": [t.path for t in tiers.tiers],
+        "disk_bytes": tiers.disk_bytes,
+        "io_engine": tiers.tiers[0].engine.describe(),
         "write_bytes_total": io.write_bytes,  # the initial write included
         "read_bytes_total": io.read_bytes,
-        "write_bytes_per_step": (io.write_bytes - tier.disk_bytes) / steps if steps else None,
+        "write_bytes_per_step": (io.write_bytes - tiers.disk_bytes) / steps if steps else None,
     }
 
 

@@ -39,7 +39,7 @@ def test_quick_run_reports_raw_tier_and_ratios(tmp_path: Path) -> None:
     # (b) only the tier variants move bytes through the tier; in the window every layer's
     # record is read and written back, 12 B per trainable parameter each way at least
     params = systems["tier_async"]["trainable_params"]
-    assert set(result["tier_bandwidth"]) == {"tier_async", "tier_sync"}
+    assert set(result["tier_bandwidth"]) == {"tier_async", "tier_sync", "both_async"}
     for name, bw in result["tier_bandwidth"].items():
         assert systems[name]["tier"]["block_size"] == bw["block_bytes"] == 1 << 20
         assert systems[name]["tier"]["io_engine"].startswith("built-in threads")
@@ -54,9 +54,13 @@ def test_quick_run_reports_raw_tier_and_ratios(tmp_path: Path) -> None:
     # the sizing estimate and the tier/host ratios
     fit = result["io_vs_compute"]
     assert _finite_positive(fit["min_io_s"]) and _finite_positive(fit["compute_s"])
-    assert set(result["ratios"]) == {"tier/host async", "tier/host sync"}
+    assert set(result["ratios"]) == {"tier/host async", "tier/host sync", "both tiers/host async"}
     assert all(_finite_positive(v) for v in result["ratios"].values())
     assert "| rp_engine, tier on NVMe, async |" in result["table"]
+    # (e) with the weights on NVMe too, both swap files moved bytes: more than the optimizer's
+    both = result["tier_bandwidth"]["both_async"]["read_bytes_per_step"]
+    assert both > result["tier_bandwidth"]["tier_async"]["read_bytes_per_step"]
+    assert len(systems["both_async"]["tier"]["path"]) == 2
 
 
 def test_table_reports_deepspeed_failure_text_and_ratio() -> None:

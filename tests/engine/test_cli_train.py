@@ -377,26 +377,46 @@ def test_wandb_rows_go_out_in_step_order_when_their_step_has_finished() -> None:
         assert metrics["transfer/h2d_bytes"] == 10 * step
 
 
-def test_nvme_tier_bytes_are_in_the_summary(tmp_path: Path, capsys) -> None:
-    """With ``offload_optimizer.device: "nvme"`` the summary says what the tier wrote (SSD
-    wear: per step and in total) and the swap file is gone after the run."""
+def _nvme_summary(tmp_path: Path, capsys: Any, **offload: dict[str, Any]) -> dict[str, Any]:
+    """rp-train for 3 steps with ``zero_optimization`` stage 3 and ``offload`` (each with
+    ``nvme_path`` set to ``tmp_path/nvme``): summary.json's "nvme" block."""
     (tmp_path / "nvme").mkdir()
+    zero: dict[str, Any] = {"stage": 3}
+    for key, value in offload.items():
+        zero[key] = {**value, "nvme_path": str(tmp_path / "nvme")}
     ds = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")},
-        },
+        "zero_optimization": zero,
     }
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     argv = [*TINY, "--deepspeed", str(tmp_path / "ds.json"), "--steps", "3", "--no-wandb",
             "--out", str(tmp_path / "r")]  # fmt: skip
     rc, out, _ = _run(argv, capsys)
     assert rc == 0, out
-    nvme = _summary(tmp_path / "r")["nvme"]
+    return _summary(tmp_path / "r")["nvme"]
+
+
+def test_nvme_tier_bytes_are_in_the_summary(tmp_path: Path, capsys) -> None:
+    """With ``offload_optimizer.device: "nvme"`` the summary says what the tier wrote (SSD
+    wear: per step and in total) and the swap file is gone after the run."""
+    nvme = _nvme_summary(tmp_path, capsys, offload_optimizer={"device": "nvme"})
     disk = nvme["disk_bytes"]
     assert disk > 0 and nvme["write_bytes_total"] == 4 * disk  # the initial write + 3 steps
     assert nvme["write_bytes_per_step"] == disk
+    assert not list((tmp_path / "nvme").rglob("*.swp"))
+
+
+def test_both_nvme_tiers_are_in_the_summary(tmp_path: Path, capsys) -> None:
+    """With ``offload_param.device: "nvme"`` too, the summary lists both swap files and counts
+    both tiers' bytes; both files are gone after the run."""
+    nvme = _nvme_summary(
+        tmp_path, capsys, offload_optimizer={"device": "nvme"},
+        offload_param={"device": "nvme", "max_in_cpu": 0},
+    )  # fmt: skip
+    names = sorted(Path(p).name for p in nvme["swap_files"])
+    assert names == ["optimizer.swp", "params.swp"]
+    assert nvme["write_bytes_total"] > nvme["disk_bytes"] > 0
+    assert nvme["read_bytes_total"] > 0
     assert not list((tmp_path / "nvme").rglob("*.swp"))

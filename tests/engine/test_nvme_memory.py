@@ -29,3 +29,31 @@ def test_the_tier_moves_masters_and_moments_out_of_ram(tmp_path) -> None:
     )
     assert tier["losses"] == host["losses"]
     assert not list(tmp_path.rglob("*.swp")), "the swap file is removed at destroy"
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_parameter_tier_moves_the_compute_weights_out_of_ram(tmp_path) -> None:
+    """With ``offload_param.device: "nvme"`` too, the compute weights (fp32 here, double-buffered
+    by the asynchronous optimizer: 8 B per parameter, about 0.84 GB) leave RAM as well.
+
+    Right after ``initialize`` (the host state alone) the saving is every buffer of them. At the
+    peak it is at least one buffer: CPU virtual devices keep their "device" copies of the
+    uploaded weights, gradients and activations in the same RAM, which a GPU keeps on the card.
+    """
+    spec = {**SPEC, "tier": True, "dir": str(tmp_path)}
+    opt = run_json("nvme_memory_child.py", spec)
+    both = run_json("nvme_memory_child.py", {**spec, "params": True})
+    one_copy = 4 * opt["trainable"]  # fp32 compute weights
+    weights = opt["weight_copies"] * one_copy
+    assert weights >= 2**29
+    saved_init = opt["init_rss"] - both["init_rss"]
+    saved_peak = opt["peak_rss"] - both["peak_rss"]
+    report = (
+        f"after initialize {opt['init_rss'] / 2**30:.2f} -> {both['init_rss'] / 2**30:.2f} GiB, "
+        f"peak {opt['peak_rss'] / 2**30:.2f} -> {both['peak_rss'] / 2**30:.2f} GiB; compute "
+        f"weights {weights / 2**30:.2f} GiB"
+    )
+    assert saved_init >= 0.8 * weights, report
+    assert saved_peak >= 0.8 * one_copy, report
+    assert both["losses"] == opt["losses"]
+    assert not list(tmp_path.rglob("*.swp")), "both swap files are removed at destroy"

@@ -11,70 +11,22 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
 
 import pytest
 import torch
 from engine_helpers import config, engine_for
-from models import lora_qwen3, random_batch, tiny_qwen3
-
-from rp_engine.storage.io_engine import aio_op_built
-
-STEPS = 4
-
-
-def _nvme(cfg: dict[str, Any], folder: str, *, engine: str = "threads", buffers: int = 2) -> dict:
-    """``cfg`` with the optimizer tier under ``folder`` (2 buffers for 6 layers: it must read)."""
-    out = copy.deepcopy(cfg)
-    out["zero_optimization"] = {
-        "stage": 3,
-        "offload_optimizer": {"device": "nvme", "nvme_path": folder, "buffer_count": buffers},
-    }
-    out["roundpipe"]["nvme_io_engine"] = engine
-    return out
-
-
-def _batches(step: int, gas: int) -> list[dict[str, torch.Tensor]]:
-    return [random_batch(128, batch=2, seq=12, seed=100 * step + i) for i in range(gas)]
-
-
-def _train(engine: Any, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        batches = _batches(engine.global_steps + 1, engine.gradient_accumulation_steps())
-        losses.append(float(engine.train_batch(iter(batches))))
-    return losses
-
-
-def _run(model: torch.nn.Module, cfg: dict[str, Any], steps: int = STEPS) -> tuple[list, dict]:
-    """Losses, final weights and (with the tier) its I/O totals and swap file size."""
-    engine = engine_for(model, cfg)
-    try:
-        losses = _train(engine, steps)
-        engine.synchronize()
-        weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
-        tier = engine.nvme_tier
-        io = {"stats": tier.stats, "disk": tier.disk_bytes, "path": tier.path} if tier else {}
-        stats = engine.last_step_stats()
-    finally:
-        engine.destroy()
-    return losses, {"weights": weights, "io": io, "stats": stats}
-
-
-def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
-def _aio() -> str:
-    if not aio_op_built():
-        pytest.skip(
-            "DeepSpeed's aio op is not built here (needs libaio-dev; `make install` builds it "
-            "when it can): the built-in engine's cases cover the tier"
-        )
-    return "aio"
-
+from models import lora_qwen3, tiny_qwen3
+from nvme_helpers import (
+    STEPS,
+    aio_engine,
+    assert_same,
+    nvme_config,
+    resume_from,
+    run,
+    save_after,
+    save_and_go_on,
+    train,
+)
 
 CASES = {
     # name: (devices, async, bf16, clip, engine)
@@ -91,15 +43,15 @@ CASES = {
 def test_tier_equals_host_resident_bit_for_bit(tmp_path, case: str) -> None:
     devices, asyn, bf16, clip, io = CASES[case]
     if io == "aio":
-        io = _aio()
+        io = aio_engine()
     cfg = config(devices=devices, async_optimizer=asyn, clip=clip, lr=1e-2)
     if bf16:
         cfg["bf16"] = {"enabled": True}
     model = tiny_qwen3(0)
-    ref_losses, ref = _run(copy.deepcopy(model), cfg)
-    losses, got = _run(model, _nvme(cfg, str(tmp_path), engine=io))
+    ref_losses, ref = run(copy.deepcopy(model), cfg)
+    losses, got = run(model, nvme_config(cfg, str(tmp_path), engine=io))
     assert losses == ref_losses
-    _assert_same(got["weights"], ref["weights"])
+    assert_same(got["weights"], ref["weights"])
     stats, disk = got["io"]["stats"], got["io"]["disk"]
     # every layer's record is written once per step, after the initial write; with 2 buffers
     # for 6 layers most steps read their state back from the file
@@ -116,10 +68,10 @@ def test_tier_equals_host_resident_bit_for_bit(tmp_path, case: str) -> None:
 def test_lora_with_the_tier_equals_host_resident(tmp_path) -> None:
     cfg = config(devices=2, async_optimizer=True, clip=1.0, lr=1e-2, bf16={"enabled": True})
     model = lora_qwen3(0)
-    ref_losses, ref = _run(copy.deepcopy(model), cfg)
-    losses, got = _run(model, _nvme(cfg, str(tmp_path)))
+    ref_losses, ref = run(copy.deepcopy(model), cfg)
+    losses, got = run(model, nvme_config(cfg, str(tmp_path)))
     assert losses == ref_losses
-    _assert_same(got["weights"], ref["weights"])
+    assert_same(got["weights"], ref["weights"])
     # only the adapters have optimizer state: the swap file is a small fraction of the model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert got["io"]["disk"] < 12 * trainable + 4096 * 2 * 20
@@ -130,63 +82,26 @@ def test_many_buffers_hold_the_state_without_reading(tmp_path) -> None:
     only writes (the reads are the same bytes, skipped)."""
     cfg = config(devices=2, async_optimizer=True, clip=1.0)
     model = tiny_qwen3(0)
-    ref_losses, ref = _run(copy.deepcopy(model), cfg)
-    losses, got = _run(model, _nvme(cfg, str(tmp_path), buffers=8))
+    ref_losses, ref = run(copy.deepcopy(model), cfg)
+    losses, got = run(model, nvme_config(cfg, str(tmp_path), buffers=8))
     assert losses == ref_losses
-    _assert_same(got["weights"], ref["weights"])
+    assert_same(got["weights"], ref["weights"])
     assert got["io"]["stats"].read_bytes == 0
-
-
-def _save(model: torch.nn.Module, cfg: dict, folder: str, steps: int) -> list[float]:
-    engine = engine_for(model, cfg)
-    try:
-        losses = _train(engine, steps)
-        engine.save_checkpoint(folder)
-    finally:
-        engine.destroy()
-    return losses
-
-
-def _resume(model: torch.nn.Module, cfg: dict, folder: str, steps: int) -> tuple[list, dict]:
-    engine = engine_for(model, cfg)
-    try:
-        engine.load_checkpoint(folder)
-        losses = _train(engine, steps)
-        engine.synchronize()
-        weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
-    finally:
-        engine.destroy()
-    return losses, weights
-
-
-def _save_and_go_on(model: torch.nn.Module, cfg: dict, folder: str) -> tuple[list, dict]:
-    """The run that saves after 2 steps and trains 3 more in the same engine (with the async
-    optimizer a save drains, so this, not a run that never saved, is what a resume equals)."""
-    engine = engine_for(model, cfg)
-    try:
-        losses = _train(engine, 2)
-        engine.save_checkpoint(folder)
-        losses += _train(engine, 3)
-        engine.synchronize()
-        weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
-    finally:
-        engine.destroy()
-    return losses, weights
 
 
 @pytest.mark.parametrize("save_tier,load_tier", [(True, True), (True, False), (False, True)])
 def test_checkpoints_move_between_tiers_and_resume_exactly(tmp_path, save_tier, load_tier):
     """A mid-run resume equals the uninterrupted run, whichever tier saved and which loads."""
     cfg = config(devices=2, async_optimizer=True, clip=1.0, lr=1e-2, bf16={"enabled": True})
-    nvme = _nvme(cfg, str(tmp_path / "nvme"))
+    nvme = nvme_config(cfg, str(tmp_path / "nvme"))
     (tmp_path / "nvme").mkdir()
     model = tiny_qwen3(0)
-    straight, expected = _save_and_go_on(copy.deepcopy(model), cfg, str(tmp_path / "ref"))
+    straight, expected = save_and_go_on(copy.deepcopy(model), cfg, str(tmp_path / "ref"))
     ckpt = str(tmp_path / "ckpt")
-    first = _save(copy.deepcopy(model), nvme if save_tier else cfg, ckpt, 2)
-    rest, weights = _resume(tiny_qwen3(1), nvme if load_tier else cfg, ckpt, 3)  # other init
+    first = save_after(copy.deepcopy(model), nvme if save_tier else cfg, ckpt, 2)
+    rest, weights = resume_from(tiny_qwen3(1), nvme if load_tier else cfg, ckpt, 3)  # other init
     assert first + rest == straight
-    _assert_same(weights, expected)
+    assert_same(weights, expected)
 
 
 def test_zero_to_fp32_reads_a_tier_checkpoint(tmp_path) -> None:
@@ -194,9 +109,9 @@ def test_zero_to_fp32_reads_a_tier_checkpoint(tmp_path) -> None:
 
     cfg = config(devices=2, async_optimizer=True, clip=1.0, lr=1e-2)
     model = tiny_qwen3(0)
-    engine = engine_for(model, _nvme(cfg, str(tmp_path)))
+    engine = engine_for(model, nvme_config(cfg, str(tmp_path)))
     try:
-        _train(engine, 2)
+        train(engine, 2)
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         names = {id(p): n for n, p in engine.module.named_parameters()}
         with engine.store.materialized(writable=False):
@@ -212,9 +127,9 @@ def test_masters_outside_a_step_hold_no_memory(tmp_path) -> None:
     """Between steps no master or moment owns memory: a read outside ``resident`` fails instead
     of returning stale numbers."""
     cfg = config(devices=2, async_optimizer=True, clip=1.0)
-    engine = engine_for(tiny_qwen3(0), _nvme(cfg, str(tmp_path)))
+    engine = engine_for(tiny_qwen3(0), nvme_config(cfg, str(tmp_path)))
     try:
-        _train(engine, 2)
+        train(engine, 2)
         engine.synchronize()
         inner = engine.host_optimizer.optimizer
         for hp in engine.store.owned_params():
@@ -235,12 +150,12 @@ def test_the_tier_refuses_an_optimizer_that_cannot_step_per_layer(tmp_path) -> N
     cfg = config(devices=1)
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
     with pytest.raises(ValueError, match='offload_optimizer.device "nvme".*DeepSpeed\'s CPU Adam'):
-        engine_for(tiny_qwen3(0), _nvme(cfg, str(tmp_path)))
+        engine_for(tiny_qwen3(0), nvme_config(cfg, str(tmp_path)))
     assert not os.listdir(tmp_path)
 
 
 def test_step_journal_on_is_refused_with_the_tier(tmp_path) -> None:
     cfg = config(devices=1, roundpipe={"step_journal": "on"})
     with pytest.raises(ValueError, match="step_journal"):
-        engine_for(tiny_qwen3(0), _nvme(cfg, str(tmp_path)))
+        engine_for(tiny_qwen3(0), nvme_config(cfg, str(tmp_path)))
     assert not os.listdir(tmp_path)

@@ -61,12 +61,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return nvme_fault_child.reference(str(folder), STEPS)
 
 
-def _kill_when_blocked(folder: Path, mode: str) -> dict[str, Any]:
-    """Start the child in ``mode``, wait for its marker, SIGKILL it; the marker's facts."""
+def _kill_when_blocked(folder: Path, mode: str, params: bool = False) -> dict[str, Any]:
+    """Start the child in ``mode`` (``params``: with the parameter tier too), wait for its
+    marker, SIGKILL it; the marker's facts."""
     (folder / "nvme").mkdir()
     with open(folder / "stderr.txt", "w") as err:  # a file: a full pipe would stall the child
         proc = subprocess.Popen(
-            _child({"mode": mode, "dir": str(folder)}),
+            _child({"mode": mode, "dir": str(folder), "params": params}),
             env=_child_env(), cwd=SUPPORT, stdout=subprocess.DEVNULL, stderr=err,
         )  # fmt: skip
     marker = folder / "blocked"
@@ -90,11 +91,11 @@ def _kill_when_blocked(folder: Path, mode: str) -> dict[str, Any]:
     return facts
 
 
-def _resume_in_a_fresh_process(folder: Path, steps: int) -> dict[str, Any]:
-    """A fresh process resumes from ``folder/ckpt`` with the tier on ``folder/nvme``; its report
-    (nvme_fault_child.resume). Its engine must start on the swap file a killed run left."""
+def _resume_in_a_fresh_process(folder: Path, steps: int, params: bool = False) -> dict[str, Any]:
+    """A fresh process resumes from ``folder/ckpt`` with the tier(s) on ``folder/nvme``; its
+    report (nvme_fault_child.resume). Its engine must start on the swap file a killed run left."""
     proc = subprocess.run(
-        _child({"mode": "resume", "dir": str(folder), "steps": steps}),
+        _child({"mode": "resume", "dir": str(folder), "steps": steps, "params": params}),
         env=_child_env(), cwd=SUPPORT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     lines = proc.stdout.splitlines()
@@ -129,6 +130,24 @@ def test_kill_9_during_a_write_back_then_resume(tmp_path: Path, reference: list[
 
     got = _resume_in_a_fresh_process(tmp_path, STEPS - 2)
     _assert_resumed_exactly(got, reference, swap)
+
+
+def test_kill_9_during_a_weight_write_back_then_resume(
+    tmp_path: Path, reference: list[float]
+) -> None:
+    """With the parameter tier too: SIGKILL while step 4's new compute weights are half written
+    to ``params.swp``. Both swap files stay, unlocked; a fresh process with both tiers takes
+    them over, loads the step-2 checkpoint and trains steps 3-6 as the uninterrupted run (the
+    tiers change where state lives, never a result: the reference ran with the optimizer tier
+    alone), and its destroy removes both files."""
+    facts = _kill_when_blocked(tmp_path, "writeback", params=True)
+    params = tmp_path / "nvme" / "rp_engine" / "rank0" / "params.swp"
+    assert facts["swap"] == str(params)
+    assert 0 < facts["written"] < facts["nbytes"], facts  # killed half-way through a record
+    assert params.is_file() and (tmp_path / "nvme" / SWAP).is_file()
+
+    got = _resume_in_a_fresh_process(tmp_path, STEPS - 2, params=True)
+    _assert_resumed_exactly(got, reference, tmp_path / "nvme" / SWAP)
 
 
 def test_kill_9_during_save_checkpoint_then_resume(tmp_path: Path, reference: list[float]) -> None:

@@ -39,18 +39,22 @@ GAS = 2
 SAVED_AT = 2  # the checkpoint every mode resumes from
 
 
-def make_engine(folder: str) -> Any:
+def make_engine(folder: str, params: bool = False) -> Any:
     """An engine with the NVMe tier under ``folder/nvme`` (2 buffers for 6 layers, so steps
-    read their state back from the file as well as write it)."""
+    read their state back from the file as well as write it); ``params``: the parameter tier
+    too (every layer's compute weights on NVMe)."""
+    nvme = os.path.join(folder, "nvme")
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 2},
+    }
+    if params:
+        zero["offload_param"] = {
+            "device": "nvme", "nvme_path": nvme, "buffer_count": 2, "max_in_cpu": 0,
+        }  # fmt: skip
     cfg = config(
         devices=2, gas=GAS, lr=1e-2, async_optimizer=True, fwd_cuts=[2, 2], bwd_cuts=[0, 2, 2],
-        roundpipe={"nvme_io_engine": "threads"},
-        zero_optimization={
-            "stage": 3,
-            "offload_optimizer": {
-                "device": "nvme", "nvme_path": os.path.join(folder, "nvme"), "buffer_count": 2,
-            },
-        },
+        roundpipe={"nvme_io_engine": "threads"}, zero_optimization=zero,
     )  # fmt: skip
     return engine_for(tiny_qwen3(0, layers=4), cfg)
 
@@ -89,13 +93,11 @@ def _block(folder: str, **facts: Any) -> None:
     os._exit(3)  # not killed: fail loudly (a raise on an I/O thread would only fail the step)
 
 
-def _arm_writeback(folder: str, engine: Any) -> None:
-    """Block the tier's next write-back half-way (see the module docstring)."""
+def _arm_writeback(folder: str, tier: Any, step: int) -> None:
+    """Block ``tier``'s next write-back half-way (see the module docstring)."""
     from rp_engine.storage import io_engine
 
-    tier = engine.nvme_tier
     real = io_engine.ThreadEngine._pwrite
-    step = engine.global_steps + 1  # the step whose write-back blocks
 
     def pwrite(self: Any, path: str, buffer: torch.Tensor, offset: int) -> None:
         if path != tier.path:
@@ -136,15 +138,17 @@ def main(spec: dict[str, Any]) -> None:
     folder = spec["dir"]
     ckpt = os.path.join(folder, "ckpt")
     if spec["mode"] == "resume":
-        print("JSON:" + json.dumps(resume(folder, spec["steps"])))
+        print("JSON:" + json.dumps(resume(folder, spec["steps"], bool(spec.get("params")))))
         return
-    engine = make_engine(folder)
+    params = bool(spec.get("params"))
+    engine = make_engine(folder, params)
     train(engine, SAVED_AT)
     engine.save_checkpoint(ckpt)
     if spec["mode"] == "writeback":
         train(engine, 1)
         engine.synchronize()  # step 3 is on disk: the next write-back is step 4's
-        _arm_writeback(folder, engine)
+        # the optimizer's state, or (``params``) the compute weights step 4 publishes
+        _arm_writeback(folder, engine.param_tier if params else engine.nvme_tier, 4)
         train(engine, 2)
         engine.synchronize()
         raise SystemExit("nvme_fault_child: the write-back was not interrupted")
@@ -156,9 +160,10 @@ def main(spec: dict[str, Any]) -> None:
     raise ValueError(f"mode={spec['mode']!r}")
 
 
-def resume(folder: str, steps: int) -> dict[str, Any]:
-    """Load ``latest`` into a new engine with the tier, train ``steps`` steps; what happened."""
-    engine = make_engine(folder)
+def resume(folder: str, steps: int, params: bool = False) -> dict[str, Any]:
+    """Load ``latest`` into a new engine with the tier(s), train ``steps`` steps; what
+    happened."""
+    engine = make_engine(folder, params)
     try:
         swap = engine.nvme_tier.path
         print("ENGINE:" + json.dumps({"swap": swap}), flush=True)  # before anything can crash

@@ -1,8 +1,12 @@
-"""Peak host memory of one training run, host-resident or with the NVMe optimizer tier.
+"""Peak host memory of one training run, host-resident or with the NVMe tiers.
 
-    python nvme_memory_child.py '{"tier": true, "dir": D, "layers": 64, "width": 1280}'
+    python nvme_memory_child.py '{"tier": true, "params": true, "dir": D, "layers": 64, ...}'
 
-prints ``JSON:{"peak_rss": bytes, "trainable": n, "losses": [...]}``. Run in a fresh process
+``tier``: the optimizer tier (``offload_optimizer.device: "nvme"``); ``params`` (with ``tier``):
+the parameter tier too (``offload_param.device: "nvme"``, nothing kept by ``max_in_cpu``).
+
+prints ``JSON:{"peak_rss": bytes, "init_rss": bytes, "trainable": n, "losses": [...],
+"weight_copies": n}`` (``init_rss``: right after ``initialize``). Run in a fresh process
 per variant so each peak (``ru_maxrss``) is that run's own (tests/engine/test_nvme_memory.py).
 """
 
@@ -12,6 +16,7 @@ import json
 import resource
 import sys
 
+import psutil
 import torch
 from torch import nn
 
@@ -37,7 +42,12 @@ def main(spec: dict) -> None:
             "offload_optimizer": {"device": "nvme", "nvme_path": spec["dir"], "buffer_count": 4},
         }
         rp["nvme_io_engine"] = "threads"
+    if spec.get("params"):
+        cfg["zero_optimization"]["offload_param"] = {
+            "device": "nvme", "nvme_path": spec["dir"], "buffer_count": 4, "max_in_cpu": 0,
+        }  # fmt: skip
     engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+    init_rss = psutil.Process().memory_info().rss  # the host state, before any device copy
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(2, width, generator=gen), torch.randn(2, width, generator=gen))
                for _ in range(spec.get("steps", 3))]  # fmt: skip
@@ -46,7 +56,12 @@ def main(spec: dict) -> None:
     engine.destroy()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     trainable = sum(p.numel() for p in model.parameters())
-    print("JSON:" + json.dumps({"peak_rss": peak, "trainable": trainable, "losses": losses}))
+    copies = engine.store.weight_copies  # compute-weight buffers (double-buffered: 2)
+    out = {
+        "peak_rss": peak, "init_rss": init_rss, "trainable": trainable, "losses": losses,
+        "weight_copies": copies,
+    }  # fmt: skip
+    print("JSON:" + json.dumps(out))
 
 
 if __name__ == "__main__":

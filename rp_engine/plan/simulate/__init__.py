@@ -14,8 +14,11 @@ Model. Each device has a compute stream that runs its plan actions strictly in o
 copy streams: weight uploads (H2D), activation uploads (H2D) and downloads (D2H). Copy streams
 serve transfers in the order they become ready; concurrent transfers share link bandwidth
 (per-device H2D and D2H links, an optional host link shared by every device, P2P links). The
-host runs optimizer steps one at a time. Without a machine (the simulation conventions of the
-published bubble table) only compute takes time and every cross-device edge adds ``comm_ms``.
+host runs optimizer steps one at a time, and a plan's READs (weights from NVMe) one at a time
+in issue order on one host-wide "nvme" lane at ``Machine.nvme_read_gbps`` (and the host link,
+when there is one); the UPLOAD a READ feeds starts once it has finished. Without a machine (the
+simulation conventions of the published bubble table) only compute takes time and every
+cross-device edge adds ``comm_ms``.
 
 Activations of an offloaded plan move as the runtime moves them (plan/traffic.py): besides the
 SENDs of cross-device edges, a backward stage's input is stashed on the host after its forward

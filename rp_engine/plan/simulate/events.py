@@ -59,6 +59,7 @@ class _Builder:
             Op.FREE: self._free,
             Op.SEND: self._send,
             Op.OPT: self._opt,
+            Op.READ: self._read,
         }
         # the runtime's host-resident activation inputs (plan/traffic.py), offloaded plans only
         self.host_inputs = machine is not None and plan.offloaded
@@ -215,6 +216,12 @@ class _Builder:
                 a, "upload", ("h2d_param", a.device), nbytes, (("h2d", a.device),), "weights_h2d"
             )
         ]
+
+    def _read(self, a: Action) -> list[int]:
+        """The slot's weights (the bytes its UPLOAD moves) from NVMe into host memory, on the
+        one host-wide NVMe lane; the READ FIFO's order comes from the plan's dependencies."""
+        nbytes = self.st.param_bytes[a.stage]
+        return [self._copy(a, "read", ("nvme", HOST), nbytes, (("nvme", 0),), "weights_nvme")]
 
     def _download(self, a: Action) -> list[int]:
         nbytes = self.st.grad_bytes[a.stage]
@@ -453,6 +460,7 @@ def _link_caps(machine: Machine, num_devices: int) -> dict[tuple[str, int], floa
         caps[("p2p_out", d)] = caps[("p2p_in", d)] = (machine.p2p_gbps or 1e-9) * _GB
     if machine.host_link_gbps:
         caps[("host", 0)] = machine.host_link_gbps * _GB
+    caps[("nvme", 0)] = machine.nvme_read_gbps * _GB
     if machine.host_cores:  # core-ms per ms
         caps[("cores", 0)] = caps[("optcpu", 0)] = machine.host_cores
         caps[("gil", 0)] = 1.0

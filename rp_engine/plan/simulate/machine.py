@@ -31,6 +31,9 @@ class Machine:
     the host optimizer and the host overhead use too (see the module docstring); None: devices
     have their own compute (GPUs). ``host_share``: on a shared host, the cores the run gets while
     k = 1, 2, ... of its tasks want them (benchmarks/host_load.py); empty: all ``host_cores``.
+    ``nvme_read_gbps``: read bandwidth of the NVMe drive the parameter tier keeps weights on
+    (a plan's READs, one at a time on one host-wide lane); default a PCIe 4.0 x4 SSD's
+    sequential read, about 3.5 GB/s.
     """
 
     name: str
@@ -49,6 +52,7 @@ class Machine:
     serial_overhead: bool = False  # every lane's overhead on one host lane (one interpreter lock)
     host_cores: float | None = None  # devices compute on the host's cores (CPU virtual devices)
     host_share: tuple[float, ...] = ()  # cores the run gets with k = 1, 2, ... tasks on them
+    nvme_read_gbps: float = 3.5  # the parameter tier's NVMe reads (PCIe 4.0 x4 SSD)
     info: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +63,7 @@ class Machine:
             "cpu_adam_params_per_s": self.cpu_adam_params_per_s,
             "bytes_per_param": self.bytes_per_param,
             "compute_scale": self.compute_scale,
+            "nvme_read_gbps": self.nvme_read_gbps,
         }
         if self.p2p:
             positive["p2p_gbps (p2p is on)"] = self.p2p_gbps

@@ -15,8 +15,8 @@ class Interval:
     """One phase of one action on one lane of a device (``HOST`` for the optimizer)."""
 
     device: int
-    lane: str  # compute, h2d_param, h2d_act, d2h, cpu
-    phase: str  # fwd, recompute, bwd, head_fwd, head_bwd, upload, download, send, opt
+    lane: str  # compute, h2d_param, h2d_act, d2h, cpu, nvme (host: NVMe reads)
+    phase: str  # fwd, recompute, bwd, head_fwd, head_bwd, upload, download, send, opt, read
     start_ms: float
     end_ms: float
     action: Action

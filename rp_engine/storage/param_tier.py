@@ -1,0 +1,295 @@
+"""The parameter tier: compute weights on NVMe, read in plan order ahead of their uploads.
+
+With ``offload_param.device: "nvme"`` the compute weights (bf16/fp16/fp32, the bytes uploads copy)
+of a layer live in a swap file instead of RAM. Per layer and per weight buffer (two with
+double-buffered weights: versions v and v-1 coexist, model/host_store.py) one record holds every
+parameter only that layer uses, frozen or trainable, each 64-byte aligned; the records of buffer
+0 come first in the file, so ``materialized`` reads them in one piece.
+
+::
+
+    plan  READ R_s.m (issue order) -> queue_reads: reads start into free pool buffers, in order
+    upload U_s.m on its weight stream: acquire(layers, version) pins the records (a hit when the
+           READ got there first), the copy reads the buffers; release_after(copy's event)
+    optimizer publish of version v: written into record (layer, v % 2), then written back
+
+What stays in RAM: layers that fit in ``max_in_cpu`` elements (DeepSpeed's key: the first layers
+in order), parameters shared by several layers (tied embeddings), and module buffers. The module's
+paged parameters keep their identity, shape and dtype but own no memory (storage of size 0), so a
+stray host read fails loudly; ``materialized`` fills them for the few host readers (checkpoint
+save/load, ``reload_masters``, state_dict).
+
+Host memory of the tier: its buffer pool, at least one slot's records (the pool grows to what one
+upload pins at once), whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rp_engine.model.host_store import placeholder
+from rp_engine.storage.aligned import aligned_empty, round_up
+from rp_engine.storage.io_engine import IOEngine
+from rp_engine.storage.record_pool import PooledTier, Record, RecordPool
+from rp_engine.storage.swap_file import SwapFile
+
+__all__ = ["ParamTier", "WeightLease", "param_tier_plan"]
+
+log = logging.getLogger("rp_engine.storage")
+
+_BYTE_ALIGN = 64
+
+
+@dataclass(eq=False)
+class _Record(Record):
+    """One layer's paged weights of one buffer (``key``: (layer, buffer))."""
+
+    tensors: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (param, byte offset)
+
+
+@dataclass(frozen=True)
+class ParamTierPlan:
+    """Which tensors page, and where: computed before anything is written."""
+
+    paged: dict[int, list[torch.Tensor]]  # layer -> its paged parameters, in record order
+    record_bytes: dict[int, int]  # layer -> bytes of one record (4 KiB multiple)
+    cached_elements: int  # elements kept in RAM by ``max_in_cpu``
+
+    def disk_bytes(self, copies: int) -> int:
+        return copies * sum(self.record_bytes.values())
+
+    def largest(self) -> int:
+        return max(self.record_bytes.values(), default=4096)
+
+
+def param_tier_plan(store: Any, max_in_cpu: int) -> ParamTierPlan:
+    """The layers whose weights page to NVMe: every parameter used by one layer only, of the
+    layers left once the first ones fitting in ``max_in_cpu`` elements stay in RAM."""
+    users: dict[int, int] = {}
+    for layer in store.layers:
+        for _, p in layer.params:
+            users[id(p)] = users.get(id(p), 0) + 1
+    paged: dict[int, list[torch.Tensor]] = {}
+    sizes: dict[int, int] = {}
+    budget, cached = max_in_cpu, 0
+    for layer in store.layers:
+        own = [p for _, p in layer.params if users[id(p)] == 1 and p.numel()]
+        elems = sum(p.numel() for p in own)
+        if not own:
+            continue
+        if elems <= budget:  # DeepSpeed's max_in_cpu: this much stays in RAM
+            budget -= elems
+            cached += elems
+            continue
+        paged[layer.index] = own
+        sizes[layer.index] = round_up(
+            sum(round_up(p.numel() * p.element_size(), _BYTE_ALIGN) for p in own)
+        )
+    return ParamTierPlan(paged, sizes, cached)
+
+
+class WeightLease:
+    """Records an upload pinned: ``views`` maps ``id(param)`` to its bytes for the copy."""
+
+    def __init__(self, records: list[Record], views: dict[int, torch.Tensor]) -> None:
+        self.records = records
+        self.views = views
+
+
+class ParamTier(PooledTier):
+    """See the module docstring. ``store``: the HostStore, after its weight buffers are decided
+    (``weight_copies``); ``folder``: the checked nvme_path; ``buffer_count`` >= 2."""
+
+    def __init__(
+        self, store: Any, plan: ParamTierPlan, *, folder: str, rank: int, engine: IOEngine,
+        buffer_count: int,
+    ) -> None:  # fmt: skip
+        self.store = store
+        self.engine = engine
+        self.copies = store.weight_copies
+        self.plan = plan
+        self._records: dict[tuple[int, int], _Record] = {}
+        offset = 0
+        for copy in range(self.copies):
+            for layer, tensors in plan.paged.items():
+                rec = _Record((layer, copy), offset, plan.record_bytes[layer])
+                at = 0
+                for p in tensors:
+                    rec.tensors.append((p, at))
+                    at += round_up(p.numel() * p.element_size(), _BYTE_ALIGN)
+                self._records[(layer, copy)] = rec
+                offset += rec.nbytes
+        self.disk_bytes = offset
+        self.file = SwapFile(folder, f"rp_engine/rank{rank}/params.swp", self.disk_bytes)
+        self.path = self.file.path
+        self.pool = RecordPool(
+            self.path, engine, buffer_count=buffer_count, buffer_bytes=plan.largest(), grow=True
+        )
+        self._owner = {id(p): layer for layer, ts in plan.paged.items() for p in ts}
+        self._placeholders = {
+            id(p): placeholder(p.shape, p.dtype) for ts in plan.paged.values() for p in ts
+        }
+        self._queue: list[tuple[Any, list[Record]]] = []  # plan-order reads not yet started
+        # the timeline's NVMe row: which upload asked for a record last, and the reads done
+        self._asker: dict[int, Any] = {}  # id(record) -> key
+        self._reads: list[tuple[Any, float, float]] = []  # (key, start, end), perf_counter
+        self.pool.on_read = self._note_read
+        self._lock = threading.Lock()
+        self._materialized: bool | None = None
+        try:
+            self._write_initial()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- queries ------------------------------------------------------------------------------
+    def paged(self, layer: int) -> bool:
+        return layer in self.plan.paged
+
+    def views_of(self, layer: int) -> set[int]:
+        """``id`` of every parameter of ``layer`` that lives in the tier."""
+        return {id(p) for p in self.plan.paged.get(layer, ())}
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.pool.buffer_bytes
+
+    def _layer_records(self, layers: Iterable[int], version: int) -> list[Record]:
+        copy = version % self.copies
+        return [self._records[(layer, copy)] for layer in layers if layer in self.plan.paged]
+
+    # --- uploads ------------------------------------------------------------------------------
+    def queue_reads(self, key: Any, layers: Sequence[int], version: int) -> None:
+        """A plan READ: the upload ``key`` will need these layers at ``version``; read them in
+        this order, behind the reads queued before, as buffers free up (non-blocking)."""
+        records = self._layer_records(layers, version)
+        if records:
+            with self._lock:
+                self._queue.append((key, records))
+                self._asker.update((id(r), key) for r in records)
+            self._pump()
+
+    def acquire(self, key: Any, layers: Sequence[int], version: int) -> WeightLease | None:
+        """Pin the layers' records of ``version``'s buffer for an upload (blocking: reads what no
+        buffer holds). None when none of the layers pages."""
+        records = self._layer_records(layers, version)
+        with self._lock:
+            self._queue = [q for q in self._queue if q[0] != key]
+            self._asker.update((id(r), key) for r in records)
+        if not records:
+            return None
+        views: dict[int, torch.Tensor] = {}
+        for rec, data in zip(records, self.pool.pin(records), strict=True):
+            assert isinstance(rec, _Record)
+            for p, at in rec.tensors:
+                views[id(p)] = _view(data, at, p)
+        return WeightLease(records, views)
+
+    def release_after(self, leases: list[WeightLease], event: Any) -> None:
+        """The upload's copies read ``leases``' buffers until ``event`` completes. Registered
+        when the upload is issued: ``leases`` fills later, on its copy thread, before ``event``."""
+        self.pool.unpin_after(lambda: [r for lease in leases for r in lease.records], event)
+        self._pump()
+
+    def take_reads(self, run: Any) -> list[tuple[Any, float, float]]:
+        """The reads done for uploads whose key is ``(run, action)``, as ``(action, start,
+        end)`` in perf_counter seconds; forgotten now (the timeline's NVMe row)."""
+        with self._lock:
+            mine = [(k[1], s, e) for k, s, e in self._reads if k[0] == run]
+            self._reads = [r for r in self._reads if r[0][0] != run]
+        return mine
+
+    def _note_read(self, record: Record, start: float, end: float) -> None:
+        with self._lock:
+            key = self._asker.get(id(record))
+            if isinstance(key, tuple):
+                self._reads.append((key, start, end))
+                del self._reads[:-4096]  # bounded, should nobody take them
+
+    def _pump(self) -> None:
+        """Start the queued reads that fit in free buffers, oldest first."""
+        with self._lock:
+            queue = list(self._queue)
+        for _key, records in queue:
+            if not all(self.pool.holds(r) for r in records):
+                self.pool.prefetch(records)
+                if not all(self.pool.holds(r) for r in records):
+                    return  # no room: the next release pumps again
+
+    # --- publishing (the optimizer) -----------------------------------------------------------
+    @contextlib.contextmanager
+    def buffer(
+        self, layer: int, copy: int, *, overwrite: bool
+    ) -> Iterator[dict[int, torch.Tensor]]:
+        """The layer's paged weights in buffer ``copy`` as views (``id(param)`` -> tensor) for
+        the block; ``overwrite``: the block writes the trainable ones, written back after."""
+        rec = self._records[(layer, copy)]
+        with self._lock:
+            self._asker.pop(id(rec), None)  # a read for the optimizer: not on an upload's row
+        # a record holding frozen weights is read first: the block rewrites only part of it
+        fresh = overwrite and all(p.requires_grad for p, _ in rec.tensors)
+        (data,) = self.pool.pin([rec], fresh=fresh)
+        try:
+            yield {id(p): _view(data, at, p) for p, at in rec.tensors}
+        finally:
+            self.pool.unpin([rec], dirty=overwrite)
+
+    # --- whole-state access -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def materialized(self, *, writable: bool) -> Iterator[None]:
+        """The module's paged parameters hold buffer 0's weights in RAM for the block (one read).
+        ``writable``: what the block leaves in them becomes every buffer's weights. Nested
+        blocks share the outermost one."""
+        if self._materialized is not None:
+            if writable and not self._materialized:
+                raise RuntimeError("a writable materialized() inside a read-only one")
+            yield
+            return
+        self.pool.flush()
+        region = sum(self.plan.record_bytes.values())
+        whole = aligned_empty(region)
+        if region:
+            self.engine.read(self.path, whole, 0).result()
+        for layer in self.plan.paged:
+            rec = self._records[(layer, 0)]
+            for p, at in rec.tensors:
+                p.data = _view(whole, rec.offset + at, p)
+        self._materialized = writable
+        try:
+            yield
+        finally:
+            self._materialized = None
+            for ts in self.plan.paged.values():
+                for p in ts:
+                    p.data = self._placeholders[id(p)]
+            if writable and region:
+                self.pool.forget()
+                for copy in range(self.copies):
+                    self.engine.write(self.path, whole, copy * region).result()
+
+    # --- internals ----------------------------------------------------------------------------
+    def _write_initial(self) -> None:
+        """Every buffer's records from the module's weights, one record at a time; then the
+        module's paged parameters become placeholders."""
+        for (_layer, _copy), rec in self._records.items():
+            (data,) = self.pool.pin([rec], fresh=True)
+            data.zero_()
+            for p, at in rec.tensors:
+                _view(data, at, p).copy_(p.detach())
+            self.pool.unpin([rec], dirty=True)
+        self.pool.flush()
+        for ts in self.plan.paged.values():
+            for p in ts:
+                p.data = self._placeholders[id(p)]
+
+
+def _view(data: torch.Tensor, at: int, p: torch.Tensor) -> torch.Tensor:
+    nbytes = p.numel() * p.element_size()
+    return data[at : at + nbytes].view(p.dtype).view(p.shape)

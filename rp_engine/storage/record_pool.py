@@ -1,0 +1,322 @@
+"""A pool of aligned host buffers caching the fixed records of one swap file.
+
+Both NVMe tiers keep their state as records at fixed offsets of a swap file and move them through
+a few aligned buffers: the optimizer tier (optimizer_tier.py: a layer's fp32 masters and Adam
+moments) and the parameter tier (param_tier.py: a layer's compute weights, one record per weight
+buffer). The pool owns the caching rules they share:
+
+- ``pin(records)`` makes every record of the set resident in a buffer at once (reading the ones
+  no buffer holds) and returns their bytes; the set is pinned atomically, so two holders can never
+  each hold part of what the other waits for. A buffer that still holds a record is reused
+  without a read (a hit).
+- ``unpin(records, dirty=)``: the last holder of a dirty buffer starts its write-back; a later
+  read of that record, or a reuse of the buffer, waits for the write first.
+- ``unpin_after(records, event)``: the same once a device event completed (an upload still
+  copying from the buffer), reaped lazily when a buffer is needed or ``flush``.
+- ``prefetch(records)``: a non-blocking hint that starts reads into free buffers, in order,
+  always leaving one buffer unclaimed.
+
+``grow``: when one ``pin`` asks for more records than there are buffers, the pool grows to that
+many (the parameter tier pins a whole slot's layers for one upload, a size known only to the
+plan); otherwise such a ``pin`` is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rp_engine.storage.io_engine import IOEngine, IOStats
+from rp_engine.storage.swap_file import SwapFile
+
+__all__ = ["PooledTier", "Record", "RecordPool"]
+
+
+@dataclass(eq=False)
+class Record:
+    """``nbytes`` (a 4 KiB multiple) at ``offset`` of the pool's file; ``key`` is the owner's."""
+
+    key: Any
+    offset: int
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _Buffer:
+    data: torch.Tensor  # aligned uint8
+    record: Record | None = None  # whose bytes it holds (or is reading); None: none
+    read: Future[None] | None = None
+    write: Future[None] | None = None  # write-back of ``record`` in flight (or done)
+    pins: int = 0
+    wanted: bool = False  # prefetched, not yet pinned
+    dirty: bool = False  # changed while pinned: written back at the last unpin
+    used: int = 0  # LRU clock
+
+
+class RecordPool:
+    """See the module docstring. ``buffer_bytes``: each buffer's size (the largest record)."""
+
+    def __init__(
+        self, path: str, engine: IOEngine, *, buffer_count: int, buffer_bytes: int,
+        grow: bool = False,
+    ) -> None:  # fmt: skip
+        self.path = path
+        self.engine = engine
+        self._bytes = max(buffer_bytes, 4096)
+        self._grow = grow
+        self._buffers = [_Buffer(engine.alloc(self._bytes)) for _ in range(max(2, buffer_count))]
+        self._cond = threading.Condition()
+        self._clock = 0
+        # (event, records getter) to unpin once the event is done (``unpin_after``)
+        self._deferred: list[tuple[Any, Callable[[], Sequence[Record]]]] = []
+        # called as ``on_read(record, start, end)`` (perf_counter seconds) when a read completes
+        self.on_read: Callable[[Record, float, float], None] | None = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes the pool's buffers hold (all of them)."""
+        return self._bytes * len(self._buffers)
+
+    # --- pinning ------------------------------------------------------------------------------
+    def pin(
+        self, records: Sequence[Record], *, fresh: bool = False,
+        on_first: Callable[[Record, torch.Tensor], None] | None = None,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """Pin every record of ``records`` (distinct) at once; returns their bytes, in order.
+        ``fresh``: the caller overwrites the records whole, so a miss reads nothing.
+        ``on_first(record, bytes)`` runs for each record this call pinned first (no other
+        holder), after its read. Blocks while the buffers are pinned elsewhere."""
+        if not records:
+            return []
+        with self._cond:
+            bufs = self._claim(records, fresh)
+            for buf in bufs:
+                buf.pins += 1
+                buf.wanted = False
+            firsts = [buf.pins == 1 for buf in bufs]
+            waits = [
+                (buf.read, buf.write if first else None)
+                for buf, first in zip(bufs, firsts, strict=True)
+            ]
+        try:
+            for read, write in waits:
+                if read is not None:
+                    read.result()
+                if write is not None:
+                    write.result()  # the write-back reads the buffer: no change before it ends
+        except BaseException:
+            with self._cond:
+                for buf in bufs:
+                    buf.pins -= 1
+                    if buf.pins == 0:
+                        buf.record, buf.read = None, None
+                self._cond.notify_all()
+            raise
+        views = [buf.data[: rec.nbytes] for buf, rec in zip(bufs, records, strict=True)]
+        if on_first is not None:
+            for rec, view, first in zip(records, views, firsts, strict=True):
+                if first:
+                    on_first(rec, view)
+        return views
+
+    def unpin(
+        self, records: Sequence[Record], *, dirty: bool = False,
+        on_last: Callable[[Record, torch.Tensor], None] | None = None,
+    ) -> None:  # fmt: skip
+        """Release one pin of each record. ``dirty``: the holder changed them; the last holder
+        of a changed record starts its write-back. ``on_last(record, bytes)`` runs before that
+        for each record losing its last pin."""
+        for rec in records:
+            with self._cond:
+                buf = self._holding(rec)
+                assert buf is not None and buf.pins > 0, f"unpin of a record not pinned: {rec.key}"
+                buf.dirty = buf.dirty or dirty
+                last = buf.pins == 1
+            if last and on_last is not None:
+                on_last(rec, buf.data[: rec.nbytes])
+            with self._cond:
+                buf.pins -= 1
+                self._clock += 1
+                buf.used = self._clock
+                if buf.pins == 0 and buf.dirty:
+                    buf.dirty = False
+                    buf.write = self.engine.write(self.path, buf.data[: rec.nbytes], rec.offset)
+                self._cond.notify_all()
+
+    def unpin_after(self, records: Callable[[], Sequence[Record]], event: Any) -> None:
+        """``unpin(records())`` once ``event`` (a device Event: ``query``/``synchronize``) is
+        done: a copy reads the buffers until then. ``records`` is asked late: the caller may
+        register this before the copy's thread pinned them (an upload issued, not yet run);
+        what it returns must be pinned before ``event`` completes."""
+        with self._cond:
+            self._deferred.append((event, records))
+            self._cond.notify_all()
+
+    def prefetch(self, records: Iterable[Record]) -> None:
+        """Start reading these records, in order, into free buffers, without blocking; always
+        one buffer stays unclaimed so ``pin`` can make progress."""
+        self._reap(block=False)
+        with self._cond:
+            for rec in records:
+                if self._holding(rec) is not None:
+                    continue
+                free = [b for b in self._buffers if b.pins == 0 and not b.wanted]
+                if len(free) <= 1:
+                    return
+                idle = [b for b in free if b.write is None or b.write.done()]
+                if not idle:
+                    return
+                buf = min(idle, key=lambda b: (b.record is not None, b.used))
+                self._load(buf, rec, fresh=False)
+                buf.wanted = True
+
+    def holds(self, record: Record) -> bool:
+        """Whether a buffer holds (or is reading) ``record``: a ``pin`` would not read it."""
+        with self._cond:
+            return self._holding(record) is not None
+
+    # --- whole-file operations ----------------------------------------------------------------
+    def flush(self) -> None:
+        """Reap every deferred unpin and wait for every write-back; raises the first I/O error."""
+        self._reap(block=True)
+        for buf in self._buffers:
+            if buf.write is not None:
+                buf.write.result()
+
+    def forget(self) -> None:
+        """Drop every cached copy (the file changed under the pool). Nothing may be pinned."""
+        self.flush()
+        with self._cond:
+            if any(b.pins for b in self._buffers):
+                raise RuntimeError("the NVMe tier's file was rewritten while a record is resident")
+            for buf in self._buffers:
+                buf.record, buf.read, buf.wanted = None, None, False
+
+    def pinned(self) -> bool:
+        with self._cond:
+            return any(b.pins for b in self._buffers)
+
+    # --- internals ----------------------------------------------------------------------------
+    def _holding(self, rec: Record) -> _Buffer | None:
+        for buf in self._buffers:
+            if buf.record is rec:
+                return buf
+        return None
+
+    def _load(self, buf: _Buffer, rec: Record, *, fresh: bool) -> None:
+        """Under the lock: make ``buf`` hold ``rec`` (its previous write-back is finished)."""
+        buf.record, buf.write, buf.dirty = rec, None, False
+        if fresh:
+            buf.read = None
+            return
+        start = time.perf_counter()
+        buf.read = self.engine.read(self.path, buf.data[: rec.nbytes], rec.offset)
+        if self.on_read is not None:
+            hook = self.on_read
+            buf.read.add_done_callback(lambda _f: hook(rec, start, time.perf_counter()))
+
+    def _claim(self, records: Sequence[Record], fresh: bool) -> list[_Buffer]:
+        """Under the lock: a buffer for each record, loading the missing ones; waits (without
+        the lock) for buffers pinned elsewhere, deferred unpins and pending write-backs."""
+        if len(records) > len(self._buffers):
+            if not self._grow:
+                raise RuntimeError(
+                    f"{len(records)} records pinned at once, but the pool has only "
+                    f"{len(self._buffers)} buffers"
+                )
+            extra = len(records) - len(self._buffers)
+            self._buffers += [_Buffer(self.engine.alloc(self._bytes)) for _ in range(extra)]
+        while True:
+            held = {id(rec): self._holding(rec) for rec in records}
+            missing = [rec for rec in records if held[id(rec)] is None]
+            taken = {id(b) for b in held.values() if b is not None}
+            free = [b for b in self._buffers if b.pins == 0 and id(b) not in taken]
+            free.sort(key=lambda b: (b.wanted, b.record is not None, b.used))
+            if len(free) < len(missing):
+                if not self._reap_locked(block=True):
+                    # copies end without waking anyone: look again soon
+                    self._cond.wait(0.005)
+                continue
+            chosen = free[: len(missing)]
+            pending = [b.write for b in chosen if b.write is not None and not b.write.done()]
+            if pending:  # their data must reach the file before the buffers are reused
+                self._cond.release()
+                try:
+                    for write in pending:
+                        write.result()
+                finally:
+                    self._cond.acquire()
+                continue  # look again: things moved meanwhile
+            for buf, rec in zip(chosen, missing, strict=True):
+                self._load(buf, rec, fresh=fresh)
+            out = [self._holding(rec) for rec in records]
+            assert all(b is not None for b in out)
+            return [b for b in out if b is not None]
+
+    def _reap(self, *, block: bool) -> None:
+        with self._cond:
+            while self._reap_locked(block=block) and block:
+                pass
+
+    def _reap_locked(self, *, block: bool) -> bool:
+        """Under the lock: unpin the deferred records whose events are done; with ``block``,
+        wait (without the lock) for the oldest one that holds pins first. Returns whether any
+        was reaped. Never waits for an entry that pinned nothing yet: its copy may itself be
+        waiting (upstream in the pipeline) for a buffer."""
+        if not self._deferred:
+            return False
+        done = [d for d in self._deferred if d[0].query()]
+        if not done and block:
+            holding = [d for d in self._deferred if d[1]()]
+            if not holding:
+                return False
+            oldest = holding[0]
+            self._cond.release()
+            try:
+                with contextlib.suppress(Exception):  # a failed copy reads nothing more
+                    oldest[0].synchronize()
+            finally:
+                self._cond.acquire()
+            done = [d for d in self._deferred if d[0].query() or d is oldest]
+        if not done:
+            return False
+        self._deferred = [d for d in self._deferred if not any(d is x for x in done)]
+        self._cond.release()
+        try:
+            for _event, records in done:
+                self.unpin(records())
+        finally:
+            self._cond.acquire()
+        return True
+
+
+class PooledTier:
+    """What both tiers share: an I/O engine, their swap file, a ``RecordPool`` over it."""
+
+    engine: IOEngine
+    file: SwapFile
+    pool: RecordPool
+
+    @property
+    def stats(self) -> IOStats:
+        """The tier's I/O since it started (its own engine's totals)."""
+        return self.engine.stats
+
+    def flush(self) -> None:
+        """Wait for every write-back; raises the first I/O error."""
+        self.pool.flush()
+
+    def close(self) -> None:
+        """Wait for the writes, stop the engine, remove the swap file (idempotent)."""
+        with contextlib.suppress(Exception):
+            if hasattr(self, "pool"):  # a constructor that failed before the pool existed
+                self.flush()
+        self.engine.close()
+        self.file.close()
