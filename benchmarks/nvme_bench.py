@@ -201,19 +201,21 @@ def batches(preset: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 
 def ds_config(
-    preset: dict[str, Any], *, nvme_path: str | None, params: bool = False
+    preset: dict[str, Any], *, nvme_path: str | None, params: bool = False, param_buffers: int = 5
 ) -> dict[str, Any]:
     """The DeepSpeed config both systems read: ZeRO-3, AdamW, clipping 1.0, fp32; the optimizer
     state on NVMe under ``nvme_path`` (4 buffers, the "aio" section above), or in host RAM when
     None; ``params``: the parameters on NVMe too (``offload_param``, nothing kept in RAM by
-    ``max_in_cpu``). The caller adds rp_engine's "roundpipe" section."""
+    ``max_in_cpu``) with ``param_buffers`` buffers (DeepSpeed's default 5; its own run needs
+    more, see ``_deepspeed``). The caller adds rp_engine's "roundpipe" section."""
     offload: dict[str, Any] = {"device": "cpu"}
     zero: dict[str, Any] = {"stage": 3, "offload_optimizer": offload}
     if nvme_path is not None:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}
         if params:
             zero["offload_param"] = {
-                "device": "nvme", "nvme_path": nvme_path, "buffer_count": 4, "max_in_cpu": 0,
+                "device": "nvme", "nvme_path": nvme_path, "buffer_count": param_buffers,
+                "buffer_size": 2_000_000, "max_in_cpu": 0,
             }  # fmt: skip
     return {
         "train_micro_batch_size_per_gpu": preset["mbs"],
@@ -401,7 +403,10 @@ def _deepspeed(
 
     swap = folder / "ds_swap"
     swap.mkdir(parents=True, exist_ok=True)
-    cfg = ds_config(preset, nvme_path=str(swap), params=DS_VARIANTS[system])
+    # DeepSpeed holds every parameter of the modules it gathers in one of its param buffers
+    # at once: with 4 or 5 it stops ("Not enough buffers 0 for swapping 1"); each holds
+    # buffer_size (2 M, this model's largest parameter) fp32 elements: 64 x 8 MB
+    cfg = ds_config(preset, nvme_path=str(swap), params=DS_VARIANTS[system], param_buffers=64)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=cfg
     )
