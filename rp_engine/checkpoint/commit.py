@@ -22,13 +22,18 @@ from typing import Any
 
 import torch
 
+from rp_engine.checkpoint.streamed import StreamedSave
+
 log = logging.getLogger("rp_engine.checkpoint")
 
 _RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
-def _commit_folder(save_dir: str, tag: str, files: Mapping[str, Any]) -> None:
-    """Write ``files`` (name -> object) into ``save_dir/<tag>`` all-or-nothing."""
+def _commit_folder(
+    save_dir: str, tag: str, files: Mapping[str, Any], streamed: StreamedSave | None = None
+) -> None:
+    """Write ``files`` (name -> object) into ``save_dir/<tag>`` all-or-nothing; ``streamed``
+    fills the objects' deferred tensors (streamed.py)."""
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
     old = os.path.join(save_dir, f".{tag}.old-{os.getpid()}")
@@ -36,8 +41,8 @@ def _commit_folder(save_dir: str, tag: str, files: Mapping[str, Any]) -> None:
     try:
         os.makedirs(tmp)
         for name, obj in files.items():
-            with open(os.path.join(tmp, name), "wb") as f:
-                torch.save(obj, f)
+            with open(os.path.join(tmp, name), "w+b") as f:
+                (streamed or StreamedSave()).save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
         _fsync_dir(tmp)

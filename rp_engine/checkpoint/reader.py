@@ -219,7 +219,10 @@ def _load_optimizer(
         inner = _unflatten_state(engine, ckpt, inner, ids, list(flats), osd, stage=stage)
     if inner is not None:
         try:
-            engine.host_optimizer.load_state_dict(_materialize(inner))
+            # With the NVMe optimizer tier the state is copied into the tier layer by layer
+            # as the load ends (storage/optimizer_tier.py materialized): no copy in RAM first.
+            paged = engine.store.pager is not None
+            engine.host_optimizer.load_state_dict(inner if paged else _materialize(inner))
         except (ValueError, KeyError) as exc:
             raise RuntimeError(
                 f"the checkpoint's optimizer state does not fit this optimizer ({exc}); it was "

@@ -5,16 +5,23 @@ The model-states file (module, buffers, frozen parameters, counters, LR schedule
 the optim-states file (DeepSpeed's flat fp32 partitions, the inner optimizer's state in that
 flat form, DeepSpeed's loss-scaler object), as the package docstring lays them out; the folder
 is committed atomically by commit.py.
+
+The big tensors are never built whole: the flat partitions and moments, and compute weights the
+NVMe parameter tier holds, are deferred tensors (streamed.py) filled one parameter at a time
+while the file is written, each with its layer resident (``store.reading``: a read into the
+tiers' buffer pools; nothing with the state in RAM). RAM used by a save is one layer's state,
+whatever the model's size.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +51,7 @@ from rp_engine.checkpoint.layout import (
     model_file_name,
     optim_file_name,
 )
+from rp_engine.checkpoint.streamed import Sink, StreamedSave
 
 __all__ = ["save", "save_16bit"]
 
@@ -82,16 +90,19 @@ def save(
     names = _ParamNames(engine.module)
     groups = _optimized_groups(engine, names)
     units = _flat_units(engine, groups, stage=stage)
+    streamed = StreamedSave()
     model_state = _model_states(
-        engine, names, groups, units, stage=stage, exclude_frozen=exclude_frozen
+        engine, names, groups, units, streamed, stage=stage, exclude_frozen=exclude_frozen
     )
     model_state.update(client_state)
     files: dict[str, Any] = {model_file_name(stage): model_state}
     if engine.host_optimizer is not None:
-        files[optim_file_name(bf16=cfg.bf16.enabled)] = _optim_states(engine, units, stage=stage)
+        files[optim_file_name(bf16=cfg.bf16.enabled)] = _optim_states(
+            engine, units, streamed, stage=stage
+        )
 
     os.makedirs(save_dir, exist_ok=True)
-    _commit_folder(save_dir, tag, files)
+    _commit_folder(save_dir, tag, files, streamed)
     try:
         _copy_recovery_scripts(save_dir)
     except OSError as exc:  # a convenience copy must not keep `latest` from moving on
@@ -111,12 +122,14 @@ def _check_tag(tag: str) -> None:
 
 
 class _Group:
-    """One optimizer param group: root names and the fp32 masters, in the group's order."""
+    """One optimizer param group: root names, the fp32 masters and their owning layers, in the
+    group's order."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
         self.masters: list[torch.Tensor] = []
         self.params: list[nn.Parameter] = []
+        self.layers: list[int] = []
 
 
 def _optimized_groups(engine: Any, names: _ParamNames) -> list[_Group]:
@@ -140,6 +153,7 @@ def _optimized_groups(engine: Any, names: _ParamNames) -> list[_Group]:
             g.names.append(names.of(hp.param))
             g.masters.append(master)
             g.params.append(hp.param)
+            g.layers.append(hp.layer)
         groups.append(g)
     return groups
 
@@ -149,11 +163,13 @@ def _model_states(
     names: _ParamNames,
     groups: list[_Group],
     units: list[_FlatUnit],
+    streamed: StreamedSave,
     *,
     stage: int,
     exclude_frozen: bool,
 ) -> dict[str, Any]:
     module = engine.module
+    store = engine.store
     optimized = {id(p) for g in groups for p in g.params}
     frozen_shapes: OrderedDict[str, torch.Size] = OrderedDict()
     frozen_fragments: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -169,7 +185,7 @@ def _model_states(
         frozen_shapes[name] = p.shape
         # zero_to_fp32 concatenates ZeRO-3 fragments along dim 0 (they are flat partitions);
         # stage <= 2 fragments are used as they are.
-        t = p.detach().cpu()
+        t = _weight(store, streamed, p, name)
         frozen_fragments[name] = t.reshape(-1) if stage >= 3 else t
     if stage >= 3:
         # DeepSpeed ZeRO-3's module holds a 0-element tensor per (partitioned) parameter: its
@@ -178,6 +194,10 @@ def _model_states(
         for key in [n for n, _ in names.params] + list(names.shared):
             if key in state:
                 state[key] = torch.empty(0, dtype=state[key].dtype)
+    else:  # full tensors: a weight the parameter tier holds is read layer by layer
+        for name, p in names.params:
+            if name in state and store.paged_layer(p) is not None:
+                state[name] = _weight(store, streamed, p, name)
     scheduler = engine.lr_scheduler
     return {
         "module": _compact(state),
@@ -226,29 +246,64 @@ def _plain_stage0(engine: Any) -> bool:
     )
 
 
+def _weight(store: Any, streamed: StreamedSave, p: torch.Tensor, name: str) -> torch.Tensor:
+    """``p``'s values for the file: itself when in RAM, a deferred tensor read layer by layer
+    when the NVMe parameter tier holds it."""
+    layer = store.paged_layer(p)
+    if layer is None:
+        return p.detach().cpu()
+
+    def fill(sink: Sink) -> None:
+        with store.reading(layer):
+            sink.write(p)
+
+    return streamed.deferred(p.shape, p.dtype, fill, what=name)
+
+
 class _FlatUnit:
     """One flat fp32 partition as DeepSpeed lays it out at dp = 1: ZeRO-1/2 one per param group
     (``single_partition_of_fp32_groups``), ZeRO-3 one per sub-group (``fp32_flat_groups``).
 
-    ``params`` holds (name, master, padding after it); ``tail`` pads the partition that the inner
-    optimizer steps (Adam's moments have that size) beyond the saved fp32 tensor.
+    ``params`` holds (name, master, padding after it), ``layers`` each one's owning layer;
+    ``tail`` pads the partition that the inner optimizer steps (Adam's moments have that size)
+    beyond the saved fp32 tensor.
     """
 
     def __init__(self, group: int) -> None:
         self.group = group
         self.params: list[tuple[str, torch.Tensor, int]] = []
+        self.layers: list[int] = []
         self.tail = 0
 
-    def flat(self, tensors: list[torch.Tensor], *, with_tail: bool) -> torch.Tensor:
-        """``tensors`` (one per param, shaped like it) flattened with this unit's paddings."""
-        parts: list[torch.Tensor] = []
-        for t, (_, _, pad) in zip(tensors, self.params, strict=True):
-            parts.append(t.detach().reshape(-1).float())
-            if pad:
-                parts.append(torch.zeros(pad, dtype=torch.float32))
-        if with_tail and self.tail:
-            parts.append(torch.zeros(self.tail, dtype=torch.float32))
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
+    def flat(
+        self,
+        engine: Any,
+        streamed: StreamedSave,
+        value: Callable[[torch.Tensor], torch.Tensor | None],
+        *,
+        with_tail: bool,
+        what: str,
+    ) -> torch.Tensor:
+        """The unit's flat fp32 tensor of ``value(master)`` per param (None: zeros) with this
+        unit's paddings, deferred: each value is read with its layer resident while the file
+        is written."""
+        store = engine.store
+        size = sum(m.numel() + pad for _, m, pad in self.params)
+        size += self.tail if with_tail else 0
+
+        def fill(sink: Sink) -> None:
+            for (_, master, pad), layer in zip(self.params, self.layers, strict=True):
+                with store.reading(layer):
+                    t = value(master)
+                    if t is None:
+                        sink.zeros(4 * master.numel())
+                    else:
+                        sink.write(t.to(torch.float32))
+                sink.zeros(4 * pad)
+            if with_tail:
+                sink.zeros(4 * self.tail)
+
+        return streamed.deferred((size,), torch.float32, fill, what=what)
 
 
 # DeepSpeed ZeRO-1/2 aligns each flat group to nccl_start_alignment_factor x dp elements
@@ -265,8 +320,9 @@ def _flat_units(engine: Any, groups: list[_Group], *, stage: int) -> list[_FlatU
         for gi, g in enumerate(groups):
             total = sum(m.numel() for m in g.masters)
             unit, size = _FlatUnit(gi), 0
-            for name, master in zip(g.names, g.masters, strict=True):
+            for name, master, layer in zip(g.names, g.masters, g.layers, strict=True):
                 unit.params.append((name, master, 0))
+                unit.layers.append(layer)
                 size += master.numel()
                 if limit < total and size >= limit:
                     units.append(unit)
@@ -288,19 +344,25 @@ def _flat_units(engine: Any, groups: list[_Group], *, stage: int) -> list[_FlatU
             pad = 0 if pi == len(g.masters) - 1 else (-offset) % align
             offset += pad
             unit.params.append((name, master, pad))
+            unit.layers.append(g.layers[pi])
         unit.tail = (-offset) % _NCCL_START_ALIGNMENT
         units.append(unit)
     return units
 
 
-def _optim_states(engine: Any, units: list[_FlatUnit], *, stage: int) -> dict[str, Any]:
+def _optim_states(
+    engine: Any, units: list[_FlatUnit], streamed: StreamedSave, *, stage: int
+) -> dict[str, Any]:
     """The ``*_optim_states.pt`` content in the form DeepSpeed's ZeRO optimizer of ``stage``
     reads back with ``load_state_dict`` (stage3.py ``_rigid_load_state_dict``,
     stage_1_and_2.py ``_load_legacy_checkpoint``): flat fp32 partitions, the inner optimizer's
     state as one flat parameter per partition, DeepSpeed's loss-scaler object."""
     opt = engine.host_optimizer
     scaler = opt.loss_scaler
-    flats = [u.flat([m for _, m, _ in u.params], with_tail=False) for u in units]
+    flats = [
+        u.flat(engine, streamed, lambda m: m, with_tail=False, what=f"fp32 flat group {i}")
+        for i, u in enumerate(units)
+    ]
     common: dict[str, Any] = {
         _ZERO_STAGE: stage,
         _LOSS_SCALER: _deepspeed_loss_scaler(scaler, fp16=bool(engine._config.fp16.enabled)),
@@ -309,7 +371,7 @@ def _optim_states(engine: Any, units: list[_FlatUnit], *, stage: int) -> dict[st
         # rp_engine's own scaler state, exact (DeepSpeed's static scaler keeps the scale only).
         _RP_LOSS_SCALER: dict(scaler.state_dict()),
     }
-    inner = _flat_optimizer_state(engine, units)
+    inner = _flat_optimizer_state(engine, units, streamed)
     if _plain_stage0(engine):  # the state is in the model file (DeepSpeed's place): not twice
         inner = {"state": {}, "param_groups": inner["param_groups"]}
     if stage >= 3:
@@ -340,7 +402,9 @@ def _optim_states(engine: Any, units: list[_FlatUnit], *, stage: int) -> dict[st
     }
 
 
-def _flat_optimizer_state(engine: Any, units: list[_FlatUnit]) -> dict[str, Any]:
+def _flat_optimizer_state(
+    engine: Any, units: list[_FlatUnit], streamed: StreamedSave
+) -> dict[str, Any]:
     """The inner optimizer's state_dict as DeepSpeed's ZeRO optimizer holds it: one flat
     parameter per unit, numbered in order; per-parameter state tensors (Adam's moments) are
     flattened like the fp32 partition (padded to the stepped size), other entries (``step``)
@@ -356,11 +420,12 @@ def _flat_optimizer_state(engine: Any, units: list[_FlatUnit]) -> dict[str, Any]
         entry: dict[str, Any] = {}
         for key, value in first.items():
             if isinstance(value, torch.Tensor) and value.shape == unit.params[0][1].shape:
-                tensors = [
-                    st[key] if key in st else torch.zeros_like(m)
-                    for st, (_, m, _) in zip(per_param, unit.params, strict=True)
-                ]
-                entry[key] = unit.flat(tensors, with_tail=True)
+                # read inside the layer's residency: with the NVMe optimizer tier the state's
+                # tensors are views of a pool buffer only then
+                entry[key] = unit.flat(
+                    engine, streamed, functools.partial(_state_of, inner, key), with_tail=True,
+                    what=f"optimizer state {key!r} of flat group {index}",
+                )  # fmt: skip
             else:
                 _check_shared(key, value, per_param, unit)
                 entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -370,6 +435,10 @@ def _flat_optimizer_state(engine: Any, units: list[_FlatUnit]) -> dict[str, Any]
         ids = [i for i, u in enumerate(units) if u.group == gi]
         groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+def _state_of(inner: Any, key: str, master: torch.Tensor) -> torch.Tensor | None:
+    return inner.state.get(master, {}).get(key)
 
 
 def _check_shared(key: str, value: Any, per_param: list[dict[str, Any]], unit: _FlatUnit) -> None:

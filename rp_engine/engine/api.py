@@ -306,13 +306,11 @@ class DeepSpeedAccessors:
         writes = dp is None or dp.gather_state(self.host_optimizer)
         ok = False
         try:
-            if writes:
-                # the NVMe tiers' state is read into RAM for the write (not streamed yet)
-                with self.store.materialized(writable=False):
-                    _ckpt().save(
-                        self, save_dir, tag=tag, client_state=client_state or {},
-                        save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
-                    )  # fmt: skip
+            if writes:  # streamed layer by layer out of the NVMe tiers (checkpoint/writer.py)
+                _ckpt().save(
+                    self, save_dir, tag=tag, client_state=client_state or {},
+                    save_latest=save_latest, exclude_frozen=exclude_frozen_parameters,
+                )  # fmt: skip
             ok = True
         finally:
             if dp is not None:

@@ -192,6 +192,23 @@ class HostStore:
         ``dirty`` the block changes them. Always true in RAM; the NVMe tier reads and writes."""
         return self.pager.resident(layer, dirty=dirty) if self.pager else contextlib.nullcontext()
 
+    @contextmanager
+    def reading(self, layer: int) -> Iterator[None]:
+        """The layer's masters, optimizer moments and compute weights hold their values for the
+        block, to be read (a streamed checkpoint save). Always true in RAM; the NVMe tiers read
+        the layer's records into their buffer pools. No optimizer step may run."""
+        with contextlib.ExitStack() as stack:
+            if self.pager is not None:
+                stack.enter_context(self.pager.resident(layer))
+            if self.weight_pager is not None:
+                stack.enter_context(self.weight_pager.reading(layer))
+            yield
+
+    def paged_layer(self, param: torch.Tensor) -> int | None:
+        """The layer whose NVMe record holds ``param``'s compute weights (read them inside
+        ``reading(layer)``); None when they are in RAM."""
+        return None if self.weight_pager is None else self.weight_pager.layer_of(param)
+
     def materialized(self, *, writable: bool) -> contextlib.AbstractContextManager[Any]:
         """Every master and moment, and every compute weight, holds its values for the block
         (checkpoint save/load, state_dict); ``writable``: what the block leaves in them is

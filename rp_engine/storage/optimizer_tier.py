@@ -16,8 +16,9 @@ layer owns one record in a swap file (per owned parameter: master, exp_avg, exp_
 Between steps the masters (``HostParam.master``) and the optimizer's ``exp_avg``/``exp_avg_sq``
 keep their shapes and identities (the optimizer, LR schedulers and checkpoint code hold them)
 but own no memory: their storage has size 0, so reading one outside ``resident`` fails loudly
-instead of returning stale numbers. ``materialized`` brings every layer into RAM at once, for the
-rare callers that need the whole state (checkpoint save/load, ``reload_masters``).
+instead of returning stale numbers. ``materialized`` shows every layer at once, as views of the
+swap file mapped into memory (mapped.py), for the rare callers that need the whole state
+(checkpoint load, ``reload_masters``); a checkpoint save reads layer by layer (``resident``).
 
 The stepper steps one layer at a time on one thread, in the same order on every run, with the
 same CPU Adam kernel on the same bytes: the tier changes where the state lives, never a result
@@ -39,8 +40,9 @@ from typing import Any
 import torch
 
 from rp_engine.model.host_store import placeholder
-from rp_engine.storage.aligned import aligned_empty, round_up
+from rp_engine.storage.aligned import round_up
 from rp_engine.storage.io_engine import IOEngine
+from rp_engine.storage.mapped import MappedFile
 from rp_engine.storage.record_pool import PooledTier, Record, RecordPool
 from rp_engine.storage.swap_file import SwapFile
 
@@ -122,7 +124,7 @@ class OptimizerTier(PooledTier):
         when no buffer holds them). ``dirty``: the block changes them; the buffer is written
         back when the last holder leaves. Nestable, from any thread."""
         rec = self._records[layer]
-        if rec is None:
+        if rec is None or self._materialized is not None:  # materialized: already in RAM
             yield
             return
         self.pool.pin([rec], on_first=self._attach)
@@ -138,10 +140,11 @@ class OptimizerTier(PooledTier):
 
     @contextlib.contextmanager
     def materialized(self, *, writable: bool) -> Iterator[None]:
-        """Every layer's masters and moments in RAM for the block (one read of the file).
+        """Every layer's masters and moments as tensors for the block: views of the swap file
+        mapped into memory (mapped.py: page cache, not a copy of the state in RAM).
         ``writable``: what the block leaves in them (checkpoint load: new tensors put into the
-        optimizer's state included) is written back to the file at exit. No step may run.
-        Nested blocks share the outermost one (a writable one needs a writable outer block)."""
+        optimizer's state included) is the file's content at exit. No step may run. Nested
+        blocks share the outermost one (a writable one needs a writable outer block)."""
         if self._materialized is not None:
             if writable and not self._materialized:
                 raise RuntimeError("a writable materialized() inside a read-only one")
@@ -150,9 +153,8 @@ class OptimizerTier(PooledTier):
         self.flush()
         if self.pool.pinned():
             raise RuntimeError("materialized() while a layer is resident")
-        whole = aligned_empty(self.disk_bytes)
-        if self.disk_bytes:
-            self.engine.read(self.path, whole, 0).result()
+        mapped = MappedFile(self.path, self.disk_bytes, writable=writable)
+        whole = mapped.tensor
         live = [r for r in self._records if r is not None]
         for rec in live:
             self._attach(rec, whole[rec.offset : rec.offset + rec.nbytes])
@@ -161,12 +163,13 @@ class OptimizerTier(PooledTier):
             yield
         finally:
             self._materialized = None
-            for rec in live:
+            for rec in live:  # one layer at a time: its pages leave the process after it
                 self._ingest(rec, whole[rec.offset : rec.offset + rec.nbytes], ingest=writable)
+                mapped.release(rec.offset, rec.nbytes)
+            del whole
             if writable:
                 self.pool.forget()  # the buffers' copies are older than the file now
-                if self.disk_bytes:
-                    self.engine.write(self.path, whole, 0).result()
+            mapped.close()
 
     # --- internals ----------------------------------------------------------------------------
     def _write_initial(self) -> None:

@@ -16,8 +16,9 @@ parameter only that layer uses, frozen or trainable, each 64-byte aligned; the r
 What stays in RAM: layers that fit in ``max_in_cpu`` elements (DeepSpeed's key: the first layers
 in order), parameters shared by several layers (tied embeddings), and module buffers. The module's
 paged parameters keep their identity, shape and dtype but own no memory (storage of size 0), so a
-stray host read fails loudly; ``materialized`` fills them for the few host readers (checkpoint
-save/load, ``reload_masters``, state_dict).
+stray host read fails loudly; ``materialized`` points them into the swap file mapped into memory
+for the few whole-model readers (checkpoint load, ``reload_masters``, state_dict), and
+``reading`` one layer at a time into the pool (a streamed checkpoint save).
 
 Host memory of the tier: its buffer pool, at least one slot's records (the pool grows to what one
 upload pins at once), whatever the model's size.
@@ -35,8 +36,9 @@ from typing import Any
 import torch
 
 from rp_engine.model.host_store import placeholder
-from rp_engine.storage.aligned import aligned_empty, round_up
+from rp_engine.storage.aligned import round_up
 from rp_engine.storage.io_engine import IOEngine
+from rp_engine.storage.mapped import MappedFile
 from rp_engine.storage.record_pool import PooledTier, Record, RecordPool
 from rp_engine.storage.swap_file import SwapFile
 
@@ -45,6 +47,7 @@ __all__ = ["ParamTier", "WeightLease", "param_tier_plan"]
 log = logging.getLogger("rp_engine.storage")
 
 _BYTE_ALIGN = 64
+_COPY_CHUNK = 64 << 20  # bytes copied (and released) at a time between weight buffers
 
 
 @dataclass(eq=False)
@@ -153,6 +156,10 @@ class ParamTier(PooledTier):
     def paged(self, layer: int) -> bool:
         return layer in self.plan.paged
 
+    def layer_of(self, param: torch.Tensor) -> int | None:
+        """The layer whose records hold ``param``; None when it stays in RAM."""
+        return self._owner.get(id(param))
+
     def views_of(self, layer: int) -> set[int]:
         """``id`` of every parameter of ``layer`` that lives in the tier."""
         return {id(p) for p in self.plan.paged.get(layer, ())}
@@ -243,10 +250,29 @@ class ParamTier(PooledTier):
 
     # --- whole-state access -------------------------------------------------------------------
     @contextlib.contextmanager
+    def reading(self, layer: int) -> Iterator[None]:
+        """The layer's paged parameters hold buffer 0's weights for the block (a pool buffer,
+        read if no buffer holds it), to be read; placeholders again after. Within
+        ``materialized`` they already hold them."""
+        if self._materialized is not None or layer not in self.plan.paged:
+            yield
+            return
+        rec = self._records[(layer, 0)]
+        (data,) = self.pool.pin([rec])
+        try:
+            for p, at in rec.tensors:
+                p.data = _view(data, at, p)
+            yield
+        finally:
+            for p, _ in rec.tensors:
+                p.data = self._placeholders[id(p)]
+            self.pool.unpin([rec])
+
+    @contextlib.contextmanager
     def materialized(self, *, writable: bool) -> Iterator[None]:
-        """The module's paged parameters hold buffer 0's weights in RAM for the block (one read).
-        ``writable``: what the block leaves in them becomes every buffer's weights. Nested
-        blocks share the outermost one."""
+        """The module's paged parameters hold buffer 0's weights for the block: views of the
+        swap file mapped into memory (mapped.py). ``writable``: what the block leaves in them
+        becomes every buffer's weights. Nested blocks share the outermost one."""
         if self._materialized is not None:
             if writable and not self._materialized:
                 raise RuntimeError("a writable materialized() inside a read-only one")
@@ -254,9 +280,8 @@ class ParamTier(PooledTier):
             return
         self.pool.flush()
         region = sum(self.plan.record_bytes.values())
-        whole = aligned_empty(region)
-        if region:
-            self.engine.read(self.path, whole, 0).result()
+        mapped = MappedFile(self.path, self.disk_bytes, writable=writable)
+        whole = mapped.tensor
         for layer in self.plan.paged:
             rec = self._records[(layer, 0)]
             for p, at in rec.tensors:
@@ -269,10 +294,17 @@ class ParamTier(PooledTier):
             for ts in self.plan.paged.values():
                 for p in ts:
                     p.data = self._placeholders[id(p)]
-            if writable and region:
+            if writable:
                 self.pool.forget()
-                for copy in range(self.copies):
-                    self.engine.write(self.path, whole, copy * region).result()
+                for start in range(0, region, _COPY_CHUNK):  # buffer 0 -> the other buffers
+                    n = min(_COPY_CHUNK, region - start)
+                    for copy in range(1, self.copies):
+                        at = copy * region + start
+                        whole[at : at + n].copy_(whole[start : start + n])
+                        mapped.release(at, n)
+                    mapped.release(start, n)
+            del whole
+            mapped.close()
 
     # --- internals ----------------------------------------------------------------------------
     def _write_initial(self) -> None:

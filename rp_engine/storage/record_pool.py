@@ -170,7 +170,7 @@ class RecordPool:
                 free = [b for b in self._buffers if b.pins == 0 and not b.wanted]
                 if len(free) <= 1:
                     return
-                idle = [b for b in free if b.write is None or b.write.done()]
+                idle = [b for b in free if all(f is None or f.done() for f in (b.write, b.read))]
                 if not idle:
                     return
                 buf = min(idle, key=lambda b: (b.record is not None, b.used))
@@ -193,6 +193,10 @@ class RecordPool:
     def forget(self) -> None:
         """Drop every cached copy (the file changed under the pool). Nothing may be pinned."""
         self.flush()
+        for buf in self._buffers:  # a prefetch still landing: it must not land after a reuse
+            if buf.read is not None:
+                with contextlib.suppress(Exception):
+                    buf.read.result()
         with self._cond:
             if any(b.pins for b in self._buffers):
                 raise RuntimeError("the NVMe tier's file was rewritten while a record is resident")
@@ -245,8 +249,13 @@ class RecordPool:
                     self._cond.wait(0.005)
                 continue
             chosen = free[: len(missing)]
-            pending = [b.write for b in chosen if b.write is not None and not b.write.done()]
-            if pending:  # their data must reach the file before the buffers are reused
+            # A write-back must reach the file before its buffer is reused, and a read still
+            # landing in it (a prefetch whose record nobody pinned) must land first: issued
+            # next to it, the new read could finish first and then be overwritten by the old.
+            pending = [
+                f for b in chosen for f in (b.write, b.read) if f is not None and not f.done()
+            ]
+            if pending:
                 self._cond.release()
                 try:
                     for write in pending:

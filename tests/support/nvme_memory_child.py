@@ -8,6 +8,12 @@ the parameter tier too (``offload_param.device: "nvme"``, nothing kept by ``max_
 prints ``JSON:{"peak_rss": bytes, "init_rss": bytes, "trainable": n, "losses": [...],
 "weight_copies": n}`` (``init_rss``: right after ``initialize``). Run in a fresh process
 per variant so each peak (``ru_maxrss``) is that run's own (tests/engine/test_nvme_memory.py).
+
+``checkpoint`` (a folder): after training, save a checkpoint there and load it back, and report
+how far memory rose above its level before each: ``save_rise`` (RSS, sampled every ms during
+``save_checkpoint``) and ``load_rise`` (anonymous RSS, sampled during ``load_checkpoint``: the
+checkpoint and the swap files are read through memory mappings, page cache the kernel evicts
+at will, which RSS counts while they are mapped).
 """
 
 from __future__ import annotations
@@ -15,12 +21,48 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import psutil
 import torch
 from torch import nn
 
 import rp_engine
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+@contextmanager
+def _rise(measure: Callable[[], int]) -> Iterator[list[int]]:
+    """Yields a list that holds, after the block, how far ``measure()`` rose above its value
+    at the start (sampled every millisecond on a thread)."""
+    start, peak, done = measure(), [measure()], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], measure())
+
+    out: list[int] = []
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield out
+    finally:
+        done.set()
+        thread.join()
+        out.append(max(peak[0], measure()) - start)
 
 
 def main(spec: dict) -> None:
@@ -53,13 +95,21 @@ def main(spec: dict) -> None:
                for _ in range(spec.get("steps", 3))]  # fmt: skip
     losses = [float(engine.train_batch(iter([b]))) for b in batches]
     engine.synchronize()
+    rises = {}
+    if spec.get("checkpoint"):
+        with _rise(_rss) as save_rise:
+            engine.save_checkpoint(spec["checkpoint"], tag="t")
+        with _rise(_rss_anon) as load_rise:
+            engine.load_checkpoint(spec["checkpoint"], tag="t")
+        losses.append(float(engine.train_batch(iter([batches[0]]))))  # it still trains
+        rises = {"save_rise": save_rise[0], "load_rise": load_rise[0]}
     engine.destroy()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     trainable = sum(p.numel() for p in model.parameters())
     copies = engine.store.weight_copies  # compute-weight buffers (double-buffered: 2)
     out = {
         "peak_rss": peak, "init_rss": init_rss, "trainable": trainable, "losses": losses,
-        "weight_copies": copies,
+        "weight_copies": copies, **rises,
     }  # fmt: skip
     print("JSON:" + json.dumps(out))
 
