@@ -16,12 +16,14 @@ Two streams and an event: the D2H worker blocks in its wait task until compute r
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import NoReturn
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "MemoryLedger",
     "ThreadStream",
     "ThreadedDevice",
+    "sigint_deferred",
 ]
 
 _MIB = 1024 * 1024
@@ -60,6 +63,50 @@ def _link_sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
+@contextmanager
+def sigint_deferred() -> Iterator[list[FrameType | None] | None]:
+    """Hold a Ctrl-C (SIGINT) back while the block runs; deliver it when the block ends.
+
+    For main-thread code that queues work for the worker threads (``Executor.start``) or
+    waits for them (``CPUEvent.synchronize``). Yields the list of the signals caught so far
+    (a wait polls it and ends early), or None when nothing is deferred.
+
+    Why: Python raises ``KeyboardInterrupt`` at any bytecode boundary, and one of them lies
+    inside ``threading.Condition.__enter__``, after its lock is taken and before the ``with``
+    that took it can release it (CPython bpo-29988). A stream's
+    ``queue.Queue.put`` takes its queue's mutex that way: an interrupt there left the mutex
+    held forever, the worker blocked in ``task_done`` and the reset after the interrupt in
+    ``queue.join``, so Ctrl-C hung the process instead of ending it::
+
+        main     put: mutex taken | KeyboardInterrupt | abort: reset -> join: mutex ... forever
+        worker   task done -> task_done: mutex ........................................ forever
+
+    ``threading.Event.wait`` has such a point too, after its condition's lock is released and
+    before the ``try`` that owns it: the ``with`` then released the lock a second time, while
+    a worker setting the event held it, and that worker died of "release unlocked lock" (its
+    stream's later events were never set: the wait after the interrupt hung).
+
+    The signal caught meanwhile goes to the handler that was installed before, once the block
+    is over (``KeyboardInterrupt`` from Python's default handler). Nothing is deferred outside
+    the main thread (signals are handled there only) or when SIGINT has no Python handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # ignored, the OS default, or a handler installed outside Python
+        yield None
+        return
+    caught: list[FrameType | None] = []
+    signal.signal(signal.SIGINT, lambda _signum, frame: caught.append(frame))
+    try:
+        yield caught
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            previous(signal.SIGINT, caught[0])
+
+
 class CPUEvent:
     """An event set by a stream's worker when it reaches it; carries the stream's error."""
 
@@ -80,8 +127,18 @@ class CPUEvent:
         """Block until the event is reached; re-raise its error as ``DeviceError``.
 
         ``timeout`` (seconds) raises ``TimeoutError`` instead of blocking forever (tests).
+        On the main thread a Ctrl-C ends the wait with ``KeyboardInterrupt`` raised outside
+        ``threading.Event.wait`` (``sigint_deferred``), within one poll of ``_CANCEL_POLL_S``.
         """
-        if not self._done.wait(timeout):
+        with sigint_deferred() as interrupted:
+            if interrupted is None:
+                reached = self._done.wait(timeout)
+            else:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while not (reached := self._done.wait(_CANCEL_POLL_S)) and not interrupted:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+        if not reached:
             raise TimeoutError(f"event not reached within {timeout} s")
         if self._error is not None:
             _raise_device_error(self._error)

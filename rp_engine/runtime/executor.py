@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from rp_engine.device.base import ComputeTimer, Device, DeviceError, Event, StreamRole
+from rp_engine.device.cpu import sigint_deferred
 from rp_engine.model.base import grad_keys
 from rp_engine.model.host_store import GradLanding
 from rp_engine.plan.actions import Action, Op, Plan
@@ -174,7 +175,15 @@ class Executor:
 
         The work runs on the streams while the caller goes on, e.g. to start the next run,
         whose actions queue behind this one's on each stream (FIFO) and overlap its tail on
-        the other streams and devices. ``finish`` waits for this run only."""
+        the other streams and devices. ``finish`` waits for this run only.
+
+        A Ctrl-C while it issues is raised once every action is queued (``sigint_deferred``):
+        issuing takes the streams' queue locks hundreds of times, and an interrupt raised
+        while one is held would leave it held, hanging the reset that follows."""
+        with sigint_deferred():
+            return self._start(spec)
+
+    def _start(self, spec: RunSpec) -> RunHandle:
         ctx = _Ctx(spec)
         plan = spec.plan
         for a in plan.actions:

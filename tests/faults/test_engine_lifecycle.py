@@ -149,6 +149,89 @@ def test_ctrl_c_during_train_batch_is_an_orderly_keyboard_interrupt(tmp_path: Pa
         assert "KeyboardInterrupt" in err and "terminate called" not in err, err[-2000:]
 
 
+def test_ctrl_c_while_a_run_is_issued_leaves_no_stream_queue_locked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The subprocess test above hung now and then: Python raises KeyboardInterrupt at bytecode
+    # boundaries, one of which lies inside threading.Condition.__enter__ after its lock is taken
+    # (CPython bpo-29988). A SIGINT landing there while Executor.start queued work left a
+    # stream queue's mutex held; the reset after the interrupt then waited for it forever in
+    # queue.join, and the worker in task_done. Recreated deterministically: one put of the next
+    # run's issue takes the mutex as Queue.put does and raises SIGINT while holding it
+    # (signal.raise_signal runs the handler before it returns).
+    from rp_engine.device.cpu import ThreadStream
+
+    original = ThreadStream._put
+    arm = {"puts": 0, "armed": False}
+    held: list[threading.Lock] = []  # the mutex, while the put holds it
+
+    def put(self: ThreadStream, task: Any) -> None:
+        if arm["armed"] and threading.current_thread() is threading.main_thread():
+            arm["puts"] += 1
+            if arm["puts"] == 20:  # well inside the run's issue (it queues hundreds)
+                arm["armed"] = False
+                mutex = self._queue.mutex
+                mutex.acquire()
+                held.append(mutex)
+                signal.raise_signal(signal.SIGINT)  # unfixed: KeyboardInterrupt, mutex held
+                held.remove(mutex)
+                mutex.release()
+        original(self, task)
+
+    monkeypatch.setattr(ThreadStream, "_put", put)
+    _, engine = _async_engine()
+    stuck: list[str] = []
+    done = threading.Event()
+
+    def watchdog() -> None:  # a regression fails here instead of hanging the suite
+        if not done.wait(timeout=30) and held:
+            stuck.append("the interrupt left a stream queue's mutex held: the reset deadlocked")
+            held[0].release()
+
+    guard = threading.Thread(target=watchdog, daemon=True)
+    try:
+        _train_batches(engine, 2)  # step 2's run is in flight
+        arm["armed"] = True
+        guard.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                _train_batches(engine, 1)
+        finally:
+            done.set()
+            guard.join()
+        assert not stuck, stuck
+        assert arm["puts"] >= 20 and not held, arm  # the interrupt was raised mid-issue
+        _train_batches(engine, 2)  # the engine trains on
+        assert engine.get_global_grad_norm() > 0  # type: ignore[attr-defined]
+    finally:
+        engine.destroy()  # type: ignore[attr-defined]
+
+
+def test_ctrl_c_while_waiting_for_an_event_is_raised_outside_threading_event_wait() -> None:
+    # The other hang: a KeyboardInterrupt raised inside threading.Event.wait, just after its
+    # condition released the lock, makes the wait's `with` release it again, under the worker
+    # setting the event, which then dies of "release unlocked lock" (its stream's later events
+    # never come). The wait must take Ctrl-C at a point of its own, outside Event.wait.
+    from rp_engine.device.cpu import CPUEvent
+
+    raised_inside: list[bool] = []
+
+    class Interrupted(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            try:
+                signal.raise_signal(signal.SIGINT)  # unfixed: KeyboardInterrupt from in here
+            except KeyboardInterrupt:
+                raised_inside.append(True)
+                raise
+            return super().wait(timeout)
+
+    event = CPUEvent()
+    event._done = Interrupted()  # never set: only the interrupt ends the wait
+    with pytest.raises(KeyboardInterrupt):
+        event.synchronize(timeout=60)
+    assert not raised_inside
+
+
 # --- the newest weights, read through the engine and through the model object ---------------
 
 
