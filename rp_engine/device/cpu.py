@@ -128,16 +128,22 @@ class CPUEvent:
 
         ``timeout`` (seconds) raises ``TimeoutError`` instead of blocking forever (tests).
         On the main thread a Ctrl-C ends the wait with ``KeyboardInterrupt`` raised outside
-        ``threading.Event.wait`` (``sigint_deferred``), within one poll of ``_CANCEL_POLL_S``.
+        ``threading.Event.wait`` (``sigint_deferred``), within one poll of ``_CANCEL_POLL_S``;
+        a SIGINT handler that returns (rp-train's: it asks the loop to stop) lets it go on.
         """
-        with sigint_deferred() as interrupted:
-            if interrupted is None:
-                reached = self._done.wait(timeout)
-            else:
-                deadline = None if timeout is None else time.monotonic() + timeout
-                while not (reached := self._done.wait(_CANCEL_POLL_S)) and not interrupted:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        break
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with sigint_deferred() as interrupted:
+                if interrupted is None:
+                    reached = self._done.wait(timeout)
+                else:
+                    while not (reached := self._done.wait(_CANCEL_POLL_S)) and not interrupted:
+                        if deadline is not None and time.monotonic() >= deadline:
+                            break
+            # the block's end ran the handler: a KeyboardInterrupt has left already
+            expired = deadline is not None and time.monotonic() >= deadline
+            if reached or interrupted is None or expired:
+                break
         if not reached:
             raise TimeoutError(f"event not reached within {timeout} s")
         if self._error is not None:

@@ -121,11 +121,7 @@ class Tiers:
         """Both tiers' I/O, summed."""
         total = IOStats()
         for tier in self.tiers:
-            s = tier.stats
-            total = IOStats(
-                total.read_bytes + s.read_bytes, total.write_bytes + s.write_bytes,
-                total.busy_s + s.busy_s, total.reads + s.reads, total.writes + s.writes,
-            )  # fmt: skip
+            total = total.plus(tier.stats)
         return total
 
     @property

@@ -49,12 +49,16 @@ class IOStats:
     writes: int = 0
 
     def minus(self, before: IOStats) -> IOStats:
+        return self.plus(before, sign=-1)
+
+    def plus(self, other: IOStats, *, sign: int = 1) -> IOStats:
+        """Field by field ``self + sign * other`` (two engines' totals; a window's)."""
         return IOStats(
-            self.read_bytes - before.read_bytes,
-            self.write_bytes - before.write_bytes,
-            self.busy_s - before.busy_s,
-            self.reads - before.reads,
-            self.writes - before.writes,
+            self.read_bytes + sign * other.read_bytes,
+            self.write_bytes + sign * other.write_bytes,
+            self.busy_s + sign * other.busy_s,
+            self.reads + sign * other.reads,
+            self.writes + sign * other.writes,
         )
 
 

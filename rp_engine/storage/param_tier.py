@@ -143,8 +143,8 @@ class ParamTier(PooledTier):
         # the timeline's NVMe row: which upload asked for a record last, and the reads done
         self._asker: dict[int, Any] = {}  # id(record) -> key
         self._reads: list[tuple[Any, float, float]] = []  # (key, start, end), perf_counter
+        self._lock = threading.Lock()  # before the hook that takes it
         self.pool.on_read = self._note_read
-        self._lock = threading.Lock()
         self._materialized: bool | None = None
         try:
             self._write_initial()

@@ -232,6 +232,25 @@ def test_ctrl_c_while_waiting_for_an_event_is_raised_outside_threading_event_wai
     assert not raised_inside
 
 
+def test_a_sigint_handler_that_returns_lets_the_wait_go_on() -> None:
+    # rp-train's SIGINT handler only asks its loop to stop (then checkpoints); a wait that the
+    # signal ended must go on waiting, not report a timeout it was never given (it did).
+    from rp_engine.device.cpu import CPUEvent
+
+    seen: list[int] = []
+    event = CPUEvent()
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: seen.append(signum))
+    setter = threading.Timer(0.5, event._done.set)
+    try:
+        threading.Timer(0.1, signal.raise_signal, (signal.SIGINT,)).start()
+        setter.start()
+        event.synchronize()  # until the setter, 0.5 s in
+    finally:
+        setter.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [signal.SIGINT] and event.query()
+
+
 # --- the newest weights, read through the engine and through the model object ---------------
 
 
