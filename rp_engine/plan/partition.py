@@ -88,12 +88,14 @@ def partition(
 ) -> Partition:
     """Choose RoundPipe forward and backward cuts for ``costs`` on ``num_devices`` devices.
 
-    The objective is the estimated iteration time: the makespan of one iteration
-    (``async_optimizer=False``) or the steady-state iteration of back-to-back iterations with
-    the optimizer overlapped (``True``). Explicit ``fwd_cuts`` and ``bwd_cuts`` are checked
-    against the memory budget and estimated instead. Raises ValueError naming the layer and the
-    budget when one layer cannot fit. ``max_work`` bounds the search: the number of actions the
-    timing model may simulate over all candidates (about 1 s of pure Python at the default).
+    The objective is the estimated iteration time, with rounds of ``round_size`` micro-batches
+    (None: the largest the budget leaves room for, ``fitted_round_size``; the engine's rule):
+    the makespan of one iteration (``async_optimizer=False``) or the steady-state iteration of
+    back-to-back iterations with the optimizer overlapped (``True``). Explicit ``fwd_cuts``
+    and ``bwd_cuts`` are checked against the memory budget and estimated instead. Raises
+    ValueError naming the layer and the budget when one layer cannot fit. ``max_work`` bounds
+    the search: the number of actions the timing model may simulate over all candidates
+    (about 1 s of pure Python at the default).
 
     ``min_bwd_stages`` (1 .. L + 1) is the fewest backward stages, the head stage included, that
     the caller's executor accepts: a model with an embedding prefix needs 2, because the prefix
@@ -102,8 +104,7 @@ def partition(
 
     ``link_gbps`` (GB/s of each device's host link, None: transfers are free) adds the transfers
     to the objective: an iteration takes at least ``transfer_ms``, the weights, gradients and
-    activations the busiest link moves, with rounds of ``round_size`` micro-batches (None: the
-    largest the budget leaves room for, ``fitted_round_size``: so the activation memory of the
+    activations the busiest link moves, with the same rounds (so the activation memory of the
     cuts' largest slot sets how often weights cross), plus the first upload.
     """
     search = _Search(
@@ -127,16 +128,21 @@ def estimate_iteration_ms(
     num_devices: int,
     num_microbatches: int,
     async_optimizer: bool = True,
+    round_size: int | None = None,
 ) -> float:
-    """Iteration time of RoundPipe with these cuts under the simulation conventions.
+    """Iteration time of RoundPipe with these cuts and rounds of ``round_size`` micro-batches
+    (None: one round of the whole step, the engine's M_R without a memory budget; ``partition``
+    passes the round size it times the cuts with) under the simulation conventions.
 
     Sync: the makespan of one iteration. Async: the steady-state iteration of three chained
     iterations (each on the weights of two steps before), and at least the per-device load in
     the long run (see ``_load_bound``).
     """
+    shape = (costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches)
+    size = num_microbatches if round_size is None else round_size
     if not async_optimizer:
-        return _quick(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches, 1).makespan_ms
-    ends = _quick(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches, 3).iteration_ends
+        return _quick(*shape, 1, size).makespan_ms
+    ends = _quick(*shape, 3, size).iteration_ends
     load = _load_bound(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches)
     return max((ends[2] - ends[0]) / 2, load)
 
@@ -204,6 +210,7 @@ def _quick(
     num_devices: int,
     num_microbatches: int,
     iterations: int,
+    round_size: int,
 ) -> simulate.QuickTimes:
     plan = schedules.build(
         "roundpipe",
@@ -212,6 +219,7 @@ def _quick(
         bwd_cuts=bwd_cuts,
         num_devices=num_devices,
         num_microbatches=num_microbatches,
+        round_size=round_size,
     )
     return simulate.quick_times(plan, costs, optimizer="async")
 
@@ -413,6 +421,11 @@ class _Search:
             if work > self.work_left and self.scores:  # the first candidate is always scored
                 return math.inf
             self.work_left -= work
+            # the cuts are timed with the rounds they will run in: how many micro-batches a
+            # round holds decides how many rounds (and iterations, async) overlap on the
+            # devices, so a shape timed at another M_R can win here and lose when run
+            gbps, round_size = self.link
+            size = round_size or fitted_round_size(self.costs, cuts[0], cuts[1], m, self.budget)
             score = estimate_iteration_ms(
                 self.costs,
                 cuts[0],
@@ -420,10 +433,9 @@ class _Search:
                 num_devices=n,
                 num_microbatches=m,
                 async_optimizer=async_opt,
+                round_size=size,
             )
-            gbps, round_size = self.link
             if gbps:
-                size = round_size or fitted_round_size(self.costs, cuts[0], cuts[1], m, self.budget)
                 moved = transfer_ms(self.costs, cuts[0], cuts[1], n, m, size, gbps)
                 st = self.costs.stages(cuts[0], cuts[1])
                 score = max(score, moved) + st.param_bytes[0] / (gbps * 1e6)  # the first upload

@@ -31,10 +31,12 @@ class Interval:
 @dataclass(frozen=True)
 class SimResult:
     """What a simulation measured. ``iteration_ms`` is the steady-state iteration (several
-    iterations) or the makespan (one); ``bubble_ratio`` = 1 - busy / (N * iteration_ms) with
-    busy the compute of one iteration. ``bubble_ratio_fill_drain`` (one iteration only) also
-    counts each device's time before its first and after its last action as useful, the
-    published estimate for an asynchronous optimizer."""
+    iterations, over a window of whole optimizer lags: run.py's ``_steady_iteration_ms``) or
+    the makespan per iteration (one; two with an async optimizer); ``bubble_ratio`` = 1 -
+    busy / (N * iteration_ms) with busy the compute of one iteration.
+    ``bubble_ratio_fill_drain`` (one iteration only) also counts each device's time before its
+    first and after its last action as useful, the published estimate for an asynchronous
+    optimizer."""
 
     schedule: str
     num_devices: int

@@ -56,14 +56,18 @@ def simulate(
     comm = costs.comm_ms if comm_ms is None else comm_ms
     builder = _Builder(plan, costs, machine, comm, early)
     tasks = builder.build()
-    if not any(a.op is Op.OPT for a in plan.actions):
-        _add_weight_gates(tasks, builder, OPTIMIZER_LAG[optimizer])
+    # the lag the weights follow: the OPT actions' of a lowered plan (Plan.deps), else the
+    # optimizer's (the weight gates)
+    has_opt = any(a.op is Op.OPT for a in plan.actions)
+    lag = OPTIMIZER_LAG.get(plan.optimizer if has_opt else optimizer, OPTIMIZER_LAG[optimizer])
+    if not has_opt:
+        _add_weight_gates(tasks, builder, lag)
     elif global_norm:
         _add_step_barrier(tasks, builder)
     _Engine(tasks, plan, machine).run()
     if align_recompute:
         _align_recompute(tasks)
-    return _result(plan, tasks, builder)
+    return _result(plan, tasks, builder, lag)
 
 
 def _add_step_barrier(tasks: list[_Task], builder: _Builder) -> None:
@@ -109,7 +113,7 @@ def _align_recompute(tasks: list[_Task]) -> None:
                 t.start, t.end = t.start + gap, t.end + gap
 
 
-def _result(plan: Plan, tasks: list[_Task], builder: _Builder) -> SimResult:
+def _result(plan: Plan, tasks: list[_Task], builder: _Builder, lag: int) -> SimResult:
     n, iters = plan.num_devices, len(plan.iterations)
     intervals = tuple(
         Interval(
@@ -130,13 +134,7 @@ def _result(plan: Plan, tasks: list[_Task], builder: _Builder) -> SimResult:
     ends: dict[int, float] = defaultdict(float)
     for iv in busy:
         ends[iv.action.iteration] = max(ends[iv.action.iteration], iv.end_ms)
-    seq = [ends[it] for it in sorted(ends)]
-    if len(seq) >= 3:
-        iteration_ms = (seq[-1] - seq[1]) / (len(seq) - 2)
-    elif len(seq) == 2:
-        iteration_ms = seq[1] - seq[0]
-    else:
-        iteration_ms = makespan
+    iteration_ms = _steady_iteration_ms([ends[it] for it in sorted(ends)], lag, makespan)
     busy_per_iter = busy_total / max(iters, 1)
     bubble = 1.0 - busy_per_iter / (n * iteration_ms) if iteration_ms > 0 else 0.0
     return SimResult(
@@ -154,6 +152,27 @@ def _result(plan: Plan, tasks: list[_Task], builder: _Builder) -> SimResult:
         peak_memory_bytes=_peak_memory(plan, tasks, builder),
         bytes_moved=_bytes_moved(tasks),
     )
+
+
+def _steady_iteration_ms(ends: Sequence[float], lag: int, makespan: float) -> float:
+    """The steady-state iteration from the iterations' end times: the time between the ends of
+    two iterations ``w`` apart, divided by ``w``, over the widest window of whole multiples of
+    ``lag`` (the optimizer lag) that leaves out the first iteration's end (the fill), else one
+    that starts at it; with no such window (one iteration, or an async pair), the makespan per
+    iteration.
+
+    Why whole multiples of the lag: iteration i waits for the weights of iteration i - lag, so
+    with an async optimizer (lag 2) iterations i and i + 1 do not wait for each other and run
+    side by side where devices allow; their ends then advance in pairs (ends 83, 82, 270, 262,
+    ...), and a window of one iteration measures a whole pair's time (or none) as one
+    iteration. A sync run (lag 1) is measured as before: (end[-1] - end[1]) / (count - 2) from
+    three iterations, end[1] - end[0] from two.
+    """
+    count = len(ends)
+    window = max(count - 2, 0) // lag * lag or max(count - 1, 0) // lag * lag
+    if window == 0:
+        return makespan / max(count, 1)
+    return (ends[-1] - ends[-1 - window]) / window
 
 
 def _fill_drain(busy: Sequence[Interval], n: int, makespan: float, busy_total: float) -> float:
