@@ -13,7 +13,8 @@ a small pool of buffers; building them whole would need the RAM the tiers exist 
   ``fill``, any other from its own memory, in pieces.
 
 ``torch.load`` (DeepSpeed's loader and zero_to_fp32 included) reads the result as any file
-torch.save writes; tests/checkpoint/test_streamed_save.py holds it to torch.save's bytes.
+torch.save writes; tests/unit/test_streamed_save.py holds its storage records to torch.save's
+bytes and its loaded values to the saved ones.
 """
 
 from __future__ import annotations

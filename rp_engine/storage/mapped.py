@@ -17,14 +17,11 @@ the file, so neither side ever sees the other's stale bytes.
 from __future__ import annotations
 
 import contextlib
-import logging
 import mmap
 
 import torch
 
 __all__ = ["MappedFile"]
-
-log = logging.getLogger("rp_engine.storage")
 
 
 class MappedFile:
