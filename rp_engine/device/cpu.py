@@ -131,9 +131,8 @@ class CPUEvent:
         ``threading.Event.wait`` (``sigint_deferred``), within one poll of ``_CANCEL_POLL_S``;
         a SIGINT handler that returns (rp-train's: it asks the loop to stop) lets it go on.
         """
-        reached = self._done.is_set()  # already reached (often): no handler swap, no wait
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not reached:
+        while True:
             with sigint_deferred() as interrupted:
                 if interrupted is None:
                     reached = self._done.wait(timeout)
@@ -143,7 +142,7 @@ class CPUEvent:
                             break
             # the block's end ran the handler: a KeyboardInterrupt has left already
             expired = deadline is not None and time.monotonic() >= deadline
-            if interrupted is None or expired:
+            if reached or interrupted is None or expired:
                 break
         if not reached:
             raise TimeoutError(f"event not reached within {timeout} s")
