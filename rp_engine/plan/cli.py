@@ -21,7 +21,7 @@ from .actions import Plan
 from .costs import LayerCosts, load_costs
 from .partition import balanced_stage_layers, partition
 from .schedules import SCHEDULES, ScheduleSpec
-from .simulate import Machine, load_machine, preset_names, simulate
+from .simulate import ASYNC_ITERATIONS, Machine, load_machine, preset_names, simulate
 
 __all__ = ["main", "schedule_choices"]
 
@@ -76,7 +76,15 @@ def _parser() -> argparse.ArgumentParser:
         "--iterations",
         type=int,
         default=None,
-        help="iterations back to back (default 4 with an async optimizer, else 1)",
+        help=f"iterations back to back (default {ASYNC_ITERATIONS} with an async optimizer: "
+        "the steady state is read from the last 6; else 1)",
+    )
+    p.add_argument(
+        "--round-size",
+        type=int,
+        default=None,
+        help="micro-batches per round, M_R (default: --devices, the published convention); "
+        "the partitioner times its cuts at it",
     )
     p.add_argument("--memory-gb", type=float, default=None, help="partitioner memory budget")
     p.add_argument("--trace", help="write a Chrome trace JSON here")
@@ -110,9 +118,12 @@ def _cli_plan(
                 num_microbatches=m,
                 memory_budget_bytes=budget,
                 async_optimizer=optimizer == "async",
+                round_size=args.round_size or n,  # timed at the rounds the plan runs
             )
             fwd, bwd = part.fwd_cuts, part.bwd_cuts
             extra["partitioner"] = True
+            if part.note:
+                extra["note"] = part.note
         plan = schedules.build(
             spec.name,
             num_iterations=iterations,
@@ -120,6 +131,7 @@ def _cli_plan(
             bwd_cuts=bwd,
             num_devices=n,
             num_microbatches=m,
+            round_size=args.round_size or n,
         )
         return plan, extra
     stage_layers = _parse_ints(args.stage_layers)
@@ -149,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             base, h2d_gbps=float(raw["pcie_gbps"]), d2h_gbps=float(raw["pcie_gbps"])
         )
     is_async = optimizer == "async"
-    iterations = args.iterations or (4 if is_async else 1)
+    iterations = args.iterations or (ASYNC_ITERATIONS if is_async else 1)
     plan, extra = _cli_plan(args, costs, machine, iterations, spec, optimizer)
     result = simulate(plan, costs, machine=machine, optimizer=optimizer)
     out = result.to_json()
@@ -167,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bwd_cuts=plan.bwd_cuts,
             num_devices=args.devices,
             num_microbatches=args.microbatches,
+            round_size=args.round_size or args.devices,
         )
         one = simulate(single, costs, machine=machine, optimizer="async")
         out["bubble_ratio_fill_drain"] = round(one.bubble_ratio_fill_drain or 0.0, 6)

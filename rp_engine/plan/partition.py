@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ __all__ = [
     "transfer_ms",
     "fitted_round_size",
     "balanced_stage_layers",
+    "rule_of_thumb_cuts",
+    "rule_of_thumb_family",
     "load_costs",
 ]
 
@@ -62,6 +65,10 @@ class Partition:
     fwd_cuts: tuple[int, ...]
     bwd_cuts: tuple[int, ...]
     est_iteration_ms: float
+    # why the cuts have fewer slots than there are devices, when they do ("" otherwise): every
+    # device still gets work, since rounds roll on over all of them, but a reader of the plan
+    # should not have to guess why a device has no slot of its own in a round
+    note: str = ""
 
     @property
     def num_fwd_stages(self) -> int:
@@ -134,17 +141,20 @@ def estimate_iteration_ms(
     (None: one round of the whole step, the engine's M_R without a memory budget; ``partition``
     passes the round size it times the cuts with) under the simulation conventions.
 
-    Sync: the makespan of one iteration. Async: the steady-state iteration of three chained
-    iterations (each on the weights of two steps before), and at least the per-device load in
-    the long run (see ``_load_bound``).
+    Sync: the makespan of one iteration. Async: the steady state of back-to-back iterations
+    (each on the weights of two steps before; ``simulate.async_steady_ms``), and at least the
+    per-device load in the long run (see ``_load_bound``).
     """
     shape = (costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches)
     size = num_microbatches if round_size is None else round_size
     if not async_optimizer:
         return _quick(*shape, 1, size).makespan_ms
-    ends = _quick(*shape, 3, size).iteration_ends
     load = _load_bound(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches)
-    return max((ends[2] - ends[0]) / 2, load)
+    steady = simulate.async_steady_ms(lambda k: _quick(*shape, k, size).iteration_ends)
+    return max(steady, load)
+
+
+_ASYNC_WORK = simulate.ASYNC_ITERATIONS  # iterations simulated per async estimate, mostly
 
 
 def fitted_round_size(
@@ -212,16 +222,48 @@ def _quick(
     iterations: int,
     round_size: int,
 ) -> simulate.QuickTimes:
-    plan = schedules.build(
-        "roundpipe",
-        num_iterations=iterations,
-        fwd_cuts=fwd_cuts,
-        bwd_cuts=bwd_cuts,
-        num_devices=num_devices,
-        num_microbatches=num_microbatches,
-        round_size=round_size,
+    program = _program(
+        tuple(fwd_cuts), tuple(bwd_cuts), num_devices, num_microbatches, iterations, round_size
     )
-    return simulate.quick_times(plan, costs, optimizer="async")
+    return program.run(costs, fwd_cuts, bwd_cuts, optimizer="async")
+
+
+def _program(
+    fwd_cuts: tuple[int, ...],
+    bwd_cuts: tuple[int, ...],
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int,
+    round_size: int,
+) -> simulate.QuickProgram:
+    """The compiled RoundPipe plan of this shape: which action waits for which depends on the
+    stage counts, not on the layers per stage, so candidates of one shape share it (most of a
+    search's candidates: one-layer moves, where remainders go)."""
+    key = (len(fwd_cuts), len(bwd_cuts), num_devices, num_microbatches, iterations, round_size)
+    with _PROGRAMS_LOCK:  # the engine may plan from more than one thread
+        program = _PROGRAMS.get(key)
+    if program is None:
+        # one iteration built and compiled, then repeated: the Plan's objects and dependency
+        # derivation cost far more than the timing pass itself
+        plan = schedules.build(
+            "roundpipe",
+            num_iterations=1,
+            fwd_cuts=fwd_cuts,
+            bwd_cuts=bwd_cuts,
+            num_devices=num_devices,
+            num_microbatches=num_microbatches,
+            round_size=round_size,
+        )
+        program = simulate.QuickProgram.of(plan).repeated(iterations, plan.next_start_device)
+        with _PROGRAMS_LOCK:
+            if len(_PROGRAMS) >= 256:  # a bounded cache: drop the oldest
+                del _PROGRAMS[next(iter(_PROGRAMS))]
+            _PROGRAMS[key] = program
+    return program
+
+
+_PROGRAMS: dict[tuple[int, ...], simulate.QuickProgram] = {}
+_PROGRAMS_LOCK = threading.Lock()
 
 
 def _load_bound(
@@ -417,7 +459,7 @@ class _Search:
         budget (actions simulated) is spent, so the search time is bounded."""
         if cuts not in self.scores:
             n, m, async_opt = self.shape
-            work = (len(cuts[0]) + len(cuts[1])) * m * (3 if async_opt else 1)
+            work = (len(cuts[0]) + len(cuts[1])) * m * (_ASYNC_WORK if async_opt else 1)
             if work > self.work_left and self.scores:  # the first candidate is always scored
                 return math.inf
             self.work_left -= work
@@ -472,6 +514,13 @@ class _Search:
                 f"no cuts of the {self.L} layers fit the device memory budget of "
                 f"{format_bytes(self.budget or 0)}; raise the budget (roundpipe.device_memory_gb)"
             )
+        # 0. the paper's rule of thumb (``rule_of_thumb_family``, about 2 sqrt(L) cuts), scored
+        #    outside the budget: whatever the search finds is never worse than it
+        for cuts in rule_of_thumb_family(self.L):
+            if self._valid(cuts) and cuts not in self.scores:
+                work_left, self.work_left = self.work_left, 10**12
+                self.evaluate(cuts)
+                self.work_left = work_left
         # 1. coarse scan of the shape chain (a quarter of the budget), refined around its
         #    three best local minima (the objective is not unimodal along the chain)
         seeds = self._scan(chain, max_work // 4)
@@ -495,7 +544,27 @@ class _Search:
                 if self._valid(cand) and self.evaluate(cand) < self.scores[best] - _EPS:
                     best, improved = cand, True
                     break
-        return Partition(best[0], best[1], est_iteration_ms=self.scores[best])
+        return Partition(best[0], best[1], self.scores[best], note=self._note(best))
+
+    def _note(self, best: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
+        """``Partition.note``: with fewer slots than devices, the best scored alternative with
+        at least as many slots, or why there is none."""
+        n, slots = self.shape[0], len(best[0]) + len(best[1])
+        if slots >= n:
+            return ""
+        head = f"{slots} slots for {n} devices (rounds roll on over all of them)"
+        wide = [c for c, v in self.scores.items() if len(c[0]) + len(c[1]) >= n and v < math.inf]
+        if wide:
+            alt = min(wide, key=self.scores.__getitem__)
+            more = 100 * (self.scores[alt] / self.scores[best] - 1)
+            return (
+                f"{head}: fewer, larger stages cross fewer stage boundaries; the best cuts "
+                f"found with >= {n} slots, {list(alt[0])} / {list(alt[1])}, are estimated "
+                f"{more:.1f} % slower"
+            )
+        if 2 * self.L + 1 < n:
+            return f"{head}: {self.L} layers make at most {2 * self.L + 1} slots"
+        return f"{head}: no cuts with >= {n} slots were found within the memory budget"
 
     def _best(self, k: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         return sorted(self.scores, key=self.scores.__getitem__)[:k]
@@ -514,7 +583,7 @@ class _Search:
         around the three best local minima; returns those minima."""
         per_shape = max(1, sum(len(f) + len(b) for f, b in chain) // max(len(chain), 1))
         n, m, async_opt = self.shape
-        affordable = max(4, work // (per_shape * m * (3 if async_opt else 1)))
+        affordable = max(4, work // (per_shape * m * (_ASYNC_WORK if async_opt else 1)))
         step = max(1, -(-len(chain) // affordable))
         score = lambda i: self.evaluate(chain[i])  # noqa: E731
         probed = list(range(0, len(chain), step))
@@ -583,6 +652,28 @@ def _one_layer_moves(cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> list[tupl
                 if min(moved[b], moved[b + 1]) >= 0:
                     out.append((tuple(moved), bwd) if side == 0 else (fwd, tuple(moved)))
     return out
+
+
+def rule_of_thumb_cuts(num_layers: int, bwd_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The RoundPipe paper's asymmetric rule of thumb: backward stages of about ``bwd_layers``
+    layers, forward stages of three times as many (a backward with recomputation costs about
+    three forwards), the head stage holding the LM head alone, as in the published Qwen3-1.7B
+    cuts (forward 7 x 4 / backward 0, 3 x 8, 2, 2). Stages are balanced by layer count."""
+    if not 1 <= bwd_layers <= num_layers:
+        raise ValueError(f"bwd_layers must be in 1..{num_layers}, got {bwd_layers}")
+    counts = _prefix([1.0] * num_layers)
+    kb = -(-num_layers // bwd_layers)
+    kf = -(-num_layers // min(3 * bwd_layers, num_layers))
+    fwd = tuple(_split(counts, 0, num_layers, kf, "front"))
+    return fwd, (0, *_split(counts, 0, num_layers, kb, "front"))
+
+
+def rule_of_thumb_family(num_layers: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``rule_of_thumb_cuts`` for every backward stage size, distinct cuts only."""
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
+    for k in range(1, num_layers + 1):
+        seen.setdefault(rule_of_thumb_cuts(num_layers, k))
+    return list(seen)
 
 
 def balanced_stage_layers(costs: LayerCosts, num_stages: int) -> tuple[int, ...]:

@@ -296,6 +296,8 @@ class Planner:
         memory check and estimate of those cuts); sets ``est_iteration_ms``."""
         part = self._partition(costs, cuts)
         self.est_iteration_ms = part.est_iteration_ms
+        if part.note:
+            log.info("plan: %s", part.note)
         return tuple(part.fwd_cuts), tuple(part.bwd_cuts)
 
     def _partition(

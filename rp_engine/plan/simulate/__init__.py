@@ -56,7 +56,7 @@ the fill/drain figure the early recompute is aligned to end when the gradient ar
 from __future__ import annotations
 
 from .machine import Machine, load_machine, preset_names
-from .quick import QuickTimes, quick_times
+from .quick import ASYNC_ITERATIONS, QuickProgram, QuickTimes, async_steady_ms, quick_times
 from .results import Interval, SimResult
 from .run import simulate
 
@@ -67,6 +67,9 @@ __all__ = [
     "simulate",
     "QuickTimes",
     "quick_times",
+    "QuickProgram",
+    "ASYNC_ITERATIONS",
+    "async_steady_ms",
     "load_machine",
     "preset_names",
 ]

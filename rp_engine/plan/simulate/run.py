@@ -13,7 +13,7 @@ from ..lower import lower
 from ..memory import memory_events, static_bytes
 from .events import _Builder, _Engine, _Task
 from .machine import Machine
-from .quick import _early_default, _weight_gates
+from .quick import ASYNC_ITERATIONS, SETTLE, _early_default, _weight_gates, steady_from_ends
 from .results import Interval, SimResult
 
 __all__ = ["simulate"]
@@ -169,6 +169,10 @@ def _steady_iteration_ms(ends: Sequence[float], lag: int, makespan: float) -> fl
     three iterations, end[1] - end[0] from two.
     """
     count = len(ends)
+    if lag > 1 and count >= ASYNC_ITERATIONS:  # long enough to have settled (quick.py)
+        steady = steady_from_ends(ends, SETTLE)
+        half = count // 2
+        return steady if steady is not None else (ends[-1] - ends[half]) / (count - 1 - half)
     window = max(count - 2, 0) // lag * lag or max(count - 1, 0) // lag * lag
     if window == 0:
         return makespan / max(count, 1)
