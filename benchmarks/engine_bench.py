@@ -4,7 +4,8 @@
     python benchmarks/engine_bench.py async         # async vs sync optimizer, emulated PCIe
     python benchmarks/engine_bench.py adam          # DeepSpeedCPUAdam vs torch AdamW, params/s
     python benchmarks/engine_bench.py memory        # host bytes per trainable parameter
-    python benchmarks/engine_bench.py convergence   # sync vs async loss curves (PNG)
+    python benchmarks/engine_bench.py convergence   # sync vs async (+compensation) loss (PNG)
+    python benchmarks/engine_bench.py compensation_cost  # layer step+publish, prediction on/off
     python benchmarks/engine_bench.py timeline      # PNG of one 4-device iteration
     python benchmarks/engine_bench.py rounds        # one upload per round vs per micro-batch
     python benchmarks/engine_bench.py residency     # weights kept on the device across rounds
@@ -213,10 +214,12 @@ def convergence(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"bench": "convergence", "steps": args.steps, "tail": 20}
     for lr in lrs:
         curves[lr] = {}
-        for mode in ("sync", "async"):
+        modes = ["sync", "async", *(f"async+{c}" for c in args.compensations.split(",") if c)]
+        for mode in modes:
             model = build_tiny_model(seed=0, layers=2, hidden=64)
-            cfg = _cfg("cpu:1", gas=4, mbs=4, async_optimizer=mode == "async", fwd_cuts=[2],
-                       bwd_cuts=[0, 2])  # fmt: skip
+            comp = mode.split("+")[1] if "+" in mode else "none"
+            cfg = _cfg("cpu:1", gas=4, mbs=4, async_optimizer=mode != "sync", fwd_cuts=[2],
+                       bwd_cuts=[0, 2], staleness_compensation=comp)  # fmt: skip
             cfg["optimizer"]["params"].update(lr=lr, weight_decay=0.0)
             engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
             data = batches(stdlib_corpus(), seq_len=32, micro_batch=4, seed=0)
@@ -227,11 +230,66 @@ def convergence(args: argparse.Namespace) -> dict[str, Any]:
             "final_sync": final["sync"],
             "final_async": final["async"],
             "relative_gap": (final["async"] - final["sync"]) / final["sync"],
+            **{f"final_{m}": final[m] for m in modes if "+" in m},
+            **{
+                f"relative_gap_{m}": (final[m] - final["sync"]) / final["sync"]
+                for m in modes
+                if "+" in m
+            },
         }
     png = HERE / "convergence_async_vs_sync.png"
     _plot_curves(curves, png)
     out["png"] = str(png.relative_to(HERE.parent))
     return out
+
+
+def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """Per-layer optimizer work with weight prediction on vs off, side by side: one layer of
+    ``--cost-elems`` trainable parameters (4 tensors, bf16 compute weights, double-buffered),
+    DeepSpeed CPU AdamW step (``step_params``) then ``HostStore.publish`` of the new version,
+    plain (copy of the masters) or predicted; interleaved, median seconds per layer step."""
+    from torch import nn
+
+    from rp_engine.model.host_store import HostStore
+    from rp_engine.optim.loss_scaler import LossScaler
+    from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer
+
+    n = args.cost_elems // 4
+    layer = nn.ParameterList(nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for _ in range(4))
+    store = HostStore([layer], double_buffer=False)
+    store.double_buffer_weights(True)
+    masters = [hp.master for hp in store.owned_params()]
+    inner, per_layer = build_inner_optimizer("adamw", {"lr": 1e-3}, [{"params": masters}])
+    opt = HostOptimizer(inner, per_layer=per_layer, scaler=LossScaler(cur_scale=1.0))
+    groups = opt.snapshot()
+    for hp in store.owned_params():
+        store.accumulate(hp.param, torch.randn(n))
+    version = [0]
+
+    def run(predict: bool) -> Callable[[], float]:
+        def go() -> float:
+            start = time.perf_counter()
+            store.attach_grads([0])
+            opt.step_params(masters, groups=groups, grad_coef=1.0)
+            version[0] += 1
+            extrapolate = (
+                (lambda hp, dst: opt.predict_into(hp.master, dst, groups)) if predict else None
+            )
+            store.publish(0, version[0], predict=extrapolate)
+            return time.perf_counter() - start
+
+        return go
+
+    run(False)()  # warm-up: Adam state allocated
+    times = _interleaved({"off": run(False), "on": run(True)}, args.repeats)
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    return {
+        "bench": "compensation_cost",
+        "params": 4 * n,
+        "step_publish_off_s": off,
+        "step_publish_on_s": on,
+        "on_over_off": on / off,
+    }
 
 
 def timeline(args: argparse.Namespace) -> dict[str, Any]:
@@ -265,12 +323,12 @@ def _plot_curves(curves: dict[float, dict[str, list[float]]], path: Path) -> Non
     axes = fig.subplots(1, len(curves), squeeze=False)[0]
     for ax, (lr, modes) in zip(axes, curves.items(), strict=True):
         for name, ys in modes.items():
-            ax.plot(range(1, len(ys) + 1), ys, label=f"{name} optimizer", linewidth=1)
+            ax.plot(range(1, len(ys) + 1), ys, label=name, linewidth=1)
         ax.set_title(f"lr {lr:g}")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss")
         ax.legend()
-    fig.suptitle("rp-train default data: async (staleness 1) vs sync CPU Adam")
+    fig.suptitle("rp-train default data: sync vs async (staleness 1) CPU Adam, +compensation")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -431,6 +489,7 @@ BENCHES = {
     "adam": adam,
     "memory": memory,
     "convergence": convergence,
+    "compensation_cost": compensation_cost,
     "timeline": timeline,
     "rounds": rounds,
     "residency": residency,
@@ -447,6 +506,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lrs", default="2e-4,5e-4,2e-3", help="convergence: learning rates")
+    p.add_argument(
+        "--compensations",
+        default="predict",
+        help="convergence: roundpipe.staleness_compensation methods run async besides plain "
+        "async (comma-separated; empty: none)",
+    )
+    p.add_argument("--cost-elems", type=int, default=8_000_000, help="compensation_cost: params")
     p.add_argument("--pcie-gbps", type=float, default=1.0)
     p.add_argument("--adam-params", type=int, default=50_000_000)
     p.add_argument(

@@ -51,13 +51,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from benchmarks.calibration import gpu_point
 from benchmarks.shapes import (
-    CONTEXT_BYTES,
     MBS,
     SEQ,
     SHAPES,
@@ -67,6 +65,7 @@ from benchmarks.shapes import (
 )
 from rp_engine.plan import schedules
 from rp_engine.plan.partition import partition
+from rp_engine.plan.shapes import max_seq, mem_bytes
 from rp_engine.plan.simulate import Machine, load_machine, simulate
 
 PRESETS = ("rtx4090_pcie4_8x", "a800_nvlink_8x")
@@ -87,8 +86,11 @@ PUBLISHED_4090: dict[str, dict[str, Any]] = {
 
 
 def _adam_machine(shape: Shape, machine: Machine) -> Machine:
-    """The simulator steps every layer's parameters; with LoRA only the adapters step, so the
-    CPU Adam rate is scaled by (all parameters / trainable)."""
+    """The machine the simulator runs: compute_scale 1, since ``layer_costs`` already gives
+    this machine's times (the simulator would scale them again: until 2026-12-03 the A800 rows
+    ran at 0.53^2 of the 4090's compute times); with LoRA only the adapters step, so the CPU
+    Adam rate is scaled by (all parameters / trainable)."""
+    machine = dataclasses.replace(machine, compute_scale=1.0)
     if not shape.lora:
         return machine
     total = shape.layers * shape.layer_params + 2 * shape.head_params
@@ -156,36 +158,8 @@ def mobius_tps(
     }
 
 
-# ---- memory model: longest sequence ----------------------------------------------------------
-def _mem_bytes(system: str, shape: Shape, s: int, n: int, block: int = 1) -> float:
-    """Bytes one GPU needs for ``s`` tokens in flight per micro-batch; Mobius with blocks of
-    ``block`` layers (default 1: the most favourable to it)."""
-    h, layer_b = shape.hidden, 2 * shape.layer_params
-    grad_b = 0 if shape.lora else layer_b
-    ckpt = s * h * 2
-    work = s * (18 * h + 4 * shape.active_intermediate)
-    chunked_head = 1024 * shape.vocab * 8 + s * h * 4
-    hf_head = s * shape.vocab * 10
-    if system == "roundpipe":
-        return 2 * layer_b + grad_b + ckpt + work + chunked_head + CONTEXT_BYTES
-    if system == "mobius":
-        # its block double buffered with its gradients, the head bound to one GPU, and the
-        # checkpoints of all its L/N layers for the N micro-batches in flight (GPipe order)
-        head_b = 2 * shape.head_params * (1 if shape.lora else 2)
-        weights = 2 * block * layer_b + block * grad_b + head_b
-        return weights + n * math.ceil(shape.layers / n) * ckpt + work + hf_head + CONTEXT_BYTES
-    # zero_infinity
-    return 2 * layer_b + 1e9 + shape.layers * ckpt + work + hf_head + CONTEXT_BYTES
-
-
-def max_seq(system: str, shape: Shape, machine: Machine) -> int | None:
-    """Longest single sequence (multiples of 1K) whose memory fits ``machine.memory_bytes``."""
-    budget = machine.memory_bytes or 0
-    best = None
-    s = 1024
-    while s <= 1 << 22 and _mem_bytes(system, shape, s, machine.num_devices) <= budget:
-        best, s = s, s + 1024
-    return best
+# ---- memory model: longest sequence (rp_engine/plan/shapes.py; the names kept here) -----------
+_mem_bytes = mem_bytes
 
 
 def zero_calibration() -> float:

@@ -1,125 +1,54 @@
 """The modelled transformer shapes and the closed-form ZeRO-Infinity model, shared by the
 projection (projection.py) and the H200 calibration point (calibration.py).
 
-``SHAPES``: Qwen3-1.7B, Llama-3.1-8B, Qwen3-32B and Qwen3-235B-A22B (LoRA) from their public
-configs. ``layer_costs``: per-layer costs at one effective rate, from the published Qwen3-1.7B
-layer on an RTX 4090 (``REF_*``), scaled by FLOPs; ``zero_infinity_tps``: ZeRO-Infinity as data
-parallel ranks that fetch every layer over PCIe (an optimistic bound). The derivations are in
-projection.py's docstring.
+The shapes and the cost model live in the plan package (rp_engine/plan/shapes.py, torch-free,
+also used by the configuration advisor); this module keeps the benchmarks' names. ``SHAPES``:
+Qwen3-1.7B, Llama-3.1-8B, Qwen3-32B and Qwen3-235B-A22B (LoRA) from their public configs.
+``layer_costs``: per-layer costs at the published micro-batch (``MBS`` x ``SEQ`` = 4 x 2,048
+tokens); ``zero_infinity_tps``: ZeRO-Infinity as data parallel ranks that fetch every layer over
+PCIe (an optimistic bound). The derivations are in projection.py's docstring.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from rp_engine.plan.partition import LayerCosts
+from rp_engine.plan.shapes import (
+    CONTEXT_BYTES,
+    REF_BWD_MS,
+    REF_FWD_MS,
+    REF_HEAD_BWD_MS,
+    REF_HEAD_FWD_MS,
+    SHAPES,
+    Shape,
+    effective_flops_per_ms,
+)
+from rp_engine.plan.shapes import REF_MICRO_BATCH as MBS
+from rp_engine.plan.shapes import REF_SEQ_LEN as SEQ
+from rp_engine.plan.shapes import layer_costs as _layer_costs
 from rp_engine.plan.simulate import Machine
 
-# published per-layer costs, Qwen3-1.7B on one RTX 4090, 4 x 2048 tokens per micro-batch
-REF_FWD_MS, REF_BWD_MS, REF_HEAD_FWD_MS, REF_HEAD_BWD_MS = 7.43, 15.83, 22.07, 43.71
-MBS, SEQ = 4, 2048
-CONTEXT_BYTES = 1.5e9
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A decoder-only transformer's shape (public config)."""
-
-    name: str
-    hidden: int
-    layers: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    experts: int = 0
-    experts_per_token: int = 0
-    lora: bool = False
-    lora_rank: int = 16
-
-    @property
-    def attn_params(self) -> int:
-        q = self.heads * self.head_dim
-        kv = self.kv_heads * self.head_dim
-        return self.hidden * (2 * q + 2 * kv)
-
-    @property
-    def layer_params(self) -> int:
-        mlp = 3 * self.hidden * self.intermediate
-        return self.attn_params + (
-            mlp * self.experts + self.hidden * self.experts if self.experts else mlp
-        )
-
-    @property
-    def active_layer_params(self) -> int:
-        mlp = 3 * self.hidden * self.intermediate
-        return self.attn_params + (mlp * self.experts_per_token if self.experts else mlp)
-
-    @property
-    def active_intermediate(self) -> int:
-        return self.intermediate * (self.experts_per_token if self.experts else 1)
-
-    @property
-    def head_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def trainable_params(self) -> int:
-        total = self.layers * self.layer_params + self.head_params * (1 if self.tied else 2)
-        if not self.lora:
-            return total
-        # LoRA on q, k, v, o: rank x (in + out) per projection
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = self.lora_rank * (2 * (self.hidden + q) + 2 * (self.hidden + kv))
-        return self.layers * per_layer
-
-    def fwd_flops(self, tokens_per_seq: int, seqs: int) -> float:
-        t = tokens_per_seq * seqs
-        attn = 4 * seqs * tokens_per_seq**2 * self.heads * self.head_dim
-        return 2 * t * self.active_layer_params + attn
-
-
-SHAPES = {
-    "qwen3-1.7b": Shape("Qwen3-1.7B", 2048, 28, 6144, 16, 8, 128, 151936, True),
-    "llama3.1-8b": Shape("Llama-3.1-8B", 4096, 32, 14336, 32, 8, 128, 128256, False),
-    "qwen3-32b": Shape("Qwen3-32B", 5120, 64, 25600, 64, 8, 128, 151936, False),
-    "qwen3-235b-lora": Shape(
-        "Qwen3-235B-A22B (LoRA)", 4096, 94, 1536, 64, 4, 128, 151936, False,
-        experts=128, experts_per_token=8, lora=True,
-    ),
-}  # fmt: skip
-
-
-def effective_flops_per_ms() -> float:
-    """The RTX 4090's rate implied by the published Qwen3-1.7B layer forward."""
-    return SHAPES["qwen3-1.7b"].fwd_flops(SEQ, MBS) / REF_FWD_MS
+__all__ = [
+    "CONTEXT_BYTES",
+    "MBS",
+    "REF_BWD_MS",
+    "REF_FWD_MS",
+    "REF_HEAD_BWD_MS",
+    "REF_HEAD_FWD_MS",
+    "SEQ",
+    "SHAPES",
+    "Shape",
+    "effective_flops_per_ms",
+    "layer_costs",
+    "zero_infinity_tps",
+]
 
 
 def layer_costs(shape: Shape, machine: Machine) -> LayerCosts:
     """Per-layer ms per micro-batch (4 x 2048) and bf16 bytes, on ``machine``."""
-    rate = effective_flops_per_ms() / machine.compute_scale
-    fwd = shape.fwd_flops(SEQ, MBS) / rate
-    bwd_ratio = REF_BWD_MS / REF_FWD_MS
-    bwd = fwd * (bwd_ratio / 2 if shape.lora else bwd_ratio)
-    ref = SHAPES["qwen3-1.7b"]
-    head_scale = shape.head_params / ref.head_params * machine.compute_scale
-    n = shape.layers
-    return LayerCosts(
-        fwd_ms=(fwd,) * n,
-        bwd_ms=(bwd,) * n,
-        param_bytes=(2 * shape.layer_params,) * n,
-        act_bytes=(MBS * SEQ * (18 * shape.hidden + 4 * shape.active_intermediate),) * n,
-        head_fwd_ms=REF_HEAD_FWD_MS * head_scale,
-        head_bwd_ms=REF_HEAD_BWD_MS * head_scale,
-        head_param_bytes=2 * shape.head_params,
-        head_act_bytes=int(1024 * shape.vocab * 8),
-        boundary_bytes=MBS * SEQ * shape.hidden * 2,
-        prefix_param_bytes=0 if shape.tied else 2 * shape.head_params,
-    )
+    return _layer_costs(shape, machine, micro_batch=MBS, seq_len=SEQ)
 
 
 def zero_infinity_tps(shape: Shape, machine: Machine, m: int) -> dict[str, Any]:

@@ -59,7 +59,8 @@ def initialize(
     Hugging Face ``"auto"`` placeholders (see ``rp_engine.config.hf_auto_values``). Raises
     ``PreflightError`` when the model's host state would not fit in memory (host_preflight.py).
     """
-    from rp_engine.config import load_config, resolve_config_arg
+    from rp_engine.autotune import advise_batch
+    from rp_engine.config import load_config, load_raw_config, resolve_config_arg
     from rp_engine.config.errors import _InitArgError
     from rp_engine.engine import RoundPipeEngine
     from rp_engine.host_preflight import check_initialize
@@ -71,9 +72,13 @@ def initialize(
     if mpu is not None or mesh_param is not None:
         raise ValueError("model parallelism (mpu / mesh_param) is not supported by rp_engine")
     world = _data_parallel_world(distributed_port, dist_init_required)
-    cfg = load_config(
-        resolve_config_arg(args, config, config_params), world_size=world, auto_values=auto_values
-    )
+    source = resolve_config_arg(args, config, config_params)
+    # DeepSpeed's autotuning block: the advisor fills "auto" batch sizes (autotune.py); the
+    # caller's own auto_values win
+    tuned = advise_batch(load_raw_config(source), model, world)
+    if tuned:
+        auto_values = {**tuned, **(auto_values or {})}
+    cfg = load_config(source, world_size=world, auto_values=auto_values)
     check_initialize(model, cfg)  # before anything is allocated: refuse rather than be OOM-killed
     engine = RoundPipeEngine(
         model=model,

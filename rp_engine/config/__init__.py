@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from rp_engine.config.auto import hf_auto_values
 from rp_engine.config.errors import ConfigError
-from rp_engine.config.parse import DEEPSPEED_LR_SCHEDULES, DEEPSPEED_OPTIMIZERS, load_config
+from rp_engine.config.parse import (
+    DEEPSPEED_LR_SCHEDULES,
+    DEEPSPEED_OPTIMIZERS,
+    load_config,
+    load_raw_config,
+)
 from rp_engine.config.schema import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -61,6 +66,7 @@ __all__ = [
     "DEEPSPEED_OPTIMIZERS",
     "DEEPSPEED_LR_SCHEDULES",
     "load_config",
+    "load_raw_config",
     "resolve_config_arg",
     "hf_auto_values",
 ]

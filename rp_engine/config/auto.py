@@ -27,7 +27,12 @@ _CONSUMED_TOP_LEVEL_KEYS = frozenset(
 # DeepSpeed's own defaults that are the literal string "auto": not Hugging Face placeholders.
 # keys whose value "auto" is a real choice, not a placeholder for the HF Trainer to fill
 _LEGIT_AUTO_PATHS = frozenset(
-    {"pipeline.stages", "data_types.keep_in_fp32_modules", "roundpipe.nvme_io_engine"}
+    {
+        "pipeline.stages",
+        "data_types.keep_in_fp32_modules",
+        "roundpipe.nvme_io_engine",
+        "roundpipe.staleness_compensation",
+    }
 )
 
 _AUTO = "auto"

@@ -10,6 +10,7 @@ where their section is read.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -590,6 +591,17 @@ _TOP_LEVEL_SCALARS = (
     "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
 )
+
+
+def load_raw_config(
+    config: Mapping[str, Any] | str | os.PathLike[str] | DSConfig | None,
+) -> dict[str, Any]:
+    """The config as a plain dict before validation (a copy; a DSConfig's ``raw``): for
+    callers that must read it before ``load_config`` fills its "auto" values (autotune.py).
+    Raises ConfigError for a source that cannot be read, as ``load_config`` does."""
+    if isinstance(config, DSConfig):
+        return copy.deepcopy(dict(config.raw))
+    return _load_raw(config)
 
 
 def load_config(

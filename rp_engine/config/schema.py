@@ -34,9 +34,12 @@ __all__ = [
     "TensorBoardConfig",
     "CheckpointConfig",
     "RoundPipeConfig",
+    "STALENESS_COMPENSATIONS",
 ]
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# roundpipe.staleness_compensation: "auto" resolves to "predict" where it applies
+STALENESS_COMPENSATIONS = ("none", "auto", "predict")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +301,13 @@ class RoundPipeConfig:
     # None: before each child of its largest repeated ModuleList / Sequential (model/module.py)
     split_points: tuple[str, ...] | None = field(default=None, metadata=_m(custom=True))
     profile_iterations: int = field(default=2, metadata=_m(ge=0))
+    # DeepSpeed's "autotuning" block, answered by the advisor (autotune.py): the tokens per
+    # sequence the run trains with (needed to fill "auto" batch sizes), the machine to plan for
+    # (a preset name or JSON; None: the devices in use), and how far the first steps' measured
+    # compute may stray from the advisor's cost model before the engine re-plans
+    seq_len: int | None = field(default=None, metadata=_m(gt=0))
+    machine: str | None = None
+    autotune_tolerance: float = field(default=0.25, metadata=_m(gt=0))
     seed: int = field(default=42, metadata=_m(ge=0))
     # bf16/fp32 step with a non-finite loss or gradient norm: raise (step skipped), skip, ignore
     on_nonfinite: str = field(default="raise", metadata=_m(choices=("raise", "skip", "ignore")))
@@ -316,6 +326,13 @@ class RoundPipeConfig:
     host_preflight: bool = True
     # the NVMe tier's I/O: DeepSpeed's aio op when built ("auto"), or the built-in O_DIRECT threads
     nvme_io_engine: str = field(default="auto", metadata=_m(choices=("auto", "aio", "threads")))
+    # the asynchronous optimizer's stale weights (iteration t reads w_{t-2}): "none" reads them
+    # as they are (RoundPipe's rule); "predict" extrapolates the published compute weights one
+    # Adam step ahead (optim/stepper.py; the masters stay Adam's); "auto": "predict" where it
+    # applies (async CPU Adam/AdamW, one process), else "none"
+    staleness_compensation: str = field(
+        default="none", metadata=_m(choices=STALENESS_COMPENSATIONS)
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rp_engine.autotune import ProfileCheck
 from rp_engine.config import DSConfig
 from rp_engine.data import DataFeed, build_dataloader
 from rp_engine.device import make_devices
@@ -41,7 +42,7 @@ from rp_engine.model.module import Layering
 from rp_engine.monitor import Monitor
 from rp_engine.optim.build import build_optimizer, build_scheduler, returned_optimizer
 from rp_engine.optim.nonfinite import NonFiniteGuard
-from rp_engine.optim.stepper import OptimizerStepper, StepResult
+from rp_engine.optim.stepper import OptimizerStepper, StepResult, staleness_compensation
 from rp_engine.plan.actions import Plan
 from rp_engine.plan.schedules import SCHEDULES
 from rp_engine.runtime.counters import StepCounters
@@ -169,16 +170,22 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             self.host_optimizer, cfg, client_given=optimizer is not None
         )
         self.lr_scheduler = build_scheduler(cfg, self.host_optimizer, client_scheduler=lr_scheduler)
+        # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
+        async_mode = rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only
+        dp = data_parallel(self.store)  # None in one process
         self.stepper = OptimizerStepper(
             self.store,
             self.host_optimizer,
             clip=cfg.gradient_clipping,
-            # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
-            async_mode=rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only,
+            async_mode=async_mode,
             fp16=cfg.fp16.enabled,
             guard_nonfinite=rp.on_nonfinite != "ignore",
-            dp=data_parallel(self.store),  # None in one process
-        )
+            dp=dp,
+            compensation=staleness_compensation(
+                rp.staleness_compensation, async_mode=async_mode,
+                can_predict=self.host_optimizer.can_predict, data_parallel=dp is not None,
+            ),
+        )  # fmt: skip
         self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
         # overlap applies boundaries in flight (boundary.py); async overlap wants two
         # weight versions at once, when host memory allows. Data parallel: collectives assume
@@ -231,6 +238,9 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             # has nothing to read: its READ is a no-op)
             nvme_slots=self.param_tier is not None,
         )
+        # DeepSpeed's autotuning block: the first steps' profile against the advisor's cost
+        # model, re-planning on a disagreement (autotune.py); None when not asked for
+        self._autotune = ProfileCheck.for_engine(cfg.raw, model, cfg.train_micro_batch_size_per_gpu)
         self._staging = staging_pools(self.pool.devices)  # shared by every executor made
         self._executor = self._make_executor()
         self._batches = BatchAdapter(self.seq, compute_dtype(cfg), pin=self.pool.kind == "cuda")

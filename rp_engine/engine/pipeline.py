@@ -63,6 +63,7 @@ from rp_engine.engine.boundary import BoundaryState
 from rp_engine.runtime.executor import Executor, RunHandle, RunSpec, RunStats
 
 if TYPE_CHECKING:
+    from rp_engine.autotune import ProfileCheck
     from rp_engine.config import DSConfig
     from rp_engine.data import DataFeed
     from rp_engine.monitor import Monitor
@@ -154,6 +155,7 @@ class PipelinedIterations:
         host_optimizer: HostOptimizer
         planner: Planner
         stepper: OptimizerStepper
+        _autotune: ProfileCheck | None
 
         def _batch_of(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]: ...
         def _run(
@@ -285,7 +287,12 @@ class PipelinedIterations:
         """What the planner learns from a finished training run: the round size (budget) and,
         while profiling, the measured times (a better plan gets a new executor)."""
         self.planner.fit_round_size(result.boundary_bytes)
-        if profile and self.planner.observe(result.layer_ms, result.bwd_ms):
+        if not profile:
+            return
+        changed = self.planner.observe(result.layer_ms, result.bwd_ms)
+        if self._autotune is not None:  # after the profile's last run: the advice checked
+            changed = self._autotune.check(self.planner) or changed
+        if changed:
             self._executor = self._make_executor()
 
     def _drain_pipeline(self) -> None:

@@ -175,6 +175,8 @@ class HostStore:
         self._pin = pin
         self._shadow: dict[int, torch.Tensor] = {}  # id(param) -> its compute weight, buffer 1
         self._held = [[0] for _ in self.layers]  # per layer: the version each buffer holds
+        # per layer and buffer: whether it holds a predicted version (``publish``'s ``predict``)
+        self._predicted = [[False] for _ in self.layers]
         # per layer: (buffer, version, event) of uploads that read it, until a publish waits
         self._reads: list[list[tuple[int, int, Event]]] = [[] for _ in self.layers]
         self._cond = threading.Condition()
@@ -495,6 +497,7 @@ class HostStore:
             return False
         with self._cond:
             self._held = [[max(h), max(h)] for h in self._held]
+            self._predicted = [[False, False] for _ in self._held]
         if allocate:
             self.allocate_shadows()
         return True
@@ -611,18 +614,38 @@ class HostStore:
             self._failure = error
             self._cond.notify_all()
 
-    def publish(self, layer: int, version: int, *, everywhere: bool = False) -> None:
+    def publish(
+        self,
+        layer: int,
+        version: int,
+        *,
+        everywhere: bool = False,
+        predict: Callable[[HostParam, torch.Tensor], bool] | None = None,
+    ) -> None:
         """Copy the layer's masters into the compute weights of ``version``'s buffer (every
         buffer with ``everywhere``: a drain) and mark them as ``version``.
 
+        ``predict(hp, dst)``: write a prediction from ``hp.master`` into ``dst`` instead of the
+        copy (the weight prediction of ``roundpipe.staleness_compensation``: optim/stepper.py)
+        and return True, or return False to have the master copied; called inside
+        ``resident(layer)``, in the same one pass over the layer. The buffer is then marked
+        *predicted*: a later publish of the same version without ``predict`` (a drain) still
+        overwrites it with the true masters, so drains, checkpoints and ``engine.module`` see
+        the masters.
+
         Waits first for the uploads still reading an older version from that buffer. Monotonic:
-        publishing an older or equal version is a no-op, so a drain (which publishes everything)
-        followed by the usual staleness-1 publish is harmless.
+        publishing an older version, or an equal one the buffer already holds (predicted or
+        not; true masters replace a prediction), is a no-op, so a drain (which publishes
+        everything) followed by the usual staleness-1 publish is harmless.
         """
         copies = len(self._held[layer])
+        plain = predict is None
         for b in range(copies) if everywhere else [self._buffer_of(version)]:
             with self._cond:
-                if self._held[layer][b] >= version:
+                held = self._held[layer][b]
+                if held > version or (
+                    held == version and not (plain and self._predicted[layer][b])
+                ):
                     continue
                 reads = self._reads[layer]
                 readers = [ev for bb, v, ev in reads if bb == b and v < version]
@@ -631,7 +654,11 @@ class HostStore:
                 with contextlib.suppress(Exception):  # a failed upload reads nothing more
                     event.synchronize()
             with self._cond:
-                twin = [o for o in range(copies) if o != b and self._held[layer][o] == version]
+                twin = [
+                    o for o in range(copies)
+                    if o != b and plain and self._held[layer][o] == version
+                    and not self._predicted[layer][o]
+                ]  # fmt: skip
             with torch.no_grad(), self._weights(layer, b, overwrite=True) as dst:
                 if twin:  # the same cast of the same masters: copy it, never touch the masters
                     with self._weights(layer, twin[0], overwrite=False) as src:
@@ -640,10 +667,19 @@ class HostStore:
                 else:
                     with self.resident(layer):
                         for hp in self.layers[layer].owned:
-                            dst(hp).copy_(hp.master)
+                            out = dst(hp)
+                            if predict is None or not predict(hp, out):
+                                out.copy_(hp.master)
             with self._cond:
                 self._held[layer][b] = max(self._held[layer][b], version)
+                self._predicted[layer][b] = not plain
                 self._cond.notify_all()
+
+    def predicted(self, layer: int) -> list[bool]:
+        """Per weight buffer of ``layer``: whether it holds a prediction (``publish``'s
+        ``predict``) rather than the masters' own values."""
+        with self._cond:
+            return list(self._predicted[layer])
 
     def _weight(self, hp: HostParam, buffer: int) -> torch.Tensor:
         return hp.param.data if buffer == 0 else self._shadow[id(hp.param)]
@@ -673,6 +709,7 @@ class HostStore:
         reads the layer."""
         with self._cond:
             self._held[layer] = [-1] * len(self._held[layer])
+            self._predicted[layer] = [False] * len(self._held[layer])
             self._reads[layer] = []
         self.publish(layer, version, everywhere=True)
 
@@ -682,6 +719,7 @@ class HostStore:
         self._refresh_shadow()
         with self._cond:
             self._held = [[version] * len(h) for h in self._held]
+            self._predicted = [[False] * len(h) for h in self._held]
             self._reads = [[] for _ in self.layers]
             self._cond.notify_all()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -329,6 +330,66 @@ class HostOptimizer:
                     g["weight_decay"], g["bias_correction"], param, grad, exp_avg, exp_avg_sq,
                 )  # fmt: skip
 
+    @property
+    def can_predict(self) -> bool:
+        """Whether ``predict_into`` extrapolates (DeepSpeed CPU Adam/AdamW, per layer): the
+        weight prediction of ``roundpipe.staleness_compensation`` needs Adam's moments."""
+        return self.per_layer and hasattr(self.optimizer, "ds_opt_adam")
+
+    @torch.no_grad()
+    def predict_into(
+        self, master: torch.Tensor, dst: torch.Tensor, groups: list[dict[str, Any]]
+    ) -> bool:
+        """Write into ``dst`` (the compute weight: bf16, fp16 or fp32) the weights Adam's next
+        step would give ``master`` if its gradient equalled the bias-corrected mean of the ones
+        so far (SpecTrain-style weight prediction); True when it did, False when ``dst`` was left
+        alone (no Adam state yet, LR 0, or not CPU Adam: the caller copies the master).
+
+        With moments m, v after s applied steps, the next step's moments for a gradient equal to
+        m_hat = m / (1 - b1^s) are m', v' with m'/(1 - b1^(s+1)) = m_hat and v'/(1 - b2^(s+1)) =
+        v_hat: the next step's bias-corrected moments are this step's, so the predicted weight is
+        ``w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`` (AdamW's decoupled decay; with Adam's
+        L2 mode the decay is already inside the gradients m averages), with ``lr`` and ``wd``
+        from ``groups``, the hyper-parameters of the step predicted. Under a constant gradient
+        stream it is exactly that step's result, to fp32 rounding. Reads ``master`` and the
+        moments once, in cache-sized chunks, and changes neither: the prediction exists only in
+        ``dst``. Must run where the moments hold their values (``HostStore.resident``)."""
+        if not self.can_predict:
+            return False
+        state = self.optimizer.state.get(master)
+        g = groups[self._group_of[id(master)]]
+        lr = float(g["lr"])
+        if not state or int(state.get("step", 0)) == 0 or lr == 0.0:
+            return False  # nothing to extrapolate along, or a step that moves nothing
+        step = int(state["step"])
+        beta1, beta2 = g["betas"]
+        bc1 = 1.0 - beta1**step if g["bias_correction"] else 1.0
+        bc2 = 1.0 - beta2**step if g["bias_correction"] else 1.0
+        # m_hat / (sqrt(v_hat) + eps) = (sqrt(bc2) / bc1) m / (sqrt(v) + eps sqrt(bc2)): two
+        # scalars fold the bias corrections, leaving sqrt, add and one addcdiv per element
+        rbc2 = math.sqrt(bc2)
+        coef = -lr * rbc2 / bc1
+        eps = float(g["eps"]) * rbc2
+        wd = float(g["weight_decay"])
+        decay = 1.0 - lr * wd if wd > 0 and getattr(self.optimizer, "adam_w_mode", True) else 1.0
+        tensors = (master, state["exp_avg"], state["exp_avg_sq"], dst)
+        for w, m, v, out in _slices(tensors, PREDICT_CHUNK):
+            n = w.numel()
+            scratch = _scratch(n)
+            den, acc = scratch[0][:n].view_as(w), scratch[1][:n].view_as(w)
+            torch.sqrt(v, out=den).add_(eps)
+            if decay != 1.0:
+                torch.mul(w, decay, out=acc)
+                base = acc
+            else:
+                base = w
+            if out.dtype == torch.float32:
+                torch.addcdiv(base, m, den, value=coef, out=out)
+            else:
+                torch.addcdiv(base, m, den, value=coef, out=acc)
+                out.copy_(acc)
+        return True
+
     def _torch_step(self, groups: list[dict[str, Any]]) -> None:
         # Step with the snapshot, then put back whatever the LR scheduler has set since: torch's
         # chainable schedulers read the current group lr, so it must not be rewound.
@@ -342,6 +403,23 @@ class HostOptimizer:
             finally:
                 for live, now in zip(live_groups, current, strict=True):
                     live.update(now)
+
+
+# Elements per chunk of the weight prediction (``predict_into``): its temporaries (2 x 1 MiB)
+# and the chunk's inputs stay in a core's L2 while the five elementwise ops run over it
+PREDICT_CHUNK = 1 << 18
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fp32 buffers of at least ``n`` elements, per thread (the optimizer worker and, with
+    one weight buffer, the runtime threads that publish), reused across calls."""
+    bufs: tuple[torch.Tensor, torch.Tensor] | None = getattr(_SCRATCH, "bufs", None)
+    if bufs is None or bufs[0].numel() < n:
+        bufs = (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32))
+        _SCRATCH.bufs = bufs
+    return bufs
 
 
 def _slices(tensors: tuple[torch.Tensor, ...], size: int) -> Iterator[tuple[torch.Tensor, ...]]:

@@ -46,14 +46,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from rp_engine.model.host_store import HostStore
+import torch
+
+from rp_engine.model.host_store import HostParam, HostStore
 from rp_engine.optim.optimizer import HostOptimizer
 from rp_engine.optim.step_journal import StepJournal
 
 if TYPE_CHECKING:
     from rp_engine.distributed import DataParallel
 
-__all__ = ["OptimizerStepper", "StepResult"]
+__all__ = ["OptimizerStepper", "StepResult", "staleness_compensation"]
 
 log = logging.getLogger("rp_engine.optim")
 
@@ -97,7 +99,18 @@ class OptimizerStepper:
         guard_nonfinite: bool = False,
         dp: DataParallel | None = None,
         journal: StepJournal | None = None,
+        compensation: str = "none",
     ) -> None:
+        """``compensation``: ``roundpipe.staleness_compensation`` resolved ("none" or
+        "predict"; see ``predicts``)."""
+        if compensation not in ("none", "predict"):
+            raise ValueError(f"compensation {compensation!r}: expected 'none' or 'predict'")
+        if compensation == "predict" and async_mode and not optimizer.can_predict:
+            raise ValueError(
+                'roundpipe.staleness_compensation "predict" extrapolates along Adam\'s moments: '
+                "it needs Adam/AdamW on DeepSpeed's CPU Adam (not torch_adam or another "
+                'optimizer); use "none"'
+            )
         self.store = store
         self.optimizer = optimizer
         self.clip = clip
@@ -117,6 +130,14 @@ class OptimizerStepper:
         self.journal = journal if journal is not None else optimizer.journal
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._pending = 0
+        # Weight prediction (staleness compensation, module docstring): only the asynchronous
+        # optimizer reads stale weights. _hp: the hyper-parameters of each step known so far
+        # (frozen at the boundary before it or when it opens), which the publish of the step
+        # before reads; _hp_released: a drain is waiting, so a publish whose next step's
+        # hyper-parameters are not known yet uses its own step's instead of waiting
+        self.predicts = compensation == "predict" and async_mode
+        self._hp: dict[int, list[dict[str, Any]]] = {}
+        self._hp_released = False
         self._thread = threading.Thread(target=self._run, name="rp-optimizer", daemon=True)
         self._thread.start()
         # Data parallel (distributed.py): gradients reduced onto each layer's owner rank, which
@@ -154,6 +175,21 @@ class OptimizerStepper:
         st = _OpenStep(step, self.optimizer.snapshot(), self.optimizer.cur_scale, set())
         with self._cond:
             self._open[step] = st
+            self._hp_released = False
+            self._hp.setdefault(step, st.groups)  # the boundary before it may have noted them
+            self._cond.notify_all()
+
+    def note_hyperparams(self, step: int, groups: list[dict[str, Any]]) -> None:
+        """The hyper-parameters step ``step`` will run with, known at the boundary before it
+        (after the LR scheduler stepped): with weight prediction the publish of step
+        ``step - 1`` extrapolates with them. The first note of a step wins (``open_step`` of
+        the same step notes its own snapshot), so where the worker reads them does not depend
+        on timing; ``refreeze`` replaces them."""
+        if not self.predicts:
+            return
+        with self._cond:
+            self._hp.setdefault(step, groups)
+            self._cond.notify_all()
 
     def refreeze(self, step: int) -> None:
         """Freeze open step ``step``'s hyper-parameters again, from the optimizer's groups now
@@ -166,6 +202,9 @@ class OptimizerStepper:
             st = self._open.get(step)
             if st is not None:
                 st.groups = groups
+            if self.predicts:
+                self._hp[step] = groups
+                self._cond.notify_all()
 
     def _step(self, step: int | None) -> _OpenStep:
         with self._cond:
@@ -220,7 +259,7 @@ class OptimizerStepper:
         if not self.publishes_at_step_end:
             # Iteration st.step no longer reads this layer: expose w_{t-1} for iteration t+1.
             self._wait_done(layer, st.step - 1)
-            self.store.publish(layer, st.step - 1)
+            self.store.publish(layer, st.step - 1, predict=self._predictor(st.step))
         # the squared norm: computed on the device with the download when that download was the
         # layer's whole gradient (runtime/grad_norm.py), else one read of the fp32 buffers. Data
         # parallel: the norm is of the reduced gradient, which only the owner holds (close_step
@@ -278,6 +317,8 @@ class OptimizerStepper:
     def wait_all(self) -> None:
         """Wait until every issued step has been applied; re-raise a worker error."""
         with self._cond:
+            self._hp_released = True  # see __init__: a publish must not wait for this thread
+            self._cond.notify_all()
             while self._pending and self._error is None:
                 self._cond.wait(timeout=0.1)
         self.check()
@@ -349,6 +390,7 @@ class OptimizerStepper:
         ``restart``."""
         with self._cond:
             self._cancelled = reason
+            self._hp_released = True
             self._cond.notify_all()
 
     def restart(self, step: int) -> None:
@@ -358,6 +400,8 @@ class OptimizerStepper:
         after ``wait_all`` and with the gradients discarded."""
         self.abandon_step()
         self._declare(step, uncancel=True)
+        with self._cond:
+            self._hp.clear()
         self.store.set_versions(-1)  # forget the held versions, then publish the masters
         for layer in range(self._num_layers):
             self.store.publish(layer, step, everywhere=True)
@@ -366,6 +410,8 @@ class OptimizerStepper:
     def set_step(self, step: int) -> None:
         """After loading a checkpoint: every layer has applied ``step`` and shows w_step."""
         self._declare(step)
+        with self._cond:
+            self._hp.clear()  # steps after the loaded one get new hyper-parameters
         self._counted = step
         if self.journal is not None and self.journal.step is not None:
             self.journal.commit(self.journal.step)  # the loaded masters replace what it holds
@@ -383,6 +429,9 @@ class OptimizerStepper:
         (see runtime/shutdown.py), and a queued step always finishes. Idempotent.
         """
         if self._thread.is_alive():
+            with self._cond:
+                self._hp_released = True
+                self._cond.notify_all()
             self._tasks.put(None)
             if threading.current_thread() is not self._thread:
                 self._thread.join()
@@ -404,6 +453,8 @@ class OptimizerStepper:
 
     def _wait_idle(self) -> None:
         with self._cond:
+            self._hp_released = True
+            self._cond.notify_all()
             while self._pending:
                 self._cond.wait(timeout=0.1)
 
@@ -450,7 +501,7 @@ class OptimizerStepper:
                         self.journal.record(st.step, layer, masters)
                     self.store.attach_grads([layer])
                     self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
-                self._finish([layer], st.step)  # publishes from the masters
+                self._finish([layer], st.step, predict=not skip)  # publishes from the masters
 
         self._submit(task, f"layer {layer}", st.step)
         # the tier starts reading this layer and the ones stepped after it: immediate steps
@@ -509,20 +560,48 @@ class OptimizerStepper:
 
         self._submit(task, "all layers", st.step)
 
-    def _finish(self, layers: list[int], step: int) -> None:
+    def _finish(self, layers: list[int], step: int, *, predict: bool = False) -> None:
+        """The layers have applied step ``step`` (``predict``: and it was not skipped): mark
+        them done and, when w_t is published at step end, publish it (predicted with weight
+        prediction; the masters of a skipped step, whose update was dropped)."""
         self.store.release_grads(layers)
         with self._cond:
             for layer in layers:
                 self._done[layer] = step
             self._cond.notify_all()
         if self.publishes_at_step_end:
+            extrapolate = self._predictor(step + 1) if predict else None
             for layer in layers:
-                self.store.publish(layer, step)
+                self.store.publish(layer, step, predict=extrapolate)
         if self.journal is not None and min(self._done) >= step and self._counted >= step:
             # every layer has stepped and the engine counted the step: nothing left to undo (a
             # step applied in full by a run that then failed is undone; else the next step's
             # first record drops the records)
             self.journal.commit(step)
+
+    def _predictor(self, step: int) -> Callable[[HostParam, torch.Tensor], bool] | None:
+        """With weight prediction, what ``HostStore.publish`` extrapolates the weights of step
+        ``step - 1`` with, for the iteration that reads them in place of w_{step}: one Adam
+        step along the moments at hand with step ``step``'s hyper-parameters
+        (``HostOptimizer.predict_into``). Waits until they are known (``note_hyperparams``,
+        ``open_step``); while a drain waits (``wait_all``) it takes the newest known ones up to
+        step ``step - 1``'s instead, so a drain never waits for the caller's thread. None
+        without prediction."""
+        if not self.predicts:
+            return None
+        with self._cond:
+            while step not in self._hp and not self._hp_released:
+                self._cond.wait(timeout=0.1)
+            groups = self._hp.get(step)
+            if groups is None:
+                known = [k for k in self._hp if k < step]
+                if not known:
+                    return None
+                groups = self._hp[max(known)]
+            for old in [k for k in self._hp if k < step - 2]:
+                del self._hp[old]  # only the next steps' are still read
+        optimizer = self.optimizer
+        return lambda hp, dst: optimizer.predict_into(hp.master, dst, groups)
 
     def _submit(self, task: Callable[[], None], what: str, step: int) -> None:
         def guarded() -> None:
@@ -551,3 +630,31 @@ class OptimizerStepper:
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()
+
+
+def staleness_compensation(
+    wanted: str, *, async_mode: bool, can_predict: bool, data_parallel: bool
+) -> str:
+    """``roundpipe.staleness_compensation`` resolved for this engine: "none" or "predict".
+
+    "auto" is "predict" where it applies (the asynchronous optimizer on DeepSpeed's CPU Adam,
+    one process) and "none" elsewhere. An explicit "predict" where it cannot run raises
+    (ValueError); with the synchronous optimizer nothing is stale, so it resolves to "none"."""
+    if wanted == "none" or not async_mode:
+        return "none"
+    fits = can_predict and not data_parallel
+    if wanted == "auto":
+        return "predict" if fits else "none"
+    if not fits:
+        why = (
+            "data parallel (the weights are stepped on one rank and broadcast)"
+            if data_parallel
+            else "an optimizer other than Adam/AdamW on DeepSpeed's CPU Adam (torch_adam, a "
+            "torch.optim class or a client optimizer)"
+        )
+        raise ValueError(
+            f'roundpipe.staleness_compensation "{wanted}" extrapolates the weights along Adam\'s '
+            f'moments and does not support {why}; use "auto" (which falls back to "none" '
+            'there) or "none"'
+        )
+    return wanted

@@ -5,10 +5,13 @@ checks it): ``actions`` (Action, Plan, text form), ``costs`` (LayerCosts, StageC
 holds), ``memory`` (what a device holds over a plan), ``lower`` (transfers and optimizer steps),
 ``validate``, ``schedules`` (RoundPipe, Mobius and the classic baselines; the registry
 ``SCHEDULES``), ``simulate`` (discrete-event simulator, a subpackage), ``partition`` (costs ->
-asymmetric cuts), ``render`` (text grid, Chrome trace, PNG) and ``cli`` (``python -m
-rp_engine.plan.simulate``, which runs simulate/__main__.py). The names below are resolved lazily
-(PEP 562) so importing the package does no work and ``rp_engine.plan.partition`` /
-``.simulate`` stay the submodules.
+asymmetric cuts), ``shapes`` (a model's public-config shape -> analytic LayerCosts and memory),
+``advise`` (the configuration advisor: micro-batch, accumulation, round size, cuts and optimizer
+tier for a shape on a machine), ``render`` (text grid, Chrome trace, PNG) and ``cli`` (``python
+-m rp_engine.plan.simulate``, which runs simulate/__main__.py). ``python -m rp_engine.plan
+advise ...`` runs __main__.py (outside the chain, like a ``__main__`` guard). The names below
+are resolved lazily (PEP 562) so importing the package does no work and
+``rp_engine.plan.partition`` / ``.simulate`` stay the submodules.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ _SUBMODULES = (
     "schedules",
     "simulate",
     "partition",
+    "shapes",
+    "advise",
     "render",
     "cli",
 )

@@ -124,6 +124,7 @@ class Planner:
         self.replanned = False
         self.last_plan: Plan | None = None  # the last whole iteration issued
         self.est_iteration_ms: float | None = None
+        self._profiled: LayerCosts | None = None  # what the finished profile measured
         if self.fixed:
             fixed = (tuple(fwd_cuts or ()), tuple(bwd_cuts or ()))
             self.set_cuts(*fixed)  # shape errors first: they name the roundpipe keys
@@ -301,9 +302,13 @@ class Planner:
         return tuple(part.fwd_cuts), tuple(part.bwd_cuts)
 
     def _partition(
-        self, costs: LayerCosts, cuts: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self,
+        costs: LayerCosts,
+        cuts: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        round_size: int | None = None,
     ) -> Partition:
-        """``partition()`` for this engine; deterministic: the same costs give the same cuts."""
+        """``partition()`` for this engine; deterministic: the same costs give the same cuts.
+        ``round_size``: time the cuts at that M_R (default: the given one, else the budget's)."""
         return partition(
             costs,
             num_devices=self.num_devices,
@@ -314,7 +319,7 @@ class Planner:
             bwd_cuts=cuts[1] if cuts else None,
             min_bwd_stages=StageMap.min_bwd_stages(self.shape.has_prefix),
             link_gbps=self.link_gbps,
-            round_size=self.round_size if self._round_size_given else None,
+            round_size=round_size or (self.round_size if self._round_size_given else None),
         )
 
     def compute_plan(self, start_device: int = 0) -> Plan:
@@ -442,7 +447,8 @@ class Planner:
         self.profile_left -= 1
         if self.profile_left > 0:
             return False
-        costs = self._measured()
+        # read now: the backward samples are per stage of the cuts in use, which may change
+        costs = self._profiled = self._measured()
         if costs is None:
             return False
         current = self._partition(costs, (self.fwd_cuts, self.bwd_cuts))
@@ -456,6 +462,41 @@ class Planner:
         self.replanned = True
         self._log_plan("re-planned from measurements")
         return True
+
+    def measured_costs(self) -> LayerCosts | None:
+        """The per-layer costs the finished profile measured (medians), as ``observe`` read
+        them with the cuts they were measured under; None before the profile ends."""
+        return self._profiled
+
+    def replan_rounds(self, costs: LayerCosts) -> tuple[float, float]:
+        """Autotuning's re-plan (autotune.py): the round size and the cuts chosen together for
+        ``costs``, over every M_R dividing the step's micro-batches that fits the budget (the
+        given ``roundpipe.round_size`` only, when set; the given cuts only, when set). The plan
+        changes only when the best is estimated faster than the plan in use at its own round
+        size. Returns (estimate of the plan in use, estimate of the plan chosen), ms."""
+        m = self.num_microbatches
+        if self._round_size_given:
+            sizes = [self.round_size]
+        else:
+            sizes = [d for d in range(m, 0, -1) if not m % d]
+            if self.memory_budget_bytes is not None and self.boundary_bytes > 0:
+                sizes = [d for d in sizes if d <= self.round_size]  # fit_round_size's largest
+
+        current = (tuple(self.fwd_cuts), tuple(self.bwd_cuts))
+        before = self._partition(costs, current, self.round_size).est_iteration_ms
+        best_ms, best_size, best = before, self.round_size, current
+        for size in sizes:
+            part = self._partition(costs, current if self.fixed else None, size)
+            if part.est_iteration_ms < best_ms * (1 - 1e-9):
+                best_ms, best_size = part.est_iteration_ms, size
+                best = (tuple(part.fwd_cuts), tuple(part.bwd_cuts))
+        self.est_iteration_ms = best_ms
+        if (best_size, best) != (self.round_size, current):
+            self.round_size = best_size
+            self.set_cuts(*best)
+            self.replanned = True
+            self._log_plan(f"autotuning re-planned (round size {best_size})")
+        return before, best_ms
 
     def _measured(self) -> LayerCosts | None:
         p = 1 if self.shape.has_prefix else 0

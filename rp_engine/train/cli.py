@@ -152,17 +152,19 @@ def _parser() -> argparse.ArgumentParser:
         help="optimizer steps (default: 30 on the embedded corpus, else one epoch)",
     )
     a("--epochs", type=float, help="epochs over the training split (instead of --steps)")
-    a("--seq-len", type=int, default=128)
+    a("--seq-len", type=int, default=128, action=_Given, help="tokens per sequence (128)")
     a(
         "--micro-batch",
         type=int,
         default=4,
+        action=_Given,
         help='micro-batch size (a --deepspeed config: fills "auto")',
     )
     a(
         "--grad-accum",
         type=int,
         default=4,
+        action=_Given,
         help='gradient accumulation steps (a --deepspeed config: fills "auto")',
     )
     a(
@@ -197,8 +199,10 @@ def _parser() -> argparse.ArgumentParser:
     a(
         "--plan",
         action="store_true",
-        help="print the plan (cuts, memory, tokens/s, bubble) "
-        "on --machine and exit without training",
+        help="advise: the fastest micro-batch, accumulation, round size, cuts and optimizer "
+        "tier on --machine (simulated; --seq-len/--micro-batch/--grad-accum kept when given, "
+        "else searched at 2048 tokens), write the best as <run folder>/ds_config.json and "
+        "exit without training",
     )
     a("--machine", default="rtx4090_pcie4_8x", help="machine preset for --plan")
     a("--plan-devices", type=int, help="devices for --plan (default: the machine's)")
@@ -211,6 +215,20 @@ def _parser() -> argparse.ArgumentParser:
     a("--json", action="store_true", help="print the summary as JSON at the end")
     a("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     return p  # fmt: skip
+
+
+class _Given(argparse.Action):
+    """Stores the value and records that the user gave it (``args.given``): ``--plan`` keeps
+    what was given and searches the rest."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+        option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        setattr(namespace, self.dest, values)
+        given = set(getattr(namespace, "given", set()))
+        given.add(self.dest)
+        namespace.given = given
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +289,7 @@ class _Job:
             cpu_devices=_cpu_devices(cfg.roundpipe.devices),
         )  # fmt: skip
         if args.plan:
-            return self._plan(counts, host, mbs, gas)
+            return self._plan(counts, host, shape, raw)
         if not args.no_preflight:
             preflight.check_host(host)
             budget = _device_budget(cfg)
@@ -348,21 +366,48 @@ class _Job:
         return make(args.out, name)  # type: ignore[no-any-return]
 
     # --- plan preview -----------------------------------------------------------------------------
-    def _plan(self, counts: Any, host: Any, mbs: int, gas: int) -> int:
-
+    def _plan(self, counts: Any, host: Any, shape: Any, raw: dict[str, Any]) -> int:
+        """The advisor's table for this model on --machine; the best configuration becomes
+        <run folder>/ds_config.json (the job's optimizer and scheduler kept), plan.json and
+        plan.png (its simulated Gantt)."""
         from rp_engine.plan import render
         from rp_engine.train import preflight
+        from rp_engine.train.presets import parse_lora
         from rp_engine.train.run_folder import write_json
 
-        summary, sim = preflight.plan_preview(
-            counts, machine_name=self.args.machine, num_devices=self.args.plan_devices,
-            seq_len=self.args.seq_len, micro_batch=mbs, grad_accum=gas,
+        args = self.args
+        given: set[str] = getattr(args, "given", set())
+        # a --deepspeed config's own batch sizes count as given
+        fixed_mb = "micro_batch" in given or (
+            args.config and raw.get("train_micro_batch_size_per_gpu") not in (None, "auto")
+        )
+        fixed_gas = "grad_accum" in given or (
+            args.config and raw.get("gradient_accumulation_steps") not in (None, "auto")
+        )
+        summary, found = preflight.plan_preview(
+            counts, machine_name=args.machine, num_devices=args.plan_devices,
+            hf_config=preflight._decoder(shape.model).config.to_dict(), name=shape.name,
+            seq_len=args.seq_len if "seq_len" in given else None,
+            micro_batch=raw["train_micro_batch_size_per_gpu"] if fixed_mb else None,
+            grad_accum=raw["gradient_accumulation_steps"] if fixed_gas else None,
+            lora_rank=parse_lora(args.lora)[0] if args.lora else None,
+            async_optimizer=raw.get("roundpipe", {}).get("async_optimizer", True),
+            clipping=float(raw.get("gradient_clipping", 1.0) or 0) > 0,
         )  # fmt: skip
         available = preflight.available_bytes()
-        print(preflight.format_plan(summary, host, available))
+        print(preflight.format_plan(summary, host, available, found))
+        best = found[0].ds_config()
+        for key in ("optimizer", "scheduler"):  # the job's own, "auto" values filled
+            if key in raw:
+                best[key] = raw[key]
+        best["roundpipe"] = {**raw.get("roundpipe", {}), **best["roundpipe"]}
+        write_json(self.run_dir / "ds_config.json", best)
         write_json(self.run_dir / "plan.json", {**summary, "host_bytes": host.total})
-        render.write_png(sim, self.run_dir / "plan.png")
-        print(f"plan: {self.run_dir / 'plan.json'}\nsimulated Gantt: {self.run_dir / 'plan.png'}")
+        render.write_png(found[0].sim, self.run_dir / "plan.png")
+        print(
+            f"best configuration: {self.run_dir / 'ds_config.json'} (rp-train --deepspeed ...)\n"
+            f"plan: {self.run_dir / 'plan.json'}\nsimulated Gantt: {self.run_dir / 'plan.png'}"
+        )
         return 0
 
     # --- training ---------------------------------------------------------------------------------

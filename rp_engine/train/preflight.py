@@ -14,6 +14,7 @@ Host bytes (RoundPipe keeps all model state on the host, see model/host_store.py
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,76 +149,87 @@ def check_device(
 
 
 def plan_preview(
-    counts: Counts, *, machine_name: str, num_devices: int | None, seq_len: int,
-    micro_batch: int, grad_accum: int, mfu: float = 0.5,
+    counts: Counts, *, machine_name: str, num_devices: int | None, hf_config: dict[str, Any],
+    name: str, seq_len: int | None, micro_batch: int | None, grad_accum: int | None,
+    lora_rank: int | None = None, async_optimizer: bool = True, clipping: bool = True,
 ) -> tuple[dict[str, Any], Any]:  # fmt: skip
-    """Cuts, per-device memory, predicted tokens/s and bubble for this model on a machine
-    preset, from the simulator. Compute times are analytic: 2 FLOPs per parameter per token
-    forward, twice that backward, at ``mfu`` of the preset's peak bf16 TFLOPS. Returns
-    (summary dict, SimResult for the Gantt)."""
-    from rp_engine.plan import schedules
-    from rp_engine.plan.partition import LayerCosts, partition
-    from rp_engine.plan.simulate import load_machine, simulate
+    """The configuration advisor (rp_engine/plan/advise.py) for this model on a machine preset:
+    the model's shape from its Hugging Face config, ``seq_len`` / ``micro_batch`` /
+    ``grad_accum`` kept when given (None: searched; the sequence length then defaults to the
+    published measurement's 2,048), cuts, round size and optimizer tier searched, each finalist
+    simulated. Returns (summary dict of the best, with every row under "advice"; the list of
+    Advice: ``[0].sim`` is the best's SimResult for the Gantt, ``[0].ds_config()`` its config).
+    Raises PreflightError when nothing fits, naming what and the fix."""
+    import dataclasses
+
+    from rp_engine.plan.advise import AdviceError, advise
+    from rp_engine.plan.shapes import Shape
+    from rp_engine.plan.simulate import load_machine
 
     machine = load_machine(machine_name)
-    n = num_devices or machine.num_devices
-    info = machine.info
-    peak = float(
-        info.get("peak_tflops_bf16") or info.get("peak_tflops_bf16_fp32_acc") or 100.0  # type: ignore[arg-type]
-    )
-    tokens = micro_batch * seq_len
-    ms_per_param = 2 * tokens / (peak * 1e12 * mfu) * 1e3
-    fwd = tuple(p * ms_per_param for p in counts.block_params)
-    head_fwd = counts.head_params * ms_per_param
-    act = micro_batch * seq_len * counts.hidden * 2
-    costs = LayerCosts(
-        fwd_ms=fwd, bwd_ms=tuple(2 * f for f in fwd),
-        param_bytes=tuple(2 * p for p in counts.block_params), act_bytes=(act,) * len(fwd),
-        head_fwd_ms=head_fwd, head_bwd_ms=2 * head_fwd, head_param_bytes=2 * counts.head_params,
-        head_act_bytes=micro_batch * seq_len * 4 * 1024, boundary_bytes=act,
-    )  # fmt: skip
-    part = partition(
-        costs, num_devices=n, num_microbatches=grad_accum,
-        memory_budget_bytes=machine.memory_bytes, async_optimizer=True,
-    )  # fmt: skip
-    plan = schedules.build(
-        "roundpipe", num_iterations=4, fwd_cuts=part.fwd_cuts, bwd_cuts=part.bwd_cuts,
-        num_devices=n, num_microbatches=grad_accum,
-    )  # fmt: skip
-    sim = simulate(plan, costs, machine=machine, optimizer="async")
+    if num_devices:
+        machine = dataclasses.replace(machine, num_devices=num_devices)
+    shape = Shape.from_hf_config(hf_config, name=name)
+    if counts.frozen and lora_rank:  # LoRA: only the adapters train
+        shape = dataclasses.replace(shape, lora=True, lora_rank=lora_rank)
+    try:
+        found = advise(
+            shape, machine, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
+            async_optimizer=async_optimizer, clipping=clipping, top=3,
+        )  # fmt: skip
+    except AdviceError as e:
+        raise PreflightError(f"--plan: {e}") from e
+    best = found[0]
     summary = {
         "machine": machine.name,
-        "devices": n,
-        "fwd_cuts": list(part.fwd_cuts),
-        "bwd_cuts": list(part.bwd_cuts),
-        "micro_batches_per_step": grad_accum,
-        "round_size": min(n, grad_accum),
-        "device_peak_bytes": list(sim.peak_memory_bytes),
+        "devices": best.num_devices,
+        "seq_len": best.seq_len,
+        "micro_batch": best.micro_batch,
+        "fwd_cuts": list(best.fwd_cuts),
+        "bwd_cuts": list(best.bwd_cuts),
+        "micro_batches_per_step": best.grad_accum,
+        "round_size": best.round_size,
+        "tier": best.tier,
+        "device_peak_bytes": list(best.sim.peak_memory_bytes) if best.sim else [],
         "device_budget_bytes": machine.memory_bytes,
-        "iteration_ms": sim.iteration_ms,
-        "tokens_per_s": grad_accum * tokens / (sim.iteration_ms / 1e3) if sim.iteration_ms else 0.0,
-        "bubble_ratio": sim.bubble_ratio,
-        "assumptions": f"dense FLOPs at {mfu:.0%} of {peak:g} TFLOPS; simulator transfers",
+        "iteration_ms": best.iteration_ms,
+        "tokens_per_s": best.tokens_per_s,
+        "bubble_ratio": best.bubble,
+        "binds": best.binds,
+        "why": best.why(),
+        "advice": [a.to_json() for a in found],
+        "assumptions": "per-layer costs scaled by FLOPs from the published Qwen3-1.7B layer on "
+        "an RTX 4090 (rp_engine/plan/shapes.py); simulator transfers and CPU Adam",
     }
-    return summary, sim
+    return summary, found
 
 
-def format_plan(summary: dict[str, Any], host: HostEstimate, available: int) -> str:
+def format_plan(
+    summary: dict[str, Any], host: HostEstimate, available: int, found: Sequence[Any] = ()
+) -> str:
+    """The advisor's table, then the best configuration, what binds it and why, and this
+    host's memory for the run as configured."""
+    from rp_engine.plan.advise import format_table
+
     peaks = ", ".join(format_bytes(b) for b in summary["device_peak_bytes"])
     budget = summary["device_budget_bytes"]
     return "\n".join(
         [
-            f"plan on {summary['machine']} ({summary['devices']} devices)",
+            *([format_table(found), ""] if found else []),
+            f"plan on {summary['machine']} ({summary['devices']} devices): the best above",
             f"  forward cuts  {summary['fwd_cuts']}",
             f"  backward cuts {summary['bwd_cuts']} (head stage first)",
-            f"  micro-batches per step {summary['micro_batches_per_step']}, round size "
-            f"{summary['round_size']}",
+            f"  micro-batch {summary['micro_batch']} x {summary['seq_len']} tokens, "
+            f"micro-batches per step {summary['micro_batches_per_step']}, round size "
+            f"{summary['round_size']}, optimizer state on the {summary['tier']}",
             f"  device memory peak per device: {peaks}"
             + (f" (budget {format_bytes(budget)})" if budget else ""),
             f"  predicted {summary['tokens_per_s']:.0f} tokens/s, iteration "
             f"{summary['iteration_ms']:.1f} ms, bubble {100 * summary['bubble_ratio']:.1f} %",
+            f"  {summary['why']}",
             f"  ({summary['assumptions']})",
-            f"host memory: {format_bytes(host.total)} needed, {format_bytes(available)} available",
+            f"host memory (this host, the run as configured): {format_bytes(host.total)} "
+            f"needed, {format_bytes(available)} available",
             *host.lines(),
         ]
     )

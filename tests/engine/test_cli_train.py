@@ -265,20 +265,31 @@ def test_plan_prints_cuts_memory_and_throughput_without_training(
     tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import rp_engine
+    from rp_engine.config import load_config
 
     def no_engine(*a: Any, **k: Any) -> Any:
         raise AssertionError("--plan must not build an engine")
 
     monkeypatch.setattr(rp_engine, "initialize", no_engine)
-    argv = ["--model", "qwen3-0.6b", "--plan", "--out", str(tmp_path), "--seq-len", "512"]
+    # --seq-len and --micro-batch given: kept; the accumulation, rounds and cuts are searched
+    argv = ["--model", "qwen3-0.6b", "--plan", "--out", str(tmp_path), "--seq-len", "512",
+            "--micro-batch", "2"]  # fmt: skip
     rc, out, _ = _run(argv, capsys)
     assert rc == 0, out
+    assert "| # | micro-batch x accum (round)" in out and "binds" in out
     assert "forward cuts" in out and "backward cuts" in out
     assert "device memory peak per device" in out and "tokens/s" in out and "bubble" in out
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert sum(plan["fwd_cuts"]) == 28 and plan["tokens_per_s"] > 0
+    assert (plan["seq_len"], plan["micro_batch"]) == (512, 2)
+    assert plan["binds"] in ("compute", "pcie", "host adam", "disk") and plan["binds"] in out
     assert (tmp_path / "plan.png").is_file()
     assert plan["host_bytes"] > 0.6e9 * 16  # full fine-tune state of 0.6 B params
+    # the best configuration is the run folder's ds_config.json, and it parses
+    cfg = load_config(json.loads((tmp_path / "ds_config.json").read_text()))
+    assert list(cfg.roundpipe.fwd_cuts or ()) == plan["fwd_cuts"]
+    assert cfg.train_micro_batch_size_per_gpu == 2
+    assert cfg.gradient_accumulation_steps == plan["micro_batches_per_step"]
 
 
 # --- clear errors ---------------------------------------------------------------------------------------

@@ -60,10 +60,10 @@ def _probe(overlap: bool, wait_s: float, **rp: Any) -> dict[str, bool | None]:
                 seen["backward"] = started.wait(timeout=wait_s)
         return call(ctx, device, layer, state, mb, w)
 
-    def held_finish(layers: list[int], step: int) -> None:
+    def held_finish(layers: list[int], step: int, **kw: Any) -> None:
         if step == 2 and seen["optimizer"] is None:
             seen["optimizer"] = started.wait(timeout=wait_s)
-        finish(layers, step)
+        finish(layers, step, **kw)
 
     engine._executor._call = traced_call
     engine.stepper._finish = held_finish

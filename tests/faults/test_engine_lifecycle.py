@@ -276,10 +276,10 @@ def _hold_step(engine: Any, step: int) -> threading.Event:
     release = threading.Event()
     finish = engine.stepper._finish
 
-    def held(layers: list[int], at: int) -> None:
+    def held(layers: list[int], at: int, **kw: Any) -> None:
         if at == step:
             release.wait(timeout=60)
-        finish(layers, at)
+        finish(layers, at, **kw)
 
     engine.stepper._finish = held
     return release

@@ -42,7 +42,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine services", ("rp_engine.monitor", "rp_engine.data")),  # W&B/CSV/TB, data loader
     ("runtime", ("rp_engine.runtime",)),  # where plans meet devices: planner, executor
     ("checkpoint", ("rp_engine.checkpoint",)),  # DeepSpeed's files; reads the engine duck-typed
-    ("initialize checks", ("rp_engine.host_preflight",)),  # host memory, before any allocation
+    # host memory, before any allocation; the advisor's answer to DeepSpeed's autotuning block
+    ("initialize checks", ("rp_engine.host_preflight", "rp_engine.autotune")),
     ("engine", ("rp_engine.engine",)),  # RoundPipeEngine: wires the parts
     (
         "doors",
