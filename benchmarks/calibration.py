@@ -3,7 +3,7 @@
 ``layer_costs`` times the model's own layers directly (forward; forward + backward; the LM head
 with its loss) on one micro-batch, with the intra-op threads one CPU virtual device gets, and
 returns ``LayerCosts`` with the real parameter, boundary-state and batch bytes. ``cpu_adam_rate``
-measures DeepSpeed's CPU Adam (the kernel the engine steps with). ``predict_ms`` builds the
+(``rp_engine.autotune``'s) measures DeepSpeed's CPU Adam (the kernel the engine steps with). ``predict_ms`` builds the
 engine's plan (same schedule, cuts, devices, micro-batches, round size) for a few iterations back
 to back and simulates it on a machine model of the emulated link; its steady-state iteration is
 the prediction. ``gpu_point`` is the second calibration point, from the per-layer figures
@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.shapes import SHAPES, zero_infinity_tps
+from rp_engine.autotune import cpu_adam_rate  # re-exported: the benchmarks' one Adam timer
 from rp_engine.plan import schedules
 from rp_engine.plan.partition import LayerCosts
 from rp_engine.plan.simulate import Machine, simulate
@@ -188,18 +189,6 @@ def in_run_costs(
         head_bwd_ms=k_h * costs.head_bwd_ms,
     )
     return scaled, {"k_f": k_f, "k_b": k_b, "k_h": k_h}
-
-
-def cpu_adam_rate(num_params: int, reps: int = 3) -> float:
-    """Parameters per second of DeepSpeedCPUAdam on ``num_params`` fp32 parameters."""
-    import torch
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    p = torch.nn.Parameter(torch.zeros(max(num_params, 1)))
-    p.grad = torch.full_like(p, 1e-3)
-    opt = DeepSpeedCPUAdam([p], lr=1e-4)
-    ms = _median_ms(opt.step, reps)
-    return p.numel() / (ms / 1e3)
 
 
 def cpu_machine(

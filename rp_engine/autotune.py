@@ -26,6 +26,7 @@ its experiments and have no meaning here: they are listed once in the log. ``met
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -37,7 +38,7 @@ from rp_engine.config.errors import ConfigError
 
 log = logging.getLogger("rp_engine.autotune")
 
-__all__ = ["AutotuneSettings", "ProfileCheck", "advise_batch", "machine_for"]
+__all__ = ["AutotuneSettings", "ProfileCheck", "advise_batch", "cpu_adam_rate", "machine_for"]
 
 # bf16 dense TFLOPS with fp32 accumulation by GPU name (public spec sheets); compute times of
 # the advisor's model are the RTX 4090's scaled by 165 / this
@@ -101,6 +102,7 @@ class AutotuneSettings:
         )
 
 
+@functools.lru_cache(maxsize=8)  # initialize and the engine's profile check ask for the same one
 def machine_for(
     devices: str | None,
     *,
@@ -112,7 +114,8 @@ def machine_for(
     path) with the device count in use, else the visible GPUs (the RTX 4090 preset's links and
     host, their memory, compute scaled by their bf16 TFLOPS), else CPU virtual devices (compute
     scaled by a matmul timed here, shared by the devices; the emulated link; host Adam at the
-    rate DeepSpeed's CPU Adam steps here, timed)."""
+    rate DeepSpeed's CPU Adam steps here, timed). Cached per arguments: the CPU timings run
+    once per process."""
     import torch
 
     from rp_engine.device import parse_device_spec
@@ -146,19 +149,19 @@ def machine_for(
     gbps = pcie_gbps or 1e3
     return Machine(
         name=f"{n} CPU virtual devices", num_devices=n, h2d_gbps=gbps, d2h_gbps=gbps,
-        host_link_gbps=None, memory_bytes=memory, cpu_adam_params_per_s=_cpu_adam_rate(),
+        host_link_gbps=None, memory_bytes=memory, cpu_adam_params_per_s=cpu_adam_rate(),
         bytes_per_param=4.0, compute_scale=effective_flops_per_ms() / flops_per_ms,
         host_cores=float(os.cpu_count() or 1),  # the devices and the optimizer share them
     )  # fmt: skip
 
 
-def _cpu_adam_rate(numel: int = 1 << 20, reps: int = 3) -> float:
+def cpu_adam_rate(num_params: int = 1 << 20, reps: int = 3) -> float:
     """Parameters per second of DeepSpeed's CPU Adam (the kernel the engine steps with) on
-    ``numel`` fp32 parameters, median of ``reps`` steps."""
+    ``num_params`` fp32 parameters: the median of ``reps`` steps after one warm-up step."""
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    p = torch.nn.Parameter(torch.zeros(numel))
+    p = torch.nn.Parameter(torch.zeros(max(num_params, 1)))
     p.grad = torch.full_like(p, 1e-3)
     opt = DeepSpeedCPUAdam([p], lr=1e-4)
     opt.step()  # warm-up
@@ -168,7 +171,7 @@ def _cpu_adam_rate(numel: int = 1 << 20, reps: int = 3) -> float:
         opt.step()
         times.append(time.perf_counter() - t)
     times.sort()
-    return numel / max(times[len(times) // 2], 1e-9)
+    return p.numel() / max(times[len(times) // 2], 1e-9)
 
 
 def _matmul_flops_per_ms(size: int = 512, reps: int = 5) -> float:

@@ -454,15 +454,19 @@ class _Search:
         return sorted(v for v in values if v >= floor)
 
     # -- scoring -------------------------------------------------------------------------------
-    def evaluate(self, cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> float:
+    def evaluate(
+        self, cuts: tuple[tuple[int, ...], tuple[int, ...]], *, charged: bool = True
+    ) -> float:
         """The objective (``estimate_iteration_ms``), memoised; +inf for new cuts once the work
-        budget (actions simulated) is spent, so the search time is bounded."""
+        budget (actions simulated) is spent, so the search time is bounded. ``charged=False``
+        scores the cuts whatever is left and leaves the budget as it was (the seeds)."""
         if cuts not in self.scores:
             n, m, async_opt = self.shape
             work = (len(cuts[0]) + len(cuts[1])) * m * (_ASYNC_WORK if async_opt else 1)
-            if work > self.work_left and self.scores:  # the first candidate is always scored
-                return math.inf
-            self.work_left -= work
+            if charged:
+                if work > self.work_left and self.scores:  # the first candidate is always scored
+                    return math.inf
+                self.work_left -= work
             # the cuts are timed with the rounds they will run in: how many micro-batches a
             # round holds decides how many rounds (and iterations, async) overlap on the
             # devices, so a shape timed at another M_R can win here and lose when run
@@ -517,10 +521,8 @@ class _Search:
         # 0. the paper's rule of thumb (``rule_of_thumb_family``, about 2 sqrt(L) cuts), scored
         #    outside the budget: whatever the search finds is never worse than it
         for cuts in rule_of_thumb_family(self.L):
-            if self._valid(cuts) and cuts not in self.scores:
-                work_left, self.work_left = self.work_left, 10**12
-                self.evaluate(cuts)
-                self.work_left = work_left
+            if self._valid(cuts):
+                self.evaluate(cuts, charged=False)
         # 1. coarse scan of the shape chain (a quarter of the budget), refined around its
         #    three best local minima (the objective is not unimodal along the chain)
         seeds = self._scan(chain, max_work // 4)

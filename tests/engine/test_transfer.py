@@ -116,6 +116,9 @@ def _activation_d2h_bytes(devices: int) -> int:
     )
     try:
         engine.train_batch(iter([random_batch(128, batch=2, seq=16)]))
+        # The gradients' downloads may still be in flight when train_batch returns (the
+        # optimizer is asynchronous); read the counters once the step has drained.
+        engine.synchronize()
         return sum(d.memory_stats()["d2h_bytes"] for d in engine.pool)
     finally:
         engine.destroy()
