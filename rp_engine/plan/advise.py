@@ -55,10 +55,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import schedules
-from .actions import format_bytes
+from .actions import Plan, format_bytes
 from .costs import LayerCosts
 from .lower import lower
-from .partition import Partition, estimate_iteration_ms, fitted_round_size, partition, transfer_ms
+from .partition import (
+    Partition,
+    estimate_iteration_ms,
+    fitted_round_size,
+    partition,
+    prefetch_fits,
+    transfer_ms,
+)
 from .shapes import CONTEXT_BYTES, Shape, layer_costs, max_seq, mem_bytes
 from .simulate import Machine, SimResult, simulate
 from .validate import validate
@@ -224,6 +231,8 @@ class _Ctx:
     nvme_gbps: float
     costs: dict[int, LayerCosts] = dataclasses.field(default_factory=dict)
     measured: Callable[[int], LayerCosts] | None = None  # micro-batch -> costs, else the model
+    # (micro-batch, accumulation, round) points whose cuts only fit prefetch depth 0
+    shallow: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
 
     def layer_costs(self, mb: int) -> LayerCosts:
         if mb not in self.costs:
@@ -287,6 +296,18 @@ def _load_ms(costs: LayerCosts, part: Partition | tuple, n: int, m: int) -> floa
     return heaviest * m * g / n
 
 
+def _serial_copies_ms(ctx: _Ctx, costs: LayerCosts, part: Partition, gas: int, r: int) -> float:
+    """What the weight copies add to each device's compute per iteration when they cannot
+    overlap it (prefetch depth 0: the memory holds one group's weights, ``prefetch_fits``):
+    every round uploads each slot's weights and downloads each backward slot's gradients,
+    spread over the devices; 0 at depth 1."""
+    if not ctx.link or prefetch_fits(costs, part.fwd_cuts, part.bwd_cuts, r, ctx.budget):
+        return 0.0
+    st = costs.stages(part.fwd_cuts, part.bwd_cuts)
+    moved = sum(st.param_bytes) + sum(st.grad_bytes)
+    return -(-gas // r) * moved / ctx.n / (ctx.link * 1e6)
+
+
 def _fill_ms(costs: LayerCosts, part: Partition, n: int) -> float:
     """Fill and drain of one synchronous iteration: about one micro-batch's path through every
     slot, less the share its own device would run anyway."""
@@ -304,20 +325,79 @@ def _divisors(m: int) -> list[int]:
     return [d for d in range(1, m + 1) if not m % d]
 
 
-def _partition(ctx: _Ctx, mb: int, gas: int, r: int, work: int) -> Partition | None:
-    try:
-        return partition(
-            ctx.layer_costs(mb),
-            num_devices=ctx.n,
-            num_microbatches=gas,
-            memory_budget_bytes=ctx.budget,
-            async_optimizer=ctx.async_opt,
-            max_work=work,
-            link_gbps=ctx.link,
-            round_size=r,
-        )
-    except ValueError:  # one layer (or the head) does not fit at this micro-batch
-        return None
+def _partition(
+    ctx: _Ctx, mb: int, gas: int, r: int, work: int, *, exact: bool = False
+) -> Partition | None:
+    """Cuts for one point, scored for the prefetch depth they will run at. Depth 1 where the
+    device memory holds it for the cuts found (``prefetch_fits``): the uploads hide behind
+    the previous group's compute, and the link bound plus the first upload ranks the points
+    (modelling each copy there too lowered the best found on two of the grid's pairs by
+    3-3.5 %). Else the cuts are searched again with the copies modelled at depth 0, where
+    they run between a device's groups: a 94-layer MoE on a 24 GiB card was estimated 41 %
+    above its simulated run, and the advisor ranked the wrong micro-batch first. A point whose
+    depth-1 cuts did not fit goes straight to depth 0 when it is partitioned again (pass 3).
+    ``exact`` (the finalists): where the bound says depth 1 does not fit, the lowered plan's
+    validated peak decides (the bound is conservative: a Llama-3.1-8B finalist's cuts fit at
+    depth 1 although the bound said no, and searched again at depth 0 they ran 1 % slower)."""
+    costs = ctx.layer_costs(mb)
+    part = None
+    for depth in (None, 0):
+        if depth is None and (mb, gas, r) in ctx.shallow:
+            continue
+        try:
+            part = partition(
+                costs,
+                num_devices=ctx.n,
+                num_microbatches=gas,
+                memory_budget_bytes=ctx.budget,
+                async_optimizer=ctx.async_opt,
+                max_work=work,
+                link_gbps=ctx.link,
+                round_size=r,
+                prefetch_depth=depth,
+            )
+        except ValueError:  # one layer (or the head) does not fit at this micro-batch
+            return None
+        if depth == 0 or prefetch_fits(costs, part.fwd_cuts, part.bwd_cuts, r, ctx.budget):
+            break
+        if exact and _lowered(ctx, _plan(ctx, part, gas, r, 1), costs)[1] == 1:
+            break
+        ctx.shallow.add((mb, gas, r))
+    return part
+
+
+def _plan(ctx: _Ctx, part: Partition, gas: int, r: int, iterations: int) -> Plan:
+    return schedules.build(
+        "roundpipe",
+        num_iterations=iterations,
+        fwd_cuts=part.fwd_cuts,
+        bwd_cuts=part.bwd_cuts,
+        num_devices=ctx.n,
+        num_microbatches=gas,
+        round_size=r,
+    )
+
+
+def _lowered(ctx: _Ctx, plan: Plan, costs: LayerCosts, *, deep: bool = True) -> tuple[Plan, int]:
+    """``plan`` lowered with the deepest prefetch (1 or 0) the device memory allows, as the
+    engine's planner chooses it (runtime/planning.py), and that depth; ``deep=False`` does
+    not try depth 1 (lowering and validating a 127-slot plan takes seconds)."""
+    optimizer = "async" if ctx.async_opt else "sync"
+    for depth in (1, 0) if deep else (0,):
+        lowered = lower(plan, optimizer=optimizer, prefetch_depth=depth)
+        peak = max(validate(lowered, costs=costs)) + _context_bytes(ctx.machine)
+        if not ctx.machine.memory_bytes or peak <= ctx.machine.memory_bytes:
+            break
+    return lowered, depth
+
+
+def _fits_host(ctx: _Ctx, p: _Point, part: Partition) -> bool:
+    """The point's host bytes (its tier's state, the activations its cuts stash) fit the
+    host RAM (always, without a limit)."""
+    if ctx.host_ram is None:
+        return True
+    acts = ctx.host_acts(p.micro_batch, p.grad_accum, len(part.bwd_cuts))
+    return ctx.host_bytes(p.tier, acts) <= ctx.host_ram
 
 
 def _round_fits(ctx: _Ctx, mb: int, gas: int, r: int, part: Partition) -> bool:
@@ -350,13 +430,14 @@ def _closed_form(
                 if r > fitted:
                     continue
                 xfer = transfer_ms(costs, part.fwd_cuts, part.bwd_cuts, ctx.n, gas, r, ctx.link)
+                busy = load + _serial_copies_ms(ctx, costs, part, gas, r)
                 # ties (the host step binds several points) go to the least loaded pipeline
-                it = _combine(ctx, max(load, xfer), tier, fill) + TIE * (load + xfer)
+                it = _combine(ctx, max(busy, xfer), tier, fill) + TIE * (busy + xfer)
                 tps = gas * mb * ctx.seq_len / (it / 1e3)
                 out.append((tps, _Point(mb, gas, r, tier)))
                 if tps > top:
                     top = tps
-                    bound = "host" if ctx.host_ms(tier) >= max(load, xfer) else "pipe"
+                    bound = "host" if ctx.host_ms(tier) >= max(busy, xfer) else "pipe"
             if prune and top and bound == "pipe" and top < best * GAIN:
                 break  # the host step no longer binds and a longer step gains nothing
             best = max(best, top)
@@ -365,15 +446,7 @@ def _closed_form(
 
 def _simulate(ctx: _Ctx, p: _Point, part: Partition) -> SimResult:
     costs = ctx.layer_costs(p.micro_batch)
-    plan = schedules.build(
-        "roundpipe",
-        num_iterations=4 if ctx.async_opt else 2,
-        fwd_cuts=part.fwd_cuts,
-        bwd_cuts=part.bwd_cuts,
-        num_devices=ctx.n,
-        num_microbatches=p.grad_accum,
-        round_size=p.round_size,
-    )
+    plan = _plan(ctx, part, p.grad_accum, p.round_size, 4 if ctx.async_opt else 2)
     # the simulator steps every layer's parameters at cpu_adam_params_per_s: set the rate so
     # that the whole step takes the host step's time (LoRA steps only the adapters; the NVMe
     # tier's disk time when it is longer)
@@ -384,20 +457,16 @@ def _simulate(ctx: _Ctx, p: _Point, part: Partition) -> SimResult:
     # compute_scale 1: the costs are this machine's already (shapes.layer_costs scales them);
     # the simulator would scale them a second time (an A800 ran 0.53^2 of the 4090's times)
     machine = dataclasses.replace(ctx.machine, cpu_adam_params_per_s=rate, compute_scale=1.0)
-    # prefetch as deep as the device memory allows, as the engine's planner chooses it
-    # (runtime/planning.py): with one slot's upload ahead a 94-layer MoE slot pair needs
-    # 31 GiB on a 24 GiB card, with none it fits
-    optimizer = "async" if ctx.async_opt else "sync"
-    for depth in (1, 0):
-        lowered = lower(plan, optimizer=optimizer, prefetch_depth=depth)
-        peak = max(validate(lowered, costs=costs)) + _context_bytes(ctx.machine)
-        if not ctx.machine.memory_bytes or peak <= ctx.machine.memory_bytes:
-            break
+    # prefetch as deep as the device memory allows: with one slot's upload ahead a 94-layer
+    # MoE slot pair needs 31 GiB on a 24 GiB card, with none it fits
+    # cuts searched at depth 0 (their depth-1 cuts did not fit): depth 1 is not tried again
+    deep = (p.micro_batch, p.grad_accum, p.round_size) not in ctx.shallow
+    lowered, _ = _lowered(ctx, plan, costs, deep=deep)
     return simulate(
         lowered,
         costs,
         machine=machine,
-        optimizer=optimizer,
+        optimizer="async" if ctx.async_opt else "sync",
         global_norm=ctx.clipping,
     )
 
@@ -639,10 +708,13 @@ def advise(
     pool = _distinct(
         [p for _, p in scored], 2 * max(min(top, 3) if finalists is None else finalists, 1)
     )
+    pool += [p for p in _whole_step_rounds(scored, grid) if p not in pool]
     second: list[tuple[float, _Point, Partition]] = []
     for p in pool:
         part = _partition(ctx, p.micro_batch, p.grad_accum, p.round_size, grid_work)
         if part is None or not _round_fits(ctx, p.micro_batch, p.grad_accum, p.round_size, part):
+            continue
+        if not _fits_host(ctx, p, part):  # its own cuts stash more or fewer activations
             continue
         pipe = part.est_iteration_ms
         fill = _fill_ms(ctx.layer_costs(p.micro_batch), part, ctx.n) if not ctx.async_opt else 0
@@ -664,7 +736,10 @@ def advise(
         if out and spent + cost > sim_budget:
             break
         spent += cost
-        full = _partition(ctx, p.micro_batch, p.grad_accum, p.round_size, final_work) or part
+        full = (
+            _partition(ctx, p.micro_batch, p.grad_accum, p.round_size, final_work, exact=True)
+            or part
+        )
         if not _round_fits(ctx, p.micro_batch, p.grad_accum, p.round_size, full):
             full = part
         out.append(_advice(ctx, p, full, _simulate(ctx, p, full)))
@@ -703,19 +778,34 @@ def score_point(
         mem_bytes("roundpipe", shape, micro_batch * seq_len, ctx.n) > machine.memory_bytes
     ):
         return None
-    part = _partition(ctx, micro_batch, grad_accum, round_size, work)
+    part = _partition(ctx, micro_batch, grad_accum, round_size, work, exact=simulated)
     if part is None or not _round_fits(ctx, micro_batch, grad_accum, round_size, part):
         return None
     p = _Point(micro_batch, grad_accum, round_size, tier)
-    if ctx.host_ram is not None:
-        acts = ctx.host_acts(micro_batch, grad_accum, len(part.bwd_cuts))
-        if ctx.host_bytes(tier, acts) > ctx.host_ram:
-            return None
+    if not _fits_host(ctx, p, part):
+        return None
     if not simulated:
         fill = _fill_ms(ctx.layer_costs(micro_batch), part, ctx.n) if not async_optimizer else 0
         it = _combine(ctx, part.est_iteration_ms, tier, fill)
         return grad_accum * micro_batch * seq_len / (it / 1e3)
     return _advice(ctx, p, part, _simulate(ctx, p, part))
+
+
+def _whole_step_rounds(scored: Sequence[tuple[float, _Point]], grid: Grid) -> list[_Point]:
+    """Per micro-batch size scored in pass 1, its largest accumulation in one round (the
+    largest the grid allows), on the tier of its best point. Pass 1 drops rounds that the
+    reference cuts (partitioned at a small accumulation) leave no room for, but a point's own
+    cuts may fit them, and one round per step uploads each slot's weights once: the Qwen3-235B
+    LoRA on the 4090 preset runs 22 % faster at 2 x 64 (64) than at pass 1's best, which
+    never reached pass 2."""
+    out: list[_Point] = []
+    for mb in sorted({p.micro_batch for _, p in scored}):
+        mine = [(t, p) for t, p in scored if p.micro_batch == mb]
+        tier = max(mine, key=lambda t: t[0])[1].tier
+        gas = max(p.grad_accum for _, p in mine)
+        rounds = [d for d in _divisors(gas) if grid.round_sizes is None or d in grid.round_sizes]
+        out.append(_Point(mb, gas, max(rounds, default=1), tier))
+    return out
 
 
 def _distinct(points: Sequence[_Point], k: int) -> list[_Point]:

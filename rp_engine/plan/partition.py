@@ -40,6 +40,8 @@ __all__ = [
     "partition",
     "estimate_iteration_ms",
     "transfer_ms",
+    "weight_traffic",
+    "prefetch_fits",
     "fitted_round_size",
     "balanced_stage_layers",
     "rule_of_thumb_cuts",
@@ -92,6 +94,7 @@ def partition(
     min_bwd_stages: int = 1,
     link_gbps: float | None = None,
     round_size: int | None = None,
+    prefetch_depth: int | None = None,
 ) -> Partition:
     """Choose RoundPipe forward and backward cuts for ``costs`` on ``num_devices`` devices.
 
@@ -112,12 +115,17 @@ def partition(
     ``link_gbps`` (GB/s of each device's host link, None: transfers are free) adds the transfers
     to the objective: an iteration takes at least ``transfer_ms``, the weights, gradients and
     activations the busiest link moves, with the same rounds (so the activation memory of the
-    cuts' largest slot sets how often weights cross), plus the first upload.
+    cuts' largest slot sets how often weights cross), plus the first upload. With a
+    ``prefetch_depth`` as well (the depth the plan will be lowered with), each slot's round on
+    a device also waits for its weights' upload as the lowered plan does (``WeightTraffic``):
+    at depth 0, where the device memory holds one group's weights, the copies run between a
+    device's groups and lengthen the iteration, which the link bound alone does not see.
     """
     search = _Search(
         costs, memory_budget_bytes, num_devices, num_microbatches, async_optimizer, min_bwd_stages
     )
     search.link = (link_gbps, round_size)
+    search.prefetch_depth = prefetch_depth
     if fwd_cuts is not None or bwd_cuts is not None:
         if fwd_cuts is None or bwd_cuts is None:
             raise ValueError("give both fwd_cuts and bwd_cuts, or neither")
@@ -136,10 +144,12 @@ def estimate_iteration_ms(
     num_microbatches: int,
     async_optimizer: bool = True,
     round_size: int | None = None,
+    weights: simulate.WeightTraffic | None = None,
 ) -> float:
     """Iteration time of RoundPipe with these cuts and rounds of ``round_size`` micro-batches
     (None: one round of the whole step, the engine's M_R without a memory budget; ``partition``
-    passes the round size it times the cuts with) under the simulation conventions.
+    passes the round size it times the cuts with) under the simulation conventions; with
+    ``weights``, the groups wait for their weight copies (``QuickProgram.run``).
 
     Sync: the makespan of one iteration. Async: the steady state of back-to-back iterations
     (each on the weights of two steps before; ``simulate.async_steady_ms``), and at least the
@@ -148,9 +158,9 @@ def estimate_iteration_ms(
     shape = (costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches)
     size = num_microbatches if round_size is None else round_size
     if not async_optimizer:
-        return _quick(*shape, 1, size).makespan_ms
+        return _quick(*shape, 1, size, weights).makespan_ms
     load = _load_bound(costs, fwd_cuts, bwd_cuts, num_devices, num_microbatches)
-    steady = simulate.async_steady_ms(lambda k: _quick(*shape, k, size).iteration_ends)
+    steady = simulate.async_steady_ms(lambda k: _quick(*shape, k, size, weights).iteration_ends)
     return max(steady, load)
 
 
@@ -177,6 +187,48 @@ def fitted_round_size(
     room = memory_budget_bytes - largest
     sizes = [d for d in range(m, 0, -1) if not m % d]
     return next((d for d in sizes if 2 * d * costs.boundary_bytes <= room), 1)
+
+
+def prefetch_fits(
+    costs: LayerCosts,
+    fwd_cuts: Sequence[int],
+    bwd_cuts: Sequence[int],
+    round_size: int,
+    memory_budget_bytes: int | None,
+) -> bool:
+    """Whether prefetch depth 1 fits the budget with these cuts: the largest slot while it
+    computes (weights, gradients, working set; ``slot_memory``), the next slot's weights
+    uploaded beside it (the largest other slot's, bounding it) and ``2 x round_size``
+    boundary states, the rule of ``fitted_round_size`` with one more slot's weights. A bound
+    of what ``validate`` measures on the lowered plan, in microseconds instead of seconds."""
+    if memory_budget_bytes is None:
+        return True
+    st = costs.stages(fwd_cuts, bwd_cuts)
+    totals = [
+        w + g + k for w, g, k in zip(st.param_bytes, st.grad_bytes, st.work_bytes, strict=True)
+    ]
+    big = max(range(len(totals)), key=totals.__getitem__)
+    ahead = max((w for j, w in enumerate(st.param_bytes) if j != big), default=0)
+    need = totals[big] + ahead + 2 * round_size * costs.boundary_bytes
+    return need <= memory_budget_bytes
+
+
+def weight_traffic(
+    costs: LayerCosts,
+    fwd_cuts: Sequence[int],
+    bwd_cuts: Sequence[int],
+    link_gbps: float,
+    prefetch_depth: int,
+) -> simulate.WeightTraffic:
+    """Each slot's weight upload and gradient download (ms) over a host link of ``link_gbps``
+    GB/s, at this prefetch depth: the timing pass's ``WeightTraffic``."""
+    st = costs.stages(fwd_cuts, bwd_cuts)
+    per_ms = link_gbps * 1e6  # bytes per ms
+    return simulate.WeightTraffic(
+        upload_ms=tuple(b / per_ms for b in st.param_bytes),
+        download_ms=tuple(b / per_ms for b in st.grad_bytes),
+        prefetch_depth=prefetch_depth,
+    )
 
 
 def transfer_ms(
@@ -221,11 +273,12 @@ def _quick(
     num_microbatches: int,
     iterations: int,
     round_size: int,
+    weights: simulate.WeightTraffic | None = None,
 ) -> simulate.QuickTimes:
     program = _program(
         tuple(fwd_cuts), tuple(bwd_cuts), num_devices, num_microbatches, iterations, round_size
     )
-    return program.run(costs, fwd_cuts, bwd_cuts, optimizer="async")
+    return program.run(costs, fwd_cuts, bwd_cuts, optimizer="async", weights=weights)
 
 
 def _program(
@@ -316,6 +369,7 @@ class _Search:
         self.scores: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
         self.work_left = 10**12
         self.link: tuple[float | None, int | None] = (None, None)  # (GB/s, round size)
+        self.prefetch_depth: int | None = None  # with a link: model the copies at this depth
 
     # -- memory ------------------------------------------------------------------------------
     def _stage_bytes(self, i: int, j: int, *, backward: bool, head: bool) -> int:
@@ -472,6 +526,11 @@ class _Search:
             # devices, so a shape timed at another M_R can win here and lose when run
             gbps, round_size = self.link
             size = round_size or fitted_round_size(self.costs, cuts[0], cuts[1], m, self.budget)
+            weights = (
+                weight_traffic(self.costs, cuts[0], cuts[1], gbps, self.prefetch_depth)
+                if gbps and self.prefetch_depth is not None
+                else None
+            )
             score = estimate_iteration_ms(
                 self.costs,
                 cuts[0],
@@ -480,11 +539,14 @@ class _Search:
                 num_microbatches=m,
                 async_optimizer=async_opt,
                 round_size=size,
+                weights=weights,
             )
             if gbps:
                 moved = transfer_ms(self.costs, cuts[0], cuts[1], n, m, size, gbps)
                 st = self.costs.stages(cuts[0], cuts[1])
-                score = max(score, moved) + st.param_bytes[0] / (gbps * 1e6)  # the first upload
+                # the first upload: in the score already when the copies are modelled
+                first = 0.0 if weights is not None else st.param_bytes[0] / (gbps * 1e6)
+                score = max(score, moved) + first
             self.scores[cuts] = score
         return self.scores[cuts]
 

@@ -56,7 +56,14 @@ the fill/drain figure the early recompute is aligned to end when the gradient ar
 from __future__ import annotations
 
 from .machine import Machine, load_machine, preset_names
-from .quick import ASYNC_ITERATIONS, QuickProgram, QuickTimes, async_steady_ms, quick_times
+from .quick import (
+    ASYNC_ITERATIONS,
+    QuickProgram,
+    QuickTimes,
+    WeightTraffic,
+    async_steady_ms,
+    quick_times,
+)
 from .results import Interval, SimResult
 from .run import simulate
 
@@ -66,6 +73,7 @@ __all__ = [
     "SimResult",
     "simulate",
     "QuickTimes",
+    "WeightTraffic",
     "quick_times",
     "QuickProgram",
     "ASYNC_ITERATIONS",

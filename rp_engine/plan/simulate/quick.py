@@ -16,6 +16,7 @@ __all__ = [
     "ASYNC_ITERATIONS",
     "QuickProgram",
     "QuickTimes",
+    "WeightTraffic",
     "async_steady_ms",
     "gate_slots",
     "steady_from_ends",
@@ -44,6 +45,22 @@ class QuickTimes:
         return sum(
             self.first_start.get(d, mk) + mk - self.last_end.get(d, 0.0) for d in range(num_devices)
         )
+
+
+@dataclass(frozen=True)
+class WeightTraffic:
+    """The weight copies of an offloaded plan, for the fast timing pass: per slot the ms its
+    weights take to come up and its gradients to go down, and the prefetch depth (as
+    ``lower``'s): a group of compute (a slot's round on a device) waits for its upload, which
+    is issued when the device starts the group ``prefetch_depth`` back and once the group
+    ``prefetch_depth + 1`` back has downloaded its gradients and freed its weights (at most
+    ``prefetch_depth + 1`` groups' weights held). At depth 0 the copies run between a device's
+    groups, on the critical path; at depth 1 behind the previous group's compute. The link's
+    sharing between devices is not modelled here (``partition.transfer_ms`` bounds it)."""
+
+    upload_ms: tuple[float, ...]
+    download_ms: tuple[float, ...]
+    prefetch_depth: int = 1
 
 
 # How the async steady state is measured. With staleness 1, iterations i and i + 1 run side by
@@ -194,8 +211,10 @@ class QuickProgram:
         *,
         comm_ms: float | None = None,
         optimizer: str = "async",
+        weights: WeightTraffic | None = None,
     ) -> QuickTimes:
-        """The times of the compiled plan with these cuts (of the compiled stage counts)."""
+        """The times of the compiled plan with these cuts (of the compiled stage counts);
+        with ``weights``, each group of compute also waits for its weights' upload."""
         if len(fwd_cuts) != self.num_fwd or len(fwd_cuts) + len(bwd_cuts) != self.num_slots:
             raise ValueError(
                 f"cuts {list(fwd_cuts)} / {list(bwd_cuts)} do not have the program's "
@@ -220,6 +239,12 @@ class QuickProgram:
         ends: dict[int, float] = defaultdict(float)
         first: dict[int, float] = {}
         busy = 0.0
+        # per device: the (iteration, slot) of its current group, and of its groups so far
+        # when each started and when each released its weights (gradients downloaded)
+        group: list[tuple[int, int] | None] = [None] * n
+        started: list[list[float]] = [[] for _ in range(n)]
+        released: list[list[float]] = [[] for _ in range(n)]
+        back = weights.prefetch_depth if weights is not None else 0
         for rep in range(self.times):
             base, shift, it_base = rep * size, rep * self.device_shift, rep * span
             for k, (d, it, slot, inputs) in enumerate(block, start=base):
@@ -233,15 +258,30 @@ class QuickProgram:
                             t_grad = arrive
                     elif arrive > t_in:
                         t_in = arrive
+                ready = 0.0  # when the weights this action reads are on the host, updated
                 if it >= lag and gates:
                     row = (it - lag) * num_slots
                     for j in gates[slot]:
-                        if updated[row + j] > t_in:
-                            t_in = updated[row + j]
+                        if updated[row + j] > ready:
+                            ready = updated[row + j]
+                if weights is not None and group[d] != (it, slot):
+                    prev = group[d]
+                    if prev is not None:
+                        released[d].append(free[d] + weights.download_ms[prev[1]])
+                    group[d] = (it, slot)
+                    mine, gone = started[d], released[d]
+                    issue = mine[-back] if back and len(mine) >= back else 0.0
+                    if len(gone) > back:
+                        issue = max(issue, gone[-1 - back])
+                    ready = max(ready, issue) + weights.upload_ms[slot]
+                if ready > t_in:
+                    t_in = ready
                 pre, post = pre_ms[slot], post_ms[slot]
                 t_post = max(t_in + pre, t_grad)
                 if d not in first:  # recompute aligned to end at the gradient
                     first[d] = max(t_in, t_post - pre)
+                if weights is not None and len(started[d]) < len(released[d]) + 1:
+                    started[d].append(max(t_in, t_post - pre))  # the group's first action
                 end[k] = free[d] = t = t_post + post
                 busy += pre + post
                 if t > ends[it]:
