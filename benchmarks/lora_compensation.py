@@ -90,37 +90,11 @@ VARIANTS = (
 
 
 # --- the saved model ------------------------------------------------------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer applies."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    bs += range(ord("®"), ord("ÿ") + 1)
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
 def byte_tokenizer() -> Any:
-    """A Hugging Face fast tokenizer with ByteTokenizer's ids: UTF-8 byte b -> id b (a BPE
-    without merges over the 256 byte characters), then BOS/EOS/PAD/spare as 256..259, so a
-    model trained with the preset's tokenizer keeps its meaning after ``save_pretrained``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """rp-train's byte-level tokenizer as Hugging Face files (``presets.hf_byte_tokenizer``)."""
+    from rp_engine.train.presets import hf_byte_tokenizer
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    # no regex split and no prefix space: the ids are exactly the text's bytes
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|rp_bos|>", "<|rp_eos|>", "<|rp_pad|>", "<|rp_spare|>"]
-    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1], pad_token=specials[2]
-    )
+    return hf_byte_tokenizer()
 
 
 def _check_tokenizer(folder: Path) -> None:

@@ -304,6 +304,7 @@ class _Job:
         loaded = load_model(args.model, layers=args.layers, hidden=args.hidden, seed=args.seed)
         model = apply_lora(loaded.model, args.lora) if args.lora else loaded.model
         self.model: Any = model
+        self.tokenizer: Any = loaded.tokenizer
         return self._train(model, raw, data, shape.name)
 
     def _config(self, hidden: int | None, train_sequences: int) -> tuple[dict[str, Any], Any]:
@@ -550,6 +551,18 @@ class _Job:
             engine.synchronize()
             self.model.save_pretrained(str(self.run_dir / "adapter"))
 
+    def _export(self, engine: Any) -> None:
+        """The trained model as a ``save_pretrained`` folder, ``<run>/model`` (weights, config,
+        tokenizer), which ``rp-train --model <run>/model`` and ``from_pretrained`` load; a
+        LoRA run saves its adapter instead (``_save``)."""
+        engine.synchronize()  # the module holds the last step's weights
+        folder = self.run_dir / "model"
+        # with the parameter tier the compute weights live on NVMe: read them in for the save
+        with engine.store.materialized(writable=False):
+            self.model.save_pretrained(str(folder))
+        self.tokenizer.save_pretrained(str(folder))
+        log.info("model saved for from_pretrained / rp-train --model: %s", folder)
+
     # --- the end ----------------------------------------------------------------------------------
     def _finish(self, engine: Any, data: Any, status: int) -> int:
         from rp_engine.train.run_folder import write_json, write_loss_png, write_timeline
@@ -560,6 +573,8 @@ class _Job:
                 self._evaluate(engine)
             if not args.no_save:
                 self._save(engine, data)
+                if not args.lora:
+                    self._export(engine)
             timeline = write_timeline(self.run_dir, engine.last_timeline(), title=args.model)
             self._flush_wandb(engine)  # the last steps' rows (last_timeline() drained them)
             write_loss_png(self.run_dir / "loss.png", self.train_losses, self.eval_losses,

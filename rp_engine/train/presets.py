@@ -46,8 +46,44 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def save_pretrained(self, path: str | Path) -> None:  # nothing to save: it is built in
-        del path
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the same tokenizer as Hugging Face files (``hf_byte_tokenizer``), so a model
+        saved beside it loads with ``AutoTokenizer`` (``rp-train --model <folder>``) and keeps
+        its token ids."""
+        hf_byte_tokenizer().save_pretrained(str(path))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer applies."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    bs += range(ord("®"), ord("ÿ") + 1)
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def hf_byte_tokenizer() -> Any:
+    """A Hugging Face fast tokenizer with ByteTokenizer's ids: UTF-8 byte b -> id b (a BPE
+    without merges over the 256 byte characters), then BOS/EOS/PAD/spare as 256..259, so a
+    model trained with the preset's tokenizer keeps its meaning after ``save_pretrained``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # no regex split and no prefix space: the ids are exactly the text's bytes
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|rp_bos|>", "<|rp_eos|>", "<|rp_pad|>", "<|rp_spare|>"]
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1], pad_token=specials[2]
+    )
 
 
 @dataclass

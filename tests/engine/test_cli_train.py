@@ -431,3 +431,35 @@ def test_both_nvme_tiers_are_in_the_summary(tmp_path: Path, capsys) -> None:
     assert nvme["write_bytes_total"] > nvme["disk_bytes"] > 0
     assert nvme["read_bytes_total"] > 0
     assert not list((tmp_path / "nvme").rglob("*.swp"))
+
+
+def test_a_preset_run_saves_a_model_that_rp_train_loads(tmp_path: Path, capsys) -> None:
+    """A full run writes <run>/model (weights, config and the byte tokenizer as Hugging Face
+    files). Fine-tuning it with ``--model <run>/model`` sees the same tokens and the same
+    weights: its step-0 evaluation equals the first run's final one (same held-out split)."""
+    from rp_engine.train.presets import ByteTokenizer, load_model
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = [
+        "--steps", "3", "--seq-len", "16", "--micro-batch", "2", "--grad-accum", "2",
+        "--devices", "cpu:2", "--sync-optimizer", "--no-wandb", "--eval-every", "0",
+        "--lr", "1e-2", "--warmup", "0",
+    ]  # fmt: skip
+    rc, out, _ = _run(["--model", "tiny-qwen3", "--out", str(first), *common], capsys)
+    assert rc == 0, out
+    folder = first / "model"
+    assert (folder / "config.json").is_file()
+    loaded = load_model(str(folder))
+    sample = "naïve “bytes” 😀\n\t"
+    ref = ByteTokenizer()
+    assert loaded.tokenizer.encode(sample, add_special_tokens=False) == ref.encode(sample)
+    assert (loaded.tokenizer.eos_token_id, loaded.tokenizer.pad_token_id) == (
+        ref.eos_token_id,
+        ref.pad_token_id,
+    )
+    rc, out, _ = _run(["--model", str(folder), "--out", str(second), *common], capsys)
+    assert rc == 0, out
+    before, after = _summary(first)["eval_losses"], _summary(second)["eval_losses"]
+    assert after[0][0] == 0
+    assert after[0][1] == pytest.approx(before[-1][1], rel=1e-5)
+    assert after[0][1] != pytest.approx(before[0][1], rel=1e-3)  # the first run did train
