@@ -457,9 +457,8 @@ def _simulate(ctx: _Ctx, p: _Point, part: Partition) -> SimResult:
     # compute_scale 1: the costs are this machine's already (shapes.layer_costs scales them);
     # the simulator would scale them a second time (an A800 ran 0.53^2 of the 4090's times)
     machine = dataclasses.replace(ctx.machine, cpu_adam_params_per_s=rate, compute_scale=1.0)
-    # prefetch as deep as the device memory allows: with one slot's upload ahead a 94-layer
-    # MoE slot pair needs 31 GiB on a 24 GiB card, with none it fits
-    # cuts searched at depth 0 (their depth-1 cuts did not fit): depth 1 is not tried again
+    # prefetch as deep as the device memory allows (a 94-layer MoE slot pair needs 31 GiB on
+    # a 24 GiB card at depth 1); cuts searched at depth 0 (``_partition``) do not try 1 again
     deep = (p.micro_batch, p.grad_accum, p.round_size) not in ctx.shallow
     lowered, _ = _lowered(ctx, plan, costs, deep=deep)
     return simulate(

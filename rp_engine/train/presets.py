@@ -53,28 +53,15 @@ class ByteTokenizer:
         hf_byte_tokenizer().save_pretrained(str(path))
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer applies."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    bs += range(ord("®"), ord("ÿ") + 1)
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
 def hf_byte_tokenizer() -> Any:
     """A Hugging Face fast tokenizer with ByteTokenizer's ids: UTF-8 byte b -> id b (a BPE
     without merges over the 256 byte characters), then BOS/EOS/PAD/spare as 256..259, so a
     model trained with the preset's tokenizer keeps its meaning after ``save_pretrained``."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte map
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     # no regex split and no prefix space: the ids are exactly the text's bytes
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
