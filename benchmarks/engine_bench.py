@@ -246,8 +246,11 @@ def convergence(args: argparse.Namespace) -> dict[str, Any]:
 def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
     """Per-layer optimizer work with weight prediction on vs off, side by side: one layer of
     ``--cost-elems`` trainable parameters (4 tensors, bf16 compute weights, double-buffered),
-    DeepSpeed CPU AdamW step (``step_params``) then ``HostStore.publish`` of the new version,
-    plain (copy of the masters) or predicted; interleaved, median seconds per layer step."""
+    stepped and published as the optimizer worker does at step end (optim/stepper.py): DeepSpeed
+    CPU AdamW (``step_params``) writing each slice into ``HostStore.publishing``'s buffer right
+    after stepping it, as a cast of the masters (off) or predicted (on). Also the previous
+    design, a whole-layer step and then a separate ``publish`` pass (plain or with
+    ``predict_into``), for reference. Interleaved, median seconds per layer step."""
     from torch import nn
 
     from rp_engine.model.host_store import HostStore
@@ -258,6 +261,7 @@ def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
     layer = nn.ParameterList(nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for _ in range(4))
     store = HostStore([layer], double_buffer=False)
     store.double_buffer_weights(True)
+    owned = {id(hp.master): hp for hp in store.owned_params()}
     masters = [hp.master for hp in store.owned_params()]
     inner, per_layer = build_inner_optimizer("adamw", {"lr": 1e-3}, [{"params": masters}])
     opt = HostOptimizer(inner, per_layer=per_layer, scaler=LossScaler(cur_scale=1.0))
@@ -266,7 +270,22 @@ def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
         store.accumulate(hp.param, torch.randn(n))
     version = [0]
 
-    def run(predict: bool) -> Callable[[], float]:
+    def fused(predict: bool) -> Callable[[], float]:
+        def go() -> float:
+            start = time.perf_counter()
+            store.attach_grads([0])
+            version[0] += 1
+            with store.publishing(0, version[0], predicted=predict) as dst:
+                assert dst is not None
+                opt.step_params(
+                    masters, groups=groups, grad_coef=1.0,
+                    publish=lambda p: dst(owned[id(p)]), predict=predict,
+                )  # fmt: skip
+            return time.perf_counter() - start
+
+        return go
+
+    def separate(predict: bool) -> Callable[[], float]:
         def go() -> float:
             start = time.perf_counter()
             store.attach_grads([0])
@@ -280,15 +299,23 @@ def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
 
         return go
 
-    run(False)()  # warm-up: Adam state allocated
-    times = _interleaved({"off": run(False), "on": run(True)}, args.repeats)
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    fused(False)()  # warm-up: Adam state allocated, publish kernel built
+    runs = {
+        "off": fused(False), "on": fused(True),
+        "separate_off": separate(False), "separate_on": separate(True),
+    }  # fmt: skip
+    times = _interleaved(runs, args.repeats)
+    med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "bench": "compensation_cost",
         "params": 4 * n,
-        "step_publish_off_s": off,
-        "step_publish_on_s": on,
-        "on_over_off": on / off,
+        "step_publish_off_s": med["off"],
+        "step_publish_on_s": med["on"],
+        "on_over_off": med["on"] / med["off"],
+        "separate_off_s": med["separate_off"],
+        "separate_on_s": med["separate_on"],
+        "separate_on_over_off": med["separate_on"] / med["separate_off"],
+        "fused_off_over_separate_off": med["off"] / med["separate_off"],
     }
 
 

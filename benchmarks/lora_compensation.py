@@ -1,23 +1,22 @@
-"""LoRA fine-tune of a saved model on text at 2e-4 with rp-train: sync vs async vs predict.
+"""LoRA fine-tune of a saved model on text at 2e-4 with rp-train: sync vs async vs compensated.
 
 Issue 28's acceptance item: "run a LoRA fine-tune of a saved model on text at 2e-4 (rp-train),
-with its loss curves in one PNG". Three fine-tunes with the same seed, data and steps:
+with its loss curves in one PNG". Four fine-tunes with the same seed, data and steps:
 
 - ``sync``: ``--sync-optimizer`` (no stale weights);
 - ``async``: the asynchronous optimizer (iteration t reads w_{t-2}: staleness 1) with
   ``roundpipe.staleness_compensation: "none"`` (RoundPipe's rule);
 - ``predict``: the asynchronous optimizer with ``"predict"`` (the published weights
-  extrapolated one Adam step ahead; rp_engine/optim/stepper.py).
+  extrapolated one Adam step ahead along the moments; rp_engine/optim/stepper.py);
+- ``lookahead``: with ``"lookahead"`` (one step ahead along the moments the next step makes if
+  the last gradient repeats; what ``"auto"`` resolves to).
 
 How it runs, all offline (nothing is downloaded):
 
 1. The saved model. ``rp-train --model tiny-qwen3`` trains the tiny Qwen3 preset from scratch
-   on its embedded corpus (standard-library docstrings). rp-train writes a DeepSpeed checkpoint,
-   not a ``save_pretrained`` folder, and its byte-level tokenizer saves nothing; so the fp32
-   weights are read back with DeepSpeed's ``zero_to_fp32`` into the preset's model, which is
-   written with ``save_pretrained`` next to an equivalent Hugging Face fast tokenizer (byte b ->
-   id b, BOS/EOS/PAD 256/257/258, as rp_engine.train.presets.ByteTokenizer) so that
-   ``rp-train --model <folder>`` loads it like any local model.
+   on its embedded corpus (standard-library docstrings) and saves it in ``<run>/model``
+   (``save_pretrained`` weights plus a Hugging Face fast tokenizer with its byte-level ids),
+   which ``rp-train --model <folder>`` loads like any local model.
 2. The text. Different from the pretraining corpus: the license texts in
    ``/usr/share/common-licenses`` (Debian's base-files; regular files only, symlinked aliases
    skipped, sorted by name), else the running Python's ``LICENSE.txt``, concatenated into one
@@ -57,7 +56,7 @@ from typing import Any
 __all__ = [
     "VARIANTS",
     "Variant",
-    "byte_tokenizer",
+    "check_tokenizer",
     "finetune_text",
     "ds_config",
     "final_mean",
@@ -86,18 +85,12 @@ VARIANTS = (
     Variant("sync", True, "none", "sync optimizer"),
     Variant("async", False, "none", "async, staleness 1, no compensation"),
     Variant("predict", False, "predict", 'async, staleness 1, "predict"'),
+    Variant("lookahead", False, "lookahead", 'async, staleness 1, "lookahead"'),
 )
 
 
 # --- the saved model ------------------------------------------------------------------------------
-def byte_tokenizer() -> Any:
-    """rp-train's byte-level tokenizer as Hugging Face files (``presets.hf_byte_tokenizer``)."""
-    from rp_engine.train.presets import hf_byte_tokenizer
-
-    return hf_byte_tokenizer()
-
-
-def _check_tokenizer(folder: Path) -> None:
+def check_tokenizer(folder: Path) -> None:
     """The saved tokenizer, loaded as rp-train loads it, must give ByteTokenizer's ids."""
     from transformers import AutoTokenizer
 
@@ -110,27 +103,6 @@ def _check_tokenizer(folder: Path) -> None:
     ids = (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     if got != ref.encode(sample) or ids != (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id):
         raise RuntimeError(f"{folder}: the saved tokenizer does not match ByteTokenizer's ids")
-
-
-def save_pretrained_from_checkpoint(ckpt_dir: Path, folder: Path, *, seed: int) -> None:
-    """The tiny-qwen3 preset with the fp32 weights of rp-train's DeepSpeed checkpoint
-    (``zero_to_fp32``), written with ``save_pretrained`` plus ``byte_tokenizer()``."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from rp_engine.train.presets import load_model
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
-    model = load_model("tiny-qwen3", seed=seed).model
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    params = {n for n, _ in model.named_parameters()}
-    if unexpected or params & set(missing):
-        raise RuntimeError(
-            f"{ckpt_dir}: checkpoint does not fit tiny-qwen3 (missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)})"
-        )
-    model.save_pretrained(str(folder))
-    byte_tokenizer().save_pretrained(str(folder))
-    _check_tokenizer(folder)
 
 
 # --- the text -------------------------------------------------------------------------------------
@@ -232,7 +204,12 @@ def plot(
     the legend. Right: the async variants' smoothed loss relative to sync's, in percent."""
     from matplotlib.figure import Figure
 
-    colors = {"sync": "tab:blue", "async": "tab:red", "predict": "tab:green"}
+    colors = {
+        "sync": "tab:blue",
+        "async": "tab:red",
+        "predict": "tab:green",
+        "lookahead": "tab:purple",
+    }
     fig = Figure(figsize=(12, 4.6))
     ax, gap = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     smoothed: dict[str, list[float]] = {}
@@ -281,15 +258,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Pretrain + save, write the text, fine-tune the three variants; returns the summary."""
+    """Pretrain + save, write the text, fine-tune the variants; returns the summary."""
     common = ["--seed", str(args.seed), "--no-wandb"]
     if args.devices:
         common += ["--devices", args.devices]
     t0 = time.perf_counter()
     pre_argv = ["--model", "tiny-qwen3", "--steps", str(args.pretrain_steps), "--out"]
     pre, pre_s = rp_train([*pre_argv, str(work / "pretrain"), *common], work / "pretrain.log")
-    folder = work / "saved-model"
-    save_pretrained_from_checkpoint(Path(pre["checkpoints"]), folder, seed=args.seed)
+    folder = work / "pretrain" / "model"  # rp-train's save_pretrained export of the run
+    check_tokenizer(folder)
     print(
         f"saved model: {folder} (tiny-qwen3, {args.pretrain_steps} steps from scratch, loss "
         f"{pre['first_loss']:.3f} -> {pre['final_loss']:.3f}, {pre_s:.0f} s)",
@@ -333,11 +310,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
 
     means = {k: r[f"final_{FINAL_WINDOW}_mean"] for k, r in results.items()}
-    gaps = {k: (means[k] - means["sync"]) / means["sync"] for k in ("async", "predict")}
+    gaps = {v.name: (means[v.name] - means["sync"]) / means["sync"] for v in VARIANTS[1:]}
+    vs = ", ".join(f"{k} {100 * g:+.2f} %" for k, g in gaps.items())
     title = (
         f"LoRA {args.lora} fine-tune of a saved tiny-qwen3 on license texts, lr {args.lr:g}, "
-        f"{args.steps} steps (rp-train)\nasync vs sync {100 * gaps['async']:+.2f} %, "
-        f"predict vs sync {100 * gaps['predict']:+.2f} % (final-{FINAL_WINDOW} means)"
+        f"{args.steps} steps (rp-train)\nvs sync: {vs} (final-{FINAL_WINDOW} means)"
     )
     args.out_png.parent.mkdir(parents=True, exist_ok=True)
     plot(args.out_png, runs, means, title)

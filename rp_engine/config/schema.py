@@ -38,8 +38,8 @@ __all__ = [
 ]
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-# roundpipe.staleness_compensation: "auto" resolves to "predict" where it applies
-STALENESS_COMPENSATIONS = ("none", "auto", "predict")
+# roundpipe.staleness_compensation: "auto" resolves to "lookahead" where it applies
+STALENESS_COMPENSATIONS = ("none", "auto", "predict", "lookahead")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,8 +327,9 @@ class RoundPipeConfig:
     # the NVMe tier's I/O: DeepSpeed's aio op when built ("auto"), or the built-in O_DIRECT threads
     nvme_io_engine: str = field(default="auto", metadata=_m(choices=("auto", "aio", "threads")))
     # the asynchronous optimizer's stale weights (iteration t reads w_{t-2}): "none" reads them
-    # as they are (RoundPipe's rule); "predict" extrapolates the published compute weights one
-    # Adam step ahead (optim/stepper.py; the masters stay Adam's); "auto": "predict" where it
+    # as they are (RoundPipe's rule); "predict" and "lookahead" publish compute weights one Adam
+    # step ahead, along the moments at hand or along the next moments if the last gradient
+    # repeated (optim/stepper.py; the masters stay Adam's); "auto": "lookahead" where it
     # applies (async CPU Adam/AdamW, one process), else "none"
     staleness_compensation: str = field(
         default="none", metadata=_m(choices=STALENESS_COMPENSATIONS)

@@ -101,10 +101,6 @@ class OptimizerBoundary:
             self.host_optimizer.note_step_applied()  # before any scheduler, the engine's or the user's
         if not overflow and self.lr_scheduler is not None:
             self.host_optimizer.step_scheduler(self.lr_scheduler, **(lr_kwargs or {}))
-        # the next step's hyper-parameters are known now: weight prediction (stepper.py) reads
-        # them to extrapolate this step's weights for the iteration that will read them
-        if self.stepper.predicts:
-            self.stepper.note_hyperparams(self.global_steps + 2, self.host_optimizer.snapshot())
         self._note_stale_model()
         step, samples = self.global_steps + 1, self.global_samples + self.train_batch_size()
         every = self._config.steps_per_print

@@ -641,18 +641,8 @@ class HostStore:
         copies = len(self._held[layer])
         plain = predict is None
         for b in range(copies) if everywhere else [self._buffer_of(version)]:
-            with self._cond:
-                held = self._held[layer][b]
-                if held > version or (
-                    held == version and not (plain and self._predicted[layer][b])
-                ):
-                    continue
-                reads = self._reads[layer]
-                readers = [ev for bb, v, ev in reads if bb == b and v < version]
-                self._reads[layer] = [r for r in reads if not (r[0] == b and r[1] < version)]
-            for event in readers:
-                with contextlib.suppress(Exception):  # a failed upload reads nothing more
-                    event.synchronize()
+            if not self._claim(layer, b, version, plain=plain):
+                continue
             with self._cond:
                 twin = [
                     o for o in range(copies)
@@ -670,10 +660,52 @@ class HostStore:
                             out = dst(hp)
                             if predict is None or not predict(hp, out):
                                 out.copy_(hp.master)
-            with self._cond:
-                self._held[layer][b] = max(self._held[layer][b], version)
-                self._predicted[layer][b] = not plain
-                self._cond.notify_all()
+            self._mark(layer, b, version, predicted=not plain)
+
+    @contextmanager
+    def publishing(
+        self, layer: int, version: int, *, predicted: bool
+    ) -> Iterator[Callable[[HostParam], torch.Tensor] | None]:
+        """``publish`` with the caller writing: yields ``hp -> compute weight`` of ``version``'s
+        buffer for the caller to fill with every owned param's new value (the stepper writes
+        each Adam slice as it is stepped, optim/optimizer.py ``step_params``), or None when the
+        publish is a no-op (the buffer already holds ``version``, or a newer one). The buffer is
+        marked as ``version`` (*predicted* with ``predicted``) only when the block ends without
+        an exception. Waits first, as ``publish`` does, for uploads still reading an older
+        version from the buffer. Call it inside ``resident(layer)``."""
+        b = self._buffer_of(version)
+        if not self._claim(layer, b, version, plain=not predicted):
+            yield None
+            return
+        with torch.no_grad(), self._weights(layer, b, overwrite=True) as dst:
+            yield dst
+        self._mark(layer, b, version, predicted=predicted)
+
+    def _claim(self, layer: int, buffer: int, version: int, *, plain: bool) -> bool:
+        """Whether publishing ``version`` into ``buffer`` writes anything (see ``publish``: not
+        an older version or an equal one it holds, unless true masters replace a prediction);
+        if so, first wait for the uploads still reading an older version from the buffer."""
+        with self._cond:
+            held = self._held[layer][buffer]
+            if held > version or (
+                held == version and not (plain and self._predicted[layer][buffer])
+            ):
+                return False
+            reads = self._reads[layer]
+            readers = [ev for bb, v, ev in reads if bb == buffer and v < version]
+            self._reads[layer] = [r for r in reads if not (r[0] == buffer and r[1] < version)]
+        for event in readers:
+            with contextlib.suppress(Exception):  # a failed upload reads nothing more
+                event.synchronize()
+        return True
+
+    def _mark(self, layer: int, buffer: int, version: int, *, predicted: bool) -> None:
+        """``buffer`` of ``layer`` now holds ``version`` (a prediction of it with ``predicted``):
+        wake the uploads waiting for it."""
+        with self._cond:
+            self._held[layer][buffer] = max(self._held[layer][buffer], version)
+            self._predicted[layer][buffer] = predicted
+            self._cond.notify_all()
 
     def predicted(self, layer: int) -> list[bool]:
         """Per weight buffer of ``layer``: whether it holds a prediction (``publish``'s

@@ -18,7 +18,13 @@ slice boundary that is a multiple
 of its SIMD span (at most 16 lanes x 8) splits its vector and scalar parts exactly as the whole
 tensor does, and calls with the same step number leave its beta^t state untouched. The
 unscale x clip coefficient multiplies each slice of the gradient right before its Adam call,
-while the slice is in cache (one pass over the gradient, not two).
+while the slice is in cache (one pass over the gradient, not two). Likewise the compute weights
+the stepper publishes at step end are written right after each slice's Adam call
+(``step_params`` with ``publish``): the cast of the masters, or the weight prediction of
+``roundpipe.staleness_compensation``, by the vectorized kernels of optim/publish_kernel.py,
+reading the slice Adam has just written from the CPU's caches (a 2M-element slice's w, g, m, v
+and compute weight, 36 MiB, fit a server's last-level cache; smaller slices would fit the
+per-core caches but cost more in per-call overhead than they save: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 import torch
 
 from rp_engine.optim.loss_scaler import LossScaler
+from rp_engine.optim.publish_kernel import write_copy, write_lookahead, write_prediction
 from rp_engine.optim.step_journal import StepJournal
 
 __all__ = [
@@ -286,28 +293,57 @@ class HostOptimizer:
     # --- stepping (called by the optimizer worker) -------------------------------------------
     @torch.no_grad()
     def step_params(
-        self, params: Sequence[torch.Tensor], *, groups: list[dict[str, Any]], grad_coef: float
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        groups: list[dict[str, Any]],
+        grad_coef: float,
+        publish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        predict: str | None = None,
     ) -> None:
         """Step ``params`` (masters with ``.grad``; None = not stepped) with ``groups``.
 
         ``grad_coef`` (unscale x clip) scales the gradients in place. With CPU Adam it is applied
         slice by slice right before each slice's update, while it is hot in cache: the gradients
         are never traversed a second time for clipping.
+
+        ``publish(master)``: the compute weight to write each master's new value into (the
+        stepper's publish of the new version, ``HostStore.publishing``), or None. With CPU Adam
+        each slice is written right after its update, while the slice is still in cache: the
+        cast of the masters, or a weight prediction one more Adam step ahead with the step's
+        own hyper-parameters (``predict``, ``roundpipe.staleness_compensation``): "predict"
+        along the moments the update just made (``predict_into``), "lookahead" along the
+        moments the next update would make if its gradient repeated this one
+        (``_lookahead_terms``). Every param gets its compute weight written, stepped or not (a
+        param without a gradient is extrapolated along its moments, there being no gradient to
+        repeat).
         """
         live = [p for p in params if p.grad is not None]
         if self.per_layer:
-            self._cpu_adam_step(live, groups, grad_coef)
+            self._cpu_adam_step(live, groups, grad_coef, publish, predict)
         else:
             if grad_coef != 1.0:
                 for p in live:
                     p.grad.mul_(grad_coef)  # type: ignore[union-attr]
             self._torch_step(groups)
+        if publish is not None:
+            written = {id(p) for p in live} if self.per_layer else set()
+            for p in params:
+                if id(p) not in written:
+                    dst = publish(p)
+                    if not (predict and self.predict_into(p, dst, groups)):
+                        write_copy(p, dst)
         # torch's LR schedulers check this flag (set by their wrapper of optimizer.step, which
         # the per-layer path does not call) to warn about stepping the scheduler first.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _cpu_adam_step(
-        self, params: Iterable[torch.Tensor], groups: list[dict[str, Any]], grad_coef: float
+        self,
+        params: Iterable[torch.Tensor],
+        groups: list[dict[str, Any]],
+        grad_coef: float,
+        publish: Callable[[torch.Tensor], torch.Tensor] | None,
+        predict: str | None,
     ) -> None:
         inner: Any = self.optimizer
         for p in params:
@@ -319,8 +355,21 @@ class HostOptimizer:
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
             beta1, beta2 = g["betas"]
-            tensors = (p.data, p.grad.data, state["exp_avg"], state["exp_avg_sq"])  # type: ignore[union-attr]
-            for param, grad, exp_avg, exp_avg_sq in _slices(tensors, self.slice_elems):
+            assert p.grad is not None  # ``live``: the params with a gradient
+            tensors: tuple[torch.Tensor, ...] = (
+                p.data,
+                p.grad.data,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+            )  # type: ignore[union-attr]
+            terms = None
+            if publish is not None:
+                tensors += (publish(p),)
+                if predict == "predict":
+                    terms = self._prediction_terms(p, g)
+                elif predict == "lookahead":
+                    terms = self._lookahead_terms(p, g)
+            for param, grad, exp_avg, exp_avg_sq, *out in _slices(tensors, self.slice_elems):
                 if grad_coef != 1.0:
                     grad.mul_(grad_coef)
                 # DeepSpeed's own C++ kernel, exactly as DeepSpeedCPUAdam.step calls it. The GIL
@@ -329,6 +378,14 @@ class HostOptimizer:
                     inner.opt_id, state["step"], g["lr"], beta1, beta2, g["eps"],
                     g["weight_decay"], g["bias_correction"], param, grad, exp_avg, exp_avg_sq,
                 )  # fmt: skip
+                if not out:
+                    continue
+                if terms is None:
+                    write_copy(param, out[0])
+                elif predict == "lookahead":
+                    write_lookahead(param, grad, exp_avg, exp_avg_sq, out[0], **terms)
+                else:
+                    write_prediction(param, exp_avg, exp_avg_sq, out[0], **terms)
 
     @property
     def can_predict(self) -> bool:
@@ -336,58 +393,80 @@ class HostOptimizer:
         weight prediction of ``roundpipe.staleness_compensation`` needs Adam's moments."""
         return self.per_layer and hasattr(self.optimizer, "ds_opt_adam")
 
-    @torch.no_grad()
-    def predict_into(
-        self, master: torch.Tensor, dst: torch.Tensor, groups: list[dict[str, Any]]
-    ) -> bool:
-        """Write into ``dst`` (the compute weight: bf16, fp16 or fp32) the weights Adam's next
-        step would give ``master`` if its gradient equalled the bias-corrected mean of the ones
-        so far (SpecTrain-style weight prediction); True when it did, False when ``dst`` was left
-        alone (no Adam state yet, LR 0, or not CPU Adam: the caller copies the master).
+    def _prediction_terms(self, master: torch.Tensor, g: dict[str, Any]) -> dict[str, float] | None:
+        """``decay``, ``coef`` and ``eps`` of ``write_prediction`` for one more Adam step of
+        ``master`` with group hyper-parameters ``g`` along its moments now; None when there is
+        nothing to extrapolate along (no Adam state yet) or the step would move nothing (LR 0).
 
         With moments m, v after s applied steps, the next step's moments for a gradient equal to
         m_hat = m / (1 - b1^s) are m', v' with m'/(1 - b1^(s+1)) = m_hat and v'/(1 - b2^(s+1)) =
         v_hat: the next step's bias-corrected moments are this step's, so the predicted weight is
         ``w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`` (AdamW's decoupled decay; with Adam's
-        L2 mode the decay is already inside the gradients m averages), with ``lr`` and ``wd``
-        from ``groups``, the hyper-parameters of the step predicted. Under a constant gradient
-        stream it is exactly that step's result, to fp32 rounding. Reads ``master`` and the
-        moments once, in cache-sized chunks, and changes neither: the prediction exists only in
-        ``dst``. Must run where the moments hold their values (``HostStore.resident``)."""
-        if not self.can_predict:
-            return False
+        L2 mode the decay is already inside the gradients m averages). m_hat / (sqrt(v_hat) +
+        eps) = (sqrt(bc2) / bc1) m / (sqrt(v) + eps sqrt(bc2)): two scalars fold the bias
+        corrections."""
         state = self.optimizer.state.get(master)
-        g = groups[self._group_of[id(master)]]
         lr = float(g["lr"])
         if not state or int(state.get("step", 0)) == 0 or lr == 0.0:
-            return False  # nothing to extrapolate along, or a step that moves nothing
+            return None
         step = int(state["step"])
         beta1, beta2 = g["betas"]
         bc1 = 1.0 - beta1**step if g["bias_correction"] else 1.0
-        bc2 = 1.0 - beta2**step if g["bias_correction"] else 1.0
-        # m_hat / (sqrt(v_hat) + eps) = (sqrt(bc2) / bc1) m / (sqrt(v) + eps sqrt(bc2)): two
-        # scalars fold the bias corrections, leaving sqrt, add and one addcdiv per element
-        rbc2 = math.sqrt(bc2)
-        coef = -lr * rbc2 / bc1
-        eps = float(g["eps"]) * rbc2
+        rbc2 = math.sqrt(1.0 - beta2**step if g["bias_correction"] else 1.0)
         wd = float(g["weight_decay"])
-        decay = 1.0 - lr * wd if wd > 0 and getattr(self.optimizer, "adam_w_mode", True) else 1.0
+        adamw = getattr(self.optimizer, "adam_w_mode", True)
+        return {
+            "decay": 1.0 - lr * wd if wd > 0 and adamw else 1.0,
+            "coef": -lr * rbc2 / bc1,
+            "eps": float(g["eps"]) * rbc2,
+        }
+
+    def _lookahead_terms(self, master: torch.Tensor, g: dict[str, Any]) -> dict[str, float] | None:
+        """``write_lookahead``'s scalars for the step after the one ``master`` has just applied
+        (its state counts it), with group hyper-parameters ``g``: that step's bias corrections
+        folded as in ``_prediction_terms``, the betas, and Adam's L2 decay (0 for AdamW, whose
+        decay is the ``decay`` factor). None at LR 0 (the step would move nothing)."""
+        state = self.optimizer.state.get(master)
+        lr = float(g["lr"])
+        if not state or lr == 0.0:
+            return None
+        step = int(state.get("step", 0)) + 1
+        beta1, beta2 = g["betas"]
+        bc1 = 1.0 - beta1**step if g["bias_correction"] else 1.0
+        rbc2 = math.sqrt(1.0 - beta2**step if g["bias_correction"] else 1.0)
+        wd = float(g["weight_decay"])
+        adamw = getattr(self.optimizer, "adam_w_mode", True)
+        return {
+            "decay": 1.0 - lr * wd if wd > 0 and adamw else 1.0,
+            "b1": float(beta1),
+            "b2": float(beta2),
+            "coef": -lr * rbc2 / bc1,
+            "eps": float(g["eps"]) * rbc2,
+            "l2": wd if wd > 0 and not adamw else 0.0,
+        }
+
+    @torch.no_grad()
+    def predict_into(
+        self, master: torch.Tensor, dst: torch.Tensor, groups: list[dict[str, Any]]
+    ) -> bool:
+        """Write into ``dst`` (the compute weight: bf16, fp16 or fp32) the weights one more Adam
+        step of ``master`` with ``groups``'s hyper-parameters would give if its gradient equalled
+        the bias-corrected mean of the ones so far (SpecTrain-style weight prediction; the terms:
+        ``_prediction_terms``); True when it did, False when ``dst`` was left alone (no Adam
+        state yet, LR 0, or not CPU Adam: the caller copies the master). Under a constant
+        gradient stream it is exactly that step's result, to fp32 rounding. Reads ``master`` and
+        the moments once and changes neither: the prediction exists only in ``dst``. Must run
+        where the moments hold their values (``HostStore.resident``). The stepper's fused path
+        (``step_params`` with ``publish``) writes the same values slice by slice."""
+        if not self.can_predict:
+            return False
+        terms = self._prediction_terms(master, groups[self._group_of[id(master)]])
+        if terms is None:
+            return False
+        state = self.optimizer.state[master]
         tensors = (master, state["exp_avg"], state["exp_avg_sq"], dst)
         for w, m, v, out in _slices(tensors, PREDICT_CHUNK):
-            n = w.numel()
-            scratch = _scratch(n)
-            den, acc = scratch[0][:n].view_as(w), scratch[1][:n].view_as(w)
-            torch.sqrt(v, out=den).add_(eps)
-            if decay != 1.0:
-                torch.mul(w, decay, out=acc)
-                base = acc
-            else:
-                base = w
-            if out.dtype == torch.float32:
-                torch.addcdiv(base, m, den, value=coef, out=out)
-            else:
-                torch.addcdiv(base, m, den, value=coef, out=acc)
-                out.copy_(acc)
+            write_prediction(w, m, v, out, **terms)
         return True
 
     def _torch_step(self, groups: list[dict[str, Any]]) -> None:
@@ -405,21 +484,9 @@ class HostOptimizer:
                     live.update(now)
 
 
-# Elements per chunk of the weight prediction (``predict_into``): its temporaries (2 x 1 MiB)
-# and the chunk's inputs stay in a core's L2 while the five elementwise ops run over it
+# Elements per call of the publish kernel outside that loop (``predict_into``): its torch
+# fallback's temporaries stay bounded.
 PREDICT_CHUNK = 1 << 18
-
-_SCRATCH = threading.local()
-
-
-def _scratch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two fp32 buffers of at least ``n`` elements, per thread (the optimizer worker and, with
-    one weight buffer, the runtime threads that publish), reused across calls."""
-    bufs: tuple[torch.Tensor, torch.Tensor] | None = getattr(_SCRATCH, "bufs", None)
-    if bufs is None or bufs[0].numel() < n:
-        bufs = (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32))
-        _SCRATCH.bufs = bufs
-    return bufs
 
 
 def _slices(tensors: tuple[torch.Tensor, ...], size: int) -> Iterator[tuple[torch.Tensor, ...]]:

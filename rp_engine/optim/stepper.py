@@ -18,6 +18,17 @@ buffer iteration t read w_{t-2} from, so iteration t+1 (w_{t-1}) never waits for
 last backward: the two iterations overlap (engine_pipeline.py). Two steps can then be open at
 once: step t accumulates while step t-1's last gradients land; the protocol calls name the step.
 
+Staleness compensation (``roundpipe.staleness_compensation``, async only): the compute weights
+published for step t are then a prediction of w_{t+1}, which the synchronous optimizer would
+have the iteration read: one more Adam step with step t's own hyper-parameters (never the next
+step's, which only the boundary knows: a publish must not wait for it), along the moments at
+hand ("predict") or along the moments the next step would make if its gradient repeated step
+t's ("lookahead"). Published at step end, it is written slice by slice as Adam steps the layer,
+while each slice is in cache (``HostOptimizer.step_params`` with ``publish``); published apart
+(one weight buffer, at iteration t+1's ``layer_ready``) step t's gradient is gone, so both
+extrapolate along the moments. The masters and moments stay Adam's, and a drain publishes the
+masters (``HostStore.publish``).
+
 Global-norm clipping and fp16 overflow need every layer's gradient: the squared norms are summed
 as layers complete (no separate pass; a layer whose whole gradient came down in one download
 brings its squared norm computed on the device, runtime/grad_norm.py) and the clip/unscale
@@ -55,7 +66,10 @@ from rp_engine.optim.step_journal import StepJournal
 if TYPE_CHECKING:
     from rp_engine.distributed import DataParallel
 
-__all__ = ["OptimizerStepper", "StepResult", "staleness_compensation"]
+__all__ = ["COMPENSATIONS", "OptimizerStepper", "StepResult", "staleness_compensation"]
+
+# ``roundpipe.staleness_compensation`` resolved: the methods (weight predictions) it can run
+COMPENSATIONS = ("none", "predict", "lookahead")
 
 log = logging.getLogger("rp_engine.optim")
 
@@ -101,14 +115,14 @@ class OptimizerStepper:
         journal: StepJournal | None = None,
         compensation: str = "none",
     ) -> None:
-        """``compensation``: ``roundpipe.staleness_compensation`` resolved ("none" or
-        "predict"; see ``predicts``)."""
-        if compensation not in ("none", "predict"):
-            raise ValueError(f"compensation {compensation!r}: expected 'none' or 'predict'")
-        if compensation == "predict" and async_mode and not optimizer.can_predict:
+        """``compensation``: ``roundpipe.staleness_compensation`` resolved (one of
+        ``COMPENSATIONS``; module docstring)."""
+        if compensation not in COMPENSATIONS:
+            raise ValueError(f"compensation {compensation!r}: expected one of {COMPENSATIONS}")
+        if compensation != "none" and async_mode and not optimizer.can_predict:
             raise ValueError(
-                'roundpipe.staleness_compensation "predict" extrapolates along Adam\'s moments: '
-                "it needs Adam/AdamW on DeepSpeed's CPU Adam (not torch_adam or another "
+                f'roundpipe.staleness_compensation "{compensation}" extrapolates along Adam\'s '
+                "moments: it needs Adam/AdamW on DeepSpeed's CPU Adam (not torch_adam or another "
                 'optimizer); use "none"'
             )
         self.store = store
@@ -131,13 +145,11 @@ class OptimizerStepper:
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._pending = 0
         # Weight prediction (staleness compensation, module docstring): only the asynchronous
-        # optimizer reads stale weights. _hp: the hyper-parameters of each step known so far
-        # (frozen at the boundary before it or when it opens), which the publish of the step
-        # before reads; _hp_released: a drain is waiting, so a publish whose next step's
-        # hyper-parameters are not known yet uses its own step's instead of waiting
-        self.predicts = compensation == "predict" and async_mode
+        # optimizer reads stale weights. _hp: the hyper-parameters each recent step ran with
+        # (frozen when it opened), which the prediction of its weights extrapolates with
+        self.predicts = compensation != "none" and async_mode
+        self.compensation = compensation
         self._hp: dict[int, list[dict[str, Any]]] = {}
-        self._hp_released = False
         self._thread = threading.Thread(target=self._run, name="rp-optimizer", daemon=True)
         self._thread.start()
         # Data parallel (distributed.py): gradients reduced onto each layer's owner rank, which
@@ -175,20 +187,9 @@ class OptimizerStepper:
         st = _OpenStep(step, self.optimizer.snapshot(), self.optimizer.cur_scale, set())
         with self._cond:
             self._open[step] = st
-            self._hp_released = False
-            self._hp.setdefault(step, st.groups)  # the boundary before it may have noted them
-            self._cond.notify_all()
-
-    def note_hyperparams(self, step: int, groups: list[dict[str, Any]]) -> None:
-        """The hyper-parameters step ``step`` will run with, known at the boundary before it
-        (after the LR scheduler stepped): with weight prediction the publish of step
-        ``step - 1`` extrapolates with them. The first note of a step wins (``open_step`` of
-        the same step notes its own snapshot), so where the worker reads them does not depend
-        on timing; ``refreeze`` replaces them."""
-        if not self.predicts:
-            return
-        with self._cond:
-            self._hp.setdefault(step, groups)
+            self._hp[step] = st.groups
+            for old in [k for k in self._hp if k < step - 2]:
+                del self._hp[old]  # a publish reads at most the step before the open ones
             self._cond.notify_all()
 
     def refreeze(self, step: int) -> None:
@@ -202,9 +203,8 @@ class OptimizerStepper:
             st = self._open.get(step)
             if st is not None:
                 st.groups = groups
-            if self.predicts:
+            if step in self._hp:
                 self._hp[step] = groups
-                self._cond.notify_all()
 
     def _step(self, step: int | None) -> _OpenStep:
         with self._cond:
@@ -259,7 +259,7 @@ class OptimizerStepper:
         if not self.publishes_at_step_end:
             # Iteration st.step no longer reads this layer: expose w_{t-1} for iteration t+1.
             self._wait_done(layer, st.step - 1)
-            self.store.publish(layer, st.step - 1, predict=self._predictor(st.step))
+            self.store.publish(layer, st.step - 1, predict=self._predictor(st.step - 1))
         # the squared norm: computed on the device with the download when that download was the
         # layer's whole gradient (runtime/grad_norm.py), else one read of the fp32 buffers. Data
         # parallel: the norm is of the reduced gradient, which only the owner holds (close_step
@@ -317,8 +317,6 @@ class OptimizerStepper:
     def wait_all(self) -> None:
         """Wait until every issued step has been applied; re-raise a worker error."""
         with self._cond:
-            self._hp_released = True  # see __init__: a publish must not wait for this thread
-            self._cond.notify_all()
             while self._pending and self._error is None:
                 self._cond.wait(timeout=0.1)
         self.check()
@@ -390,7 +388,6 @@ class OptimizerStepper:
         ``restart``."""
         with self._cond:
             self._cancelled = reason
-            self._hp_released = True
             self._cond.notify_all()
 
     def restart(self, step: int) -> None:
@@ -411,7 +408,7 @@ class OptimizerStepper:
         """After loading a checkpoint: every layer has applied ``step`` and shows w_step."""
         self._declare(step)
         with self._cond:
-            self._hp.clear()  # steps after the loaded one get new hyper-parameters
+            self._hp.clear()  # the loaded step's weights are published as they are
         self._counted = step
         if self.journal is not None and self.journal.step is not None:
             self.journal.commit(self.journal.step)  # the loaded masters replace what it holds
@@ -429,9 +426,6 @@ class OptimizerStepper:
         (see runtime/shutdown.py), and a queued step always finishes. Idempotent.
         """
         if self._thread.is_alive():
-            with self._cond:
-                self._hp_released = True
-                self._cond.notify_all()
             self._tasks.put(None)
             if threading.current_thread() is not self._thread:
                 self._thread.join()
@@ -453,8 +447,6 @@ class OptimizerStepper:
 
     def _wait_idle(self) -> None:
         with self._cond:
-            self._hp_released = True
-            self._cond.notify_all()
             while self._pending:
                 self._cond.wait(timeout=0.1)
 
@@ -496,12 +488,26 @@ class OptimizerStepper:
             # the masters and moments hold their values inside ``resident`` (the NVMe tier
             # reads them before and writes them back after; in RAM it does nothing)
             with self.store.resident(layer, dirty=not skip):
-                if not skip and masters:
-                    if self.journal is not None:
-                        self.journal.record(st.step, layer, masters)
-                    self.store.attach_grads([layer])
+                if skip or not masters:
+                    self._finish([layer], st.step)  # publishes the unchanged masters
+                    return
+                if self.journal is not None:
+                    self.journal.record(st.step, layer, masters)
+                self.store.attach_grads([layer])
+                if not self.publishes_at_step_end:
                     self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
-                self._finish([layer], st.step, predict=not skip)  # publishes from the masters
+                    self._finish([layer], st.step)
+                    return
+                # w_t is published as the layer steps: each Adam slice is written (or, with
+                # weight prediction, extrapolated) into the compute weights while in cache
+                owned = {id(hp.master): hp for hp in self.store.layers[layer].owned}
+                with self.store.publishing(layer, st.step, predicted=self.predicts) as dst:
+                    self.optimizer.step_params(
+                        masters, groups=st.groups, grad_coef=coef,
+                        publish=None if dst is None else (lambda p: dst(owned[id(p)])),
+                        predict=self.compensation if self.predicts else None,
+                    )  # fmt: skip
+                self._finish([layer], st.step, published=True)
 
         self._submit(task, f"layer {layer}", st.step)
         # the tier starts reading this layer and the ones stepped after it: immediate steps
@@ -560,19 +566,20 @@ class OptimizerStepper:
 
         self._submit(task, "all layers", st.step)
 
-    def _finish(self, layers: list[int], step: int, *, predict: bool = False) -> None:
-        """The layers have applied step ``step`` (``predict``: and it was not skipped): mark
-        them done and, when w_t is published at step end, publish it (predicted with weight
-        prediction; the masters of a skipped step, whose update was dropped)."""
+    def _finish(self, layers: list[int], step: int, *, published: bool = False) -> None:
+        """The layers have applied step ``step`` (or skipped it): mark them done and, when w_t
+        is published at step end and the step did not already (``published``: the fused publish
+        of ``_enqueue``), publish it: the masters, as they are after a skipped step (its update
+        was dropped, so nothing is extrapolated) or a step of a torch optimizer or of data
+        parallel (no moments on this rank to extrapolate along)."""
         self.store.release_grads(layers)
         with self._cond:
             for layer in layers:
                 self._done[layer] = step
             self._cond.notify_all()
-        if self.publishes_at_step_end:
-            extrapolate = self._predictor(step + 1) if predict else None
+        if self.publishes_at_step_end and not published:
             for layer in layers:
-                self.store.publish(layer, step, predict=extrapolate)
+                self.store.publish(layer, step)
         if self.journal is not None and min(self._done) >= step and self._counted >= step:
             # every layer has stepped and the engine counted the step: nothing left to undo (a
             # step applied in full by a run that then failed is undone; else the next step's
@@ -581,25 +588,17 @@ class OptimizerStepper:
 
     def _predictor(self, step: int) -> Callable[[HostParam, torch.Tensor], bool] | None:
         """With weight prediction, what ``HostStore.publish`` extrapolates the weights of step
-        ``step - 1`` with, for the iteration that reads them in place of w_{step}: one Adam
-        step along the moments at hand with step ``step``'s hyper-parameters
-        (``HostOptimizer.predict_into``). Waits until they are known (``note_hyperparams``,
-        ``open_step``); while a drain waits (``wait_all``) it takes the newest known ones up to
-        step ``step - 1``'s instead, so a drain never waits for the caller's thread. None
-        without prediction."""
+        ``step`` with when it publishes them apart from the step (one weight buffer: at the
+        next iteration's ``layer_ready``): one more Adam step along the moments at hand with
+        the hyper-parameters step ``step`` ran with, as the fused publish at step end does
+        (``HostOptimizer.step_params``). None without prediction or when they are not known
+        (the first step, or just after a load or a restart: the masters are published)."""
         if not self.predicts:
             return None
         with self._cond:
-            while step not in self._hp and not self._hp_released:
-                self._cond.wait(timeout=0.1)
             groups = self._hp.get(step)
-            if groups is None:
-                known = [k for k in self._hp if k < step]
-                if not known:
-                    return None
-                groups = self._hp[max(known)]
-            for old in [k for k in self._hp if k < step - 2]:
-                del self._hp[old]  # only the next steps' are still read
+        if groups is None:
+            return None
         optimizer = self.optimizer
         return lambda hp, dst: optimizer.predict_into(hp.master, dst, groups)
 
@@ -635,16 +634,17 @@ class OptimizerStepper:
 def staleness_compensation(
     wanted: str, *, async_mode: bool, can_predict: bool, data_parallel: bool
 ) -> str:
-    """``roundpipe.staleness_compensation`` resolved for this engine: "none" or "predict".
+    """``roundpipe.staleness_compensation`` resolved for this engine: one of ``COMPENSATIONS``.
 
-    "auto" is "predict" where it applies (the asynchronous optimizer on DeepSpeed's CPU Adam,
-    one process) and "none" elsewhere. An explicit "predict" where it cannot run raises
-    (ValueError); with the synchronous optimizer nothing is stale, so it resolves to "none"."""
+    "auto" is "lookahead" (the method benchmarks/RESULTS.md found best) where it applies (the
+    asynchronous optimizer on DeepSpeed's CPU Adam, one process) and "none" elsewhere. An
+    explicit method where it cannot run raises (ValueError); with the synchronous optimizer
+    nothing is stale, so it resolves to "none"."""
     if wanted == "none" or not async_mode:
         return "none"
     fits = can_predict and not data_parallel
     if wanted == "auto":
-        return "predict" if fits else "none"
+        return "lookahead" if fits else "none"
     if not fits:
         why = (
             "data parallel (the weights are stepped on one rank and broadcast)"

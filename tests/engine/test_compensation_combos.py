@@ -1,6 +1,6 @@
-"""Weight prediction (``roundpipe.staleness_compensation: "predict"``) with the engine's other
-features: the NVMe optimizer tier (the moments are staged in from the swap file when the
-publish predicts), LoRA (only the adapters are stepped and predicted), fp16 loss scaling
+"""Weight prediction (``roundpipe.staleness_compensation``: "predict" and "lookahead") with the
+engine's other features: the NVMe optimizer tier (the moments are staged in from the swap file
+when the publish predicts), LoRA (only the adapters are stepped and predicted), fp16 loss scaling
 (overflowing steps are skipped and publish the masters) and gradient clipping.
 
 With the tier the result must be the host-resident one bit for bit, as for every other mode
@@ -32,14 +32,15 @@ def _cfg(mode: str, **extra: Any) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def test_predict_with_the_nvme_tier_equals_host_resident(tmp_path) -> None:
+@pytest.mark.parametrize("method", ["predict", "lookahead"])
+def test_predict_with_the_nvme_tier_equals_host_resident(tmp_path, method: str) -> None:
     """The tier stages each layer's masters and moments in for its step and its publish, so
     the prediction reads the same moments as with everything in RAM: same losses, same
     weights, bit for bit."""
     model = tiny_qwen3(0, layers=4)
-    host_losses, host = run(copy.deepcopy(model), _cfg("predict"), steps=STEPS)
+    host_losses, host = run(copy.deepcopy(model), _cfg(method), steps=STEPS)
     tier_losses, tier = run(
-        copy.deepcopy(model), nvme_config(_cfg("predict"), str(tmp_path)), steps=STEPS
+        copy.deepcopy(model), nvme_config(_cfg(method), str(tmp_path)), steps=STEPS
     )
     none_losses, _ = run(copy.deepcopy(model), _cfg("none"), steps=STEPS)
     assert tier["io"]["stats"].read_bytes > 0  # the moments did come from the swap file
@@ -55,8 +56,9 @@ def _train(model: torch.nn.Module, cfg: dict[str, Any], steps: int) -> tuple[lis
     return losses, engine
 
 
+@pytest.mark.parametrize("method", ["predict", "lookahead"])
 @pytest.mark.parametrize("case", ["lora", "fp16-overflow", "clipping"])
-def test_predict_composes_and_leaves_the_masters_true(case: str) -> None:
+def test_predict_composes_and_leaves_the_masters_true(case: str, method: str) -> None:
     """LoRA, fp16 loss scaling whose first steps overflow (initial scale 2^20: skipped steps,
     which publish the masters, then a lower scale), and clipping at a norm the gradients
     exceed: the predict run's losses are finite and leave the "none" run's (prediction
@@ -73,7 +75,7 @@ def test_predict_composes_and_leaves_the_masters_true(case: str) -> None:
     steps = 2 * STEPS if case == "fp16-overflow" else STEPS  # room after the skipped steps
     none_losses, none_engine = _train(model(), _cfg("none", **extra), steps)
     none_engine.destroy()
-    losses, engine = _train(model(), _cfg("predict", **extra), steps)
+    losses, engine = _train(model(), _cfg(method, **extra), steps)
     try:
         assert engine.stepper.predicts
         assert all(math.isfinite(x) for x in losses), losses

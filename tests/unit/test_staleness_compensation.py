@@ -1,12 +1,16 @@
 """Staleness compensation by weight prediction (``roundpipe.staleness_compensation``).
 
 The asynchronous optimizer's iteration t reads the compute weights published for step t-2; with
-"predict" those are w_{t-2} extrapolated one Adam step ahead (optim/stepper.py,
-``HostOptimizer.predict_into``), while the fp32 masters and moments stay exactly Adam's. The
-stepper is driven here by hand (no devices), so every publish is observed directly.
+"predict" those are w_{t-2} extrapolated one more Adam step along the moments ("lookahead":
+along the moments the next step makes if step t-2's gradient repeats), with step t-2's own
+hyper-parameters (optim/stepper.py, ``HostOptimizer.step_params`` writes it as each slice
+is stepped), while the fp32 masters and moments stay exactly Adam's. The stepper is driven here
+by hand (no devices), so every publish is observed directly.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -42,19 +46,18 @@ class _Harness:
         )  # fmt: skip
 
     def step(
-        self, step: int, grads: list[torch.Tensor], *, skip: bool = False, next_lr: float | None
+        self, step: int, grads: list[torch.Tensor], *, skip: bool = False, lr: float | None = None
     ) -> None:
-        """Apply step ``step`` with ``grads`` (one per owned parameter); ``next_lr``: the LR the
-        boundary sets for step ``step + 1`` (as the engine's scheduler would)."""
+        """Apply step ``step`` with ``grads`` (one per owned parameter) at ``lr`` (None: the
+        LR as it is; set before the step opens, as the engine's scheduler does)."""
+        if lr is not None:
+            self.opt.param_groups[0]["lr"] = lr
         self.stepper.open_step(step)
         for hp, g in zip(self.store.owned_params(), grads, strict=True):
             self.store.accumulate(hp.param, g)
         for layer in range(len(self.modules)):
             self.stepper.layer_ready(layer, step)
         self.stepper.close_step(step=step, skip=skip)
-        if next_lr is not None:
-            self.opt.param_groups[0]["lr"] = next_lr
-        self.stepper.note_hyperparams(step + 1, self.opt.snapshot())
         self.stepper.wait_all()
 
     def published(self, version: int) -> list[torch.Tensor]:
@@ -74,28 +77,83 @@ def _grads(seed: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=gen) for s in ((300, 8), (300,), (4, 300), (4,))]
 
 
+@pytest.mark.parametrize("method", ["predict", "lookahead"])
 @pytest.mark.parametrize(
     "lrs", [[1e-2] * 5, [0.0, 2e-3, 4e-3, 6e-3, 8e-3]], ids=["constant", "warmup"]
 )
-def test_prediction_is_the_next_step_under_a_constant_gradient(lrs: list[float]) -> None:
-    """Constant gradients: the weights published for step s are the masters of step s+1, to
-    fp32 rounding (a run a step ahead is the reference), from step 1's bias corrections on and
-    with an LR that changes every step (warm-up from 0: step 1 moves nothing)."""
-    h = _Harness(lr=lrs[0])
+def test_prediction_is_one_more_step_at_the_same_rate_under_a_constant_gradient(
+    lrs: list[float], method: str
+) -> None:
+    """Constant gradients: the weights published for step s are the masters one more step at
+    step s's LR gives, to fp32 rounding (a run that repeats step s's LR is the reference),
+    from step 1's bias corrections on; at a constant LR that is the next step's masters. With
+    warm-up from 0, step 1 moves nothing and its publish is the masters."""
+    h = _Harness(lr=lrs[0], compensation=method)
     try:
         g = _grads(1)
-        predicted: list[list[torch.Tensor]] = []
-        for step in range(1, len(lrs) + 1):
-            h.step(step, g, next_lr=lrs[step] if step < len(lrs) else lrs[-1])
-            if predicted:  # the previous step's prediction against this step's masters
-                for got, want in zip(predicted[-1], h.masters(), strict=True):
-                    # fp32 rounding of the moments and of the two computations: a few ulps of
-                    # the weight; a wrong bias correction or LR is off by ~1e-3 of a step of 1e-2
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-7)
-            predicted.append(h.published(step))
-            assert h.store.predicted(0)[step % 2]
-        moved = [(a - b).abs().max() for a, b in zip(predicted[-1], h.masters(), strict=True)]
-        assert min(moved) > 1e-3  # the prediction is a real step ahead, not the masters
+        for step, lr in enumerate(lrs, 1):
+            h.step(step, g, lr=lr)
+            published = h.published(step)
+            ref = _Harness(lr=lrs[0])
+            try:
+                for s, rate in enumerate([*lrs[:step], lr], 1):
+                    ref.step(s, g, lr=rate)
+                want = ref.masters()
+            finally:
+                ref.close()
+            for got, w in zip(published, want, strict=True):
+                # fp32 rounding of the moments and of the two computations: a few ulps of the
+                # weight; a wrong bias correction or LR is off by ~1e-3 of a step of 1e-2
+                torch.testing.assert_close(got, w, rtol=1e-5, atol=5e-7)
+            if lr == 0.0:
+                for got, w in zip(published, h.masters(), strict=True):
+                    assert torch.equal(got, w)
+            else:
+                moved = [(a - b).abs().max() for a, b in zip(published, h.masters(), strict=True)]
+                assert min(moved) > 1e-4  # a real step ahead of the masters
+        if lrs[0] == lrs[-1]:  # constant: the prediction of step 4 is step 5's masters
+            h2 = _Harness(lr=lrs[0], compensation=method)
+            try:
+                for step in range(1, 5):
+                    h2.step(step, g)
+                predicted = h2.published(4)
+            finally:
+                h2.close()
+            for got, w in zip(predicted, h.masters(), strict=True):
+                torch.testing.assert_close(got, w, rtol=1e-5, atol=5e-7)
+    finally:
+        h.close()
+
+
+def test_a_layer_publishes_its_prediction_before_the_step_closes() -> None:
+    """Immediate stepping (no clipping, no guard): a layer steps as soon as its gradient is
+    complete, in the middle of the iteration's backward, and its predicted weights are
+    published right then. The prediction uses the step's own hyper-parameters, so it never waits
+    for the next step's (known only at the boundary): before, a publish waited there and held
+    up the optimizer worker, and so every later layer's step, until the boundary."""
+    h = _Harness()
+    h.stepper.clip = 0.0
+    h.stepper.guard_nonfinite = False
+    assert h.stepper.immediate
+    try:
+        h.step(1, _grads(1))
+        h.stepper.open_step(2)
+        for hp, g in zip(h.store.owned_params(), _grads(2), strict=True):
+            h.store.accumulate(hp.param, g)
+        for layer in range(len(h.modules)):
+            h.stepper.layer_ready(layer, 2)
+        done = threading.Event()
+        waiter = threading.Thread(
+            target=lambda: (h.store.wait_version(0, 2), h.store.wait_version(1, 2), done.set()),
+            daemon=True,
+        )
+        waiter.start()
+        # a liveness bound, not a timing: the publish is a few microseconds of work; the old
+        # design waited for a boundary that this test never reaches
+        assert done.wait(timeout=60), "the step's publish waited for the next boundary"
+        assert h.store.predicted(0)[0]
+        h.stepper.close_step(step=2)
+        h.stepper.wait_all()
     finally:
         h.close()
 
@@ -108,7 +166,7 @@ def test_masters_and_moments_stay_adams_and_a_drain_publishes_them() -> None:
     try:
         for step in range(1, 4):
             for h in (a, b):
-                h.step(step, _grads(step), next_lr=None)
+                h.step(step, _grads(step))
         for x, y in zip(a.masters(), b.masters(), strict=True):
             assert torch.equal(x, y)
         for p, q in zip(a.opt.state.values(), b.opt.state.values(), strict=True):
@@ -131,15 +189,15 @@ def test_a_skipped_step_publishes_the_masters() -> None:
     skip left as they were."""
     h, ref = _Harness(), _Harness()
     try:
-        h.step(1, _grads(1), next_lr=None)
+        h.step(1, _grads(1))
         before = h.masters()
-        h.step(2, [g * float("nan") for g in _grads(2)], skip=True, next_lr=None)
+        h.step(2, [g * float("nan") for g in _grads(2)], skip=True)
         assert h.store.predicted(0)[0] is False
         for got, want in zip(h.published(2), before, strict=True):
             assert torch.equal(got, want)
-        h.step(3, _grads(3), next_lr=None)
-        ref.step(1, _grads(1), next_lr=None)  # the same run without the skipped step
-        ref.step(2, _grads(3), next_lr=None)
+        h.step(3, _grads(3))
+        ref.step(1, _grads(1))  # the same run without the skipped step
+        ref.step(2, _grads(3))
         for x, y in zip(h.published(3), ref.published(2), strict=True):
             assert torch.equal(x, y)
     finally:
@@ -150,11 +208,11 @@ def test_a_skipped_step_publishes_the_masters() -> None:
 def test_resumed_moments_predict_as_the_run_that_saved() -> None:
     """Resume: masters and optimizer state loaded into a new optimizer (checkpoint load): the
     prediction is bit-identical to the run that saved (it reads only the masters, the loaded
-    moments and step counts, and the next step's hyper-parameters)."""
+    moments and step counts, and the step's hyper-parameters)."""
     a, b = _Harness(seed=0), _Harness(seed=1)
     try:
-        a.step(1, _grads(1), next_lr=None)
-        a.step(2, _grads(2), next_lr=None)
+        a.step(1, _grads(1))
+        a.step(2, _grads(2))
         with torch.no_grad():
             for x, y in zip(b.store.owned_params(), a.store.owned_params(), strict=True):
                 x.master.copy_(y.master)
@@ -182,11 +240,22 @@ def test_config_key_and_resolution() -> None:
         load_config({**base, "roundpipe": {"staleness_compensation": "dc"}})
     text = str(err.value)
     assert "roundpipe.staleness_compensation" in text
-    assert all(c in text for c in ('"none"', '"auto"', '"predict"')), text
+    assert all(c in text for c in ('"none"', '"auto"', '"predict"', '"lookahead"')), text
     assert (
         staleness_compensation("auto", async_mode=True, can_predict=True, data_parallel=False)
-        == "predict"
+        == "lookahead"
     )
+    for method in ("predict", "lookahead"):
+        assert (
+            load_config(
+                {**base, "roundpipe": {"staleness_compensation": method}}
+            ).roundpipe.staleness_compensation
+            == method
+        )
+        assert (
+            staleness_compensation(method, async_mode=True, can_predict=True, data_parallel=False)
+            == method
+        )
     assert (
         staleness_compensation("auto", async_mode=True, can_predict=False, data_parallel=False)
         == "none"
@@ -205,7 +274,8 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return [random_batch(128, batch=2, seq=12, seed=300 + i) for i in range(n)]
 
 
-def test_engine_none_is_bit_identical_and_predict_keeps_true_masters() -> None:
+@pytest.mark.parametrize("method", ["predict", "lookahead"])
+def test_engine_none_is_bit_identical_and_predict_keeps_true_masters(method: str) -> None:
     """Engine level: "none" trains bit for bit as the default (the staleness-1 rule that
     test_async_optimizer.py checks against its reference); "predict" changes the losses from
     step 3 on (the first iteration that reads a predicted version), and after training the
@@ -214,7 +284,7 @@ def test_engine_none_is_bit_identical_and_predict_keeps_true_masters() -> None:
     cuts = {"fwd_cuts": [2, 2], "bwd_cuts": [0, 2, 2]}
     runs = {}
     models = {}
-    for mode in ("default", "none", "predict"):
+    for mode in ("default", "none", method):
         extra = {} if mode == "default" else {"staleness_compensation": mode}
         models[mode] = tiny_qwen3(0, layers=4)
         cfg = config(devices=2, gas=gas, lr=1e-2, async_optimizer=True, roundpipe=extra, **cuts)
@@ -222,13 +292,13 @@ def test_engine_none_is_bit_identical_and_predict_keeps_true_masters() -> None:
     assert runs["none"] == runs["default"]
     for p, q in zip(models["none"].parameters(), models["default"].parameters(), strict=True):
         assert torch.equal(p, q)
-    assert runs["predict"][:2] == runs["none"][:2]
-    assert runs["predict"][2] != runs["none"][2]
+    assert runs[method][:2] == runs["none"][:2]
+    assert runs[method][2] != runs["none"][2]
     # the trained module holds the masters (synchronized), not a prediction
     engine = engine_for(
         tiny_qwen3(0, layers=4),
         config(devices=2, gas=gas, lr=1e-2, async_optimizer=True,
-               roundpipe={"staleness_compensation": "predict"}, **cuts),
+               roundpipe={"staleness_compensation": method}, **cuts),
     )  # fmt: skip
     try:
         assert engine.stepper.predicts
