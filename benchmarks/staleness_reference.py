@@ -11,12 +11,14 @@ methods the engine keeps ("predict", "lookahead") give the same gaps here as in
 
 Modes (comma-separated; ``name:x`` takes a number):
 
-- ``sync``: no staleness; ``stale``: staleness 1, masters published as they are;
+- ``sync[:n]``: no staleness (with n: the learning rate warmed up linearly over the first n
+  steps); ``stale``: staleness 1, masters published as they are;
 - ``predict[:k]``: k Adam steps along the moments at hand (k = 1: the engine's "predict");
 - ``lookahead[:k]``: along the next moments if the last gradient repeats (the engine's);
 - ``mix:a``: the next gradient assumed a g + (1 - a) m_hat (a = 1: lookahead, 0: predict);
 - ``dc:lam``: lookahead plus DC-ASGD's delay compensation of the gradient Adam receives,
-  g + lam g^2 (w - w_read) / (sqrt(v_hat) + eps).
+  g + lam g^2 (w - w_read) / (sqrt(v_hat) + eps);
+- ``warm:n``: lookahead with the learning rate warmed up linearly over the first n steps.
 
     python -m benchmarks.staleness_reference --lr 2e-3 --modes sync,stale,predict,lookahead
 """
@@ -46,7 +48,7 @@ def _published(p: torch.Tensor, st: dict[str, Any], g: torch.Tensor, mode: str, 
     m_hat, v_hat = st["exp_avg"] / (1 - b1**s), st["exp_avg_sq"] / (1 - b2**s)
     if mode == "predict":
         return p - (arg or 1.0) * lr * m_hat / (v_hat.sqrt() + eps)
-    nxt = g if mode in ("lookahead", "dc") else arg * g + (1 - arg) * m_hat  # "mix"
+    nxt = arg * g + (1 - arg) * m_hat if mode == "mix" else g
     m1 = (b1 * st["exp_avg"] + (1 - b1) * nxt) / (1 - b1 ** (s + 1))
     v1 = (b2 * st["exp_avg_sq"] + (1 - b2) * nxt * nxt) / (1 - b2 ** (s + 1))
     k = arg if mode == "lookahead" and arg else 1.0
@@ -66,7 +68,11 @@ def train(mode_spec: str, *, lr: float, steps: int, seed: int) -> list[float]:
     pending: list[torch.Tensor] | None = None  # stale: the gradient not yet applied
     read: list[torch.Tensor] | None = None  # the weights the pending gradient was taken at
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        warm = mode in ("warm", "sync") and arg > 0
+        rate = lr * min(1.0, (step + 1) / arg) if warm else lr
+        for group in opt.param_groups:
+            group["lr"] = rate
         if mode == "sync":
             with torch.no_grad():
                 for r, p in zip(rparams, params, strict=True):
@@ -104,7 +110,7 @@ def train(mode_spec: str, *, lr: float, steps: int, seed: int) -> list[float]:
                 if mode == "stale":
                     r.copy_(p)
                 else:
-                    r.copy_(_published(p, opt.state[p], p.grad, mode, arg, lr, betas, eps))
+                    r.copy_(_published(p, opt.state[p], p.grad, mode, arg, rate, betas, eps))
     return losses
 
 
