@@ -670,15 +670,22 @@ class HostStore:
         buffer for the caller to fill with every owned param's new value (the stepper writes
         each Adam slice as it is stepped, optim/optimizer.py ``step_params``), or None when the
         publish is a no-op (the buffer already holds ``version``, or a newer one). The buffer is
-        marked as ``version`` (*predicted* with ``predicted``) only when the block ends without
-        an exception. Waits first, as ``publish`` does, for uploads still reading an older
-        version from the buffer. Call it inside ``resident(layer)``."""
+        marked as ``version`` (*predicted* with ``predicted``) when the block ends without an
+        exception; after one it holds no version at all (-1: it may be half written), which the
+        undo of the failed step rewinds (``rewind``). Waits first, as ``publish`` does, for
+        uploads still reading an older version from the buffer. Call it inside
+        ``resident(layer)``."""
         b = self._buffer_of(version)
         if not self._claim(layer, b, version, plain=not predicted):
             yield None
             return
-        with torch.no_grad(), self._weights(layer, b, overwrite=True) as dst:
-            yield dst
+        try:
+            with torch.no_grad(), self._weights(layer, b, overwrite=True) as dst:
+                yield dst
+        except BaseException:
+            with self._cond:
+                self._held[layer][b] = -1
+            raise
         self._mark(layer, b, version, predicted=predicted)
 
     def _claim(self, layer: int, buffer: int, version: int, *, plain: bool) -> bool:

@@ -361,7 +361,7 @@ class HostOptimizer:
                 p.grad.data,
                 state["exp_avg"],
                 state["exp_avg_sq"],
-            )  # type: ignore[union-attr]
+            )
             terms = None
             if publish is not None:
                 tensors += (publish(p),)

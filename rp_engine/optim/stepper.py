@@ -461,7 +461,9 @@ class OptimizerStepper:
         assert self.journal is not None
         restored = self.journal.rollback(failed)
         for layer in range(self._num_layers):
-            if self.store.version(layer) >= failed:
+            # a layer that failed part-way through its step had also written part of its
+            # compute weights (the publish runs inside the step): rewind it as well
+            if self.store.version(layer) >= failed or layer in restored:
                 self.store.rewind(layer, keep)
         self.store.zero_grads()
         self._declare(keep, forget_open=True)

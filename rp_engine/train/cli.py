@@ -387,7 +387,7 @@ class _Job:
         )
         summary, found = preflight.plan_preview(
             counts, machine_name=args.machine, num_devices=args.plan_devices,
-            hf_config=preflight._decoder(shape.model).config.to_dict(), name=shape.name,
+            hf_config=preflight.decoder(shape.model).config.to_dict(), name=shape.name,
             seq_len=args.seq_len if "seq_len" in given else None,
             micro_batch=raw["train_micro_batch_size_per_gpu"] if fixed_mb else None,
             grad_accum=raw["gradient_accumulation_steps"] if fixed_gas else None,
@@ -604,6 +604,9 @@ class _Job:
             "epoch": data.epoch,
             "first_loss": losses[0] if losses else math.nan,
             "final_loss": losses[-1] if losses else math.nan,
+            # [step, loss] of every step, those before a resume included (the CSV monitor and
+            # W&B have them too, but a script comparing runs should not need either)
+            "train_losses": [[step, loss] for step, loss in self.train_losses],
             "eval_losses": self.eval_losses,
             "final_eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
             "final_eval_perplexity": _ppl(self.eval_losses[-1][1]) if self.eval_losses else None,

@@ -26,6 +26,7 @@ from rp_engine.host_preflight import PreflightError, available_bytes, format_byt
 __all__ = [
     "PreflightError",
     "HostEstimate",
+    "decoder",
     "model_counts",
     "estimate_host",
     "check_host",
@@ -44,7 +45,7 @@ class Counts:
     prefix_params: int  # embeddings
 
 
-def _decoder(model: nn.Module) -> Any:
+def decoder(model: nn.Module) -> Any:
     """PeftModelForCausalLM -> the HF causal LM inside; an HF model as is."""
     from rp_engine.model.layers import _unwrap_peft
 
@@ -56,7 +57,7 @@ def model_counts(model: nn.Module) -> Counts:
     params = {id(p): p for p in model.parameters()}.values()
     trainable = sum(p.numel() for p in params if p.requires_grad)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
-    lm = _decoder(model)
+    lm = decoder(model)
     base = getattr(lm, "model", None)
     layers = list(getattr(base, "layers", []) or [])
     blocks = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)

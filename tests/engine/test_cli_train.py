@@ -174,8 +174,13 @@ def test_resume_continues_steps_lr_and_data(tmp_path: Path, capsys: pytest.Captu
     straight, resumed = _summary(tmp_path / "straight"), _summary(tmp_path / "split")
     assert resumed["steps"] == 4 and resumed["steps_this_run"] == 2
     assert resumed["data_position"] == straight["data_position"] == 4 * 4
-    # Same weights, LR and data at steps 3 and 4 -> the same losses.
+    # Same weights, LR and data at steps 3 and 4 -> the same losses; summary.json lists every
+    # step's loss, the ones before the resume included.
     assert resumed["final_loss"] == pytest.approx(straight["final_loss"], abs=1e-5)
+    assert [s for s, _ in resumed["train_losses"]] == [1, 2, 3, 4]
+    for (_, a), (_, b) in zip(resumed["train_losses"], straight["train_losses"], strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert resumed["train_losses"][-1][1] == resumed["final_loss"]
     ckpt = torch.load(
         tmp_path / "split" / "checkpoints" / "global_step4" / "mp_rank_00_model_states.pt",
         weights_only=False,

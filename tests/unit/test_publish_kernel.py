@@ -189,15 +189,16 @@ def test_fused_publish_equals_a_separate_pass(predict: str | None) -> None:
         assert torch.equal(got, master.to(torch.bfloat16)) is (predict is None)
 
 
-def test_a_publish_that_raises_leaves_the_buffer_unmarked() -> None:
-    """``publishing``: a step that fails part-way does not mark its version as held, so no
-    upload reads a half-written buffer as that version."""
+def test_a_publish_that_raises_leaves_the_buffer_holding_no_version() -> None:
+    """``publishing``: a step that fails part-way leaves a half-written buffer, which then holds
+    no version at all (neither the new one nor the one it held), so no upload reads it as
+    either; the next publish writes it whole."""
     store, opt, masters = _layer_store(1000)
     with pytest.raises(RuntimeError, match="boom"), store.publishing(0, 1, predicted=False):
         raise RuntimeError("boom")
-    assert store.version(0) == 0
-    with store.publishing(0, 1, predicted=False) as dst:
+    assert store.version(0) == 0  # the other buffer still holds version 0
+    with store.publishing(0, 3, predicted=False) as dst:  # buffer 1 again
         assert dst is not None
-    assert store.version(0) == 1
+    assert store.version(0) == 3
     with store.publishing(0, 1, predicted=False) as dst:
         assert dst is None  # held already: nothing to write
