@@ -406,20 +406,27 @@ class HostOptimizer:
         eps) = (sqrt(bc2) / bc1) m / (sqrt(v) + eps sqrt(bc2)): two scalars fold the bias
         corrections."""
         state = self.optimizer.state.get(master)
-        lr = float(g["lr"])
-        if not state or int(state.get("step", 0)) == 0 or lr == 0.0:
+        if not state or int(state.get("step", 0)) == 0 or float(g["lr"]) == 0.0:
             return None
-        step = int(state["step"])
+        return self._step_terms(g, int(state["step"]))
+
+    def _step_terms(self, g: dict[str, Any], step: int) -> dict[str, float]:
+        """``decay``, ``coef`` and ``eps`` of one Adam step with bias corrections of ``step``
+        and group hyper-parameters ``g`` (see ``_prediction_terms``)."""
+        lr = float(g["lr"])
         beta1, beta2 = g["betas"]
         bc1 = 1.0 - beta1**step if g["bias_correction"] else 1.0
         rbc2 = math.sqrt(1.0 - beta2**step if g["bias_correction"] else 1.0)
         wd = float(g["weight_decay"])
-        adamw = getattr(self.optimizer, "adam_w_mode", True)
         return {
-            "decay": 1.0 - lr * wd if wd > 0 and adamw else 1.0,
+            "decay": 1.0 - lr * wd if wd > 0 and self._adamw else 1.0,
             "coef": -lr * rbc2 / bc1,
             "eps": float(g["eps"]) * rbc2,
         }
+
+    @property
+    def _adamw(self) -> bool:
+        return bool(getattr(self.optimizer, "adam_w_mode", True))
 
     def _lookahead_terms(self, master: torch.Tensor, g: dict[str, Any]) -> dict[str, float] | None:
         """``write_lookahead``'s scalars for the step after the one ``master`` has just applied
@@ -427,22 +434,15 @@ class HostOptimizer:
         folded as in ``_prediction_terms``, the betas, and Adam's L2 decay (0 for AdamW, whose
         decay is the ``decay`` factor). None at LR 0 (the step would move nothing)."""
         state = self.optimizer.state.get(master)
-        lr = float(g["lr"])
-        if not state or lr == 0.0:
+        if not state or float(g["lr"]) == 0.0:
             return None
-        step = int(state.get("step", 0)) + 1
         beta1, beta2 = g["betas"]
-        bc1 = 1.0 - beta1**step if g["bias_correction"] else 1.0
-        rbc2 = math.sqrt(1.0 - beta2**step if g["bias_correction"] else 1.0)
         wd = float(g["weight_decay"])
-        adamw = getattr(self.optimizer, "adam_w_mode", True)
         return {
-            "decay": 1.0 - lr * wd if wd > 0 and adamw else 1.0,
+            **self._step_terms(g, int(state.get("step", 0)) + 1),
             "b1": float(beta1),
             "b2": float(beta2),
-            "coef": -lr * rbc2 / bc1,
-            "eps": float(g["eps"]) * rbc2,
-            "l2": wd if wd > 0 and not adamw else 0.0,
+            "l2": wd if wd > 0 and not self._adamw else 0.0,
         }
 
     @torch.no_grad()
