@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
 from rp_engine.optim.loss_scaler import LossScaler
 from rp_engine.optim.publish_kernel import write_copy, write_lookahead, write_prediction
 from rp_engine.optim.step_journal import StepJournal
@@ -51,7 +52,6 @@ __all__ = [
     "HostOptimizer",
     "build_inner_optimizer",
     "snapshot_groups",
-    "cpu_adam_cache_dir",
 ]
 
 log = logging.getLogger("rp_engine.optim")
@@ -95,30 +95,6 @@ _UNSUPPORTED = {
 }
 
 
-def cpu_adam_cache_dir() -> str:
-    """Where DeepSpeed's JIT-built CPU Adam lives: $TORCH_EXTENSIONS_DIR when the user set it,
-    else a user cache outside any checkout, so CI runs and later sessions on one machine reuse
-    the ~1-2 minute build. Reads the environment, never writes it."""
-    default = os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions")
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or default
-
-
-@contextlib.contextmanager
-def _extensions_dir(path: str) -> Iterator[None]:
-    """DeepSpeed's JIT loader reads TORCH_EXTENSIONS_DIR from the environment only: set it for
-    the build/load and put the user's environment back afterwards (DeepSpeed keeps the loaded
-    op in-process, so later optimizers do not look again)."""
-    before = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = path
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = before
-
-
 def build_inner_optimizer(
     opt_type: str,
     params: Mapping[str, Any],
@@ -159,7 +135,7 @@ def _cpu_adam(
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except ImportError as exc:  # pragma: no cover - deepspeed is a dependency
         raise RuntimeError("deepspeed is required for Adam/AdamW (DeepSpeedCPUAdam)") from exc
-    with _extensions_dir(cache):
+    with extensions_dir(cache):
         if _is_cpu_adam_built(cache):
             return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
         log.warning("building DeepSpeed's CPU Adam once (about 1-2 minutes; cached in %s)", cache)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from rp_engine.optim.jit_cache import cpu_adam_cache_dir
+
 __all__ = ["write_copy", "write_prediction", "write_lookahead", "native"]
 
 log = logging.getLogger("rp_engine.optim")
@@ -57,8 +59,6 @@ def _build(cc: str) -> Path:
     """Compile ``csrc/publish.c`` into the cache (once per source, flags and compiler) and
     return the shared library's path; concurrent processes each build to a temporary name and
     rename it into place."""
-    from rp_engine.optim.optimizer import cpu_adam_cache_dir
-
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         _SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + version.encode()

@@ -285,7 +285,7 @@ class AioEngine(IOEngine):
 
 def aio_op_built() -> bool:
     """Whether DeepSpeed's aio op is built in the extensions cache (loading it is then quick)."""
-    from rp_engine.optim.optimizer import cpu_adam_cache_dir
+    from rp_engine.optim.jit_cache import cpu_adam_cache_dir
 
     for _dirpath, _, files in os.walk(cpu_adam_cache_dir()):
         if "async_io.so" in files:
@@ -298,10 +298,10 @@ def load_aio_op() -> Any:
     minutes on 2 cores). Raises when it cannot build (no libaio-dev)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from rp_engine.optim.optimizer import _extensions_dir, cpu_adam_cache_dir
+    from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
 
     builder = AsyncIOBuilder()
-    with _extensions_dir(cpu_adam_cache_dir()):
+    with extensions_dir(cpu_adam_cache_dir()):
         if not builder.is_compatible(verbose=False):
             raise RuntimeError(
                 "DeepSpeed's aio op cannot build here: install libaio-dev (apt-get install "

@@ -212,10 +212,10 @@ def test_deepspeed_cpu_adam_client_steps_layer_by_layer() -> None:
     through its own kernel."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from rp_engine.optim.optimizer import _extensions_dir, cpu_adam_cache_dir
+    from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
 
     model = tiny_qwen3(0, layers=2)
-    with _extensions_dir(cpu_adam_cache_dir()):  # the cached build, not a new one
+    with extensions_dir(cpu_adam_cache_dir()):  # the cached build, not a new one
         client = DeepSpeedCPUAdam(model.parameters(), lr=1e-3)
     engine, opt, _, _ = rp_engine.initialize(model=model, optimizer=client, config=_cfg())
     try:

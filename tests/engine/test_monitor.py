@@ -86,7 +86,8 @@ def test_wandb_goes_offline_without_a_key(tmp_path, monkeypatch) -> None:
 
 
 def test_cpu_adam_leaves_the_environment_alone(monkeypatch) -> None:
-    from rp_engine.optim.optimizer import build_inner_optimizer, cpu_adam_cache_dir
+    from rp_engine.optim.jit_cache import cpu_adam_cache_dir
+    from rp_engine.optim.optimizer import build_inner_optimizer
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/some/where")
     assert cpu_adam_cache_dir() == "/some/where"  # the user's choice wins
