@@ -16,9 +16,23 @@ Modes (comma-separated; ``name:x`` takes a number):
 - ``predict[:k]``: k Adam steps along the moments at hand (k = 1: the engine's "predict");
 - ``lookahead[:k]``: along the next moments if the last gradient repeats (the engine's);
 - ``mix:a``: the next gradient assumed a g + (1 - a) m_hat (a = 1: lookahead, 0: predict);
-- ``dc:lam``: lookahead plus DC-ASGD's delay compensation of the gradient Adam receives,
-  g + lam g^2 (w - w_read) / (sqrt(v_hat) + eps);
-- ``warm:n``: lookahead with the learning rate warmed up linearly over the first n steps.
+- ``sign:a``: lookahead, but where the last gradient turned against the momentum before it,
+  the next one assumed a times it;
+- ``warm:n``: lookahead with the learning rate warmed up linearly over the first n steps;
+- ``adapt:r``: lookahead scaled per tensor by the fit of the last prediction to the step it
+  predicted, <true step, predicted step> / |predicted step|^2, averaged with rate r;
+- ``b1:x``: lookahead with Adam's beta1 set to x (staleness adds momentum of its own);
+- delay compensation, on top of lookahead: the gradient Adam receives, taken at the weights
+  the iteration read, moved to the masters it is applied at, g + H (w - w_read), with a
+  diagonal curvature model H (``_compensate``): ``dc:lam`` (DC-ASGD's lam g^2 /
+  (sqrt(v_hat) + eps)), ``dch:c`` (c (sqrt(v_hat) + eps) / lr), ``dck:c`` (c kappa
+  (sqrt(v_hat) + eps), kappa the tensor's measured secant curvature), ``dcr:rho``
+  ((sqrt(v_hat) + eps) / (rho rms(w))), ``dca:rho`` (dcr after clipping) and ``dcb:k``
+  (dcr:0.01 after clipping, its norm bounded by k times the clipped gradient's, per tensor).
+
+Each run also reports the held-out loss of its final masters (``held_out_loss``: fixed windows,
+the same for every run), the quality of what it produces apart from the weights its
+iterations happened to read.
 
     python -m benchmarks.staleness_reference --lr 2e-3 --modes sync,stale,predict,lookahead
 """
@@ -49,20 +63,78 @@ def _published(p: torch.Tensor, st: dict[str, Any], g: torch.Tensor, mode: str, 
     if mode == "predict":
         return p - (arg or 1.0) * lr * m_hat / (v_hat.sqrt() + eps)
     nxt = arg * g + (1 - arg) * m_hat if mode == "mix" else g
+    if mode == "sign":  # where g turned against the momentum before it, assume arg * g next
+        before = st["exp_avg"] - (1 - b1) * g  # b1 * m before this step
+        nxt = torch.where(g * before >= 0, g, arg * g)
     m1 = (b1 * st["exp_avg"] + (1 - b1) * nxt) / (1 - b1 ** (s + 1))
     v1 = (b2 * st["exp_avg_sq"] + (1 - b2) * nxt * nxt) / (1 - b2 ** (s + 1))
     k = arg if mode == "lookahead" and arg else 1.0
     return p - k * lr * m1 / (v1.sqrt() + eps)
 
 
-def train(mode_spec: str, *, lr: float, steps: int, seed: int) -> list[float]:
-    """Per-step training losses of one run."""
+DELAY_COMPENSATED = ("dc", "dch", "dck", "dcr", "dca", "dcb")
+
+
+@torch.no_grad()
+def _compensate(g: torch.Tensor, w: torch.Tensor, w_read: torch.Tensor, st: dict[str, Any] | None,
+                mode: str, arg: float, lr: float, b2: float, eps: float,
+                mem: dict[str, Any]) -> None:  # fmt: skip
+    """Delay compensation in place: ``g``, taken at ``w_read``, moved to the masters ``w`` it
+    is applied at by a diagonal curvature model, g + H (w - w_read). H by mode:
+
+    - ``dc``: DC-ASGD's arg g^2 / (sqrt(v_hat) + eps);
+    - ``dch``: arg (sqrt(v_hat) + eps) / lr (Adam's preconditioner, scaled at the rate);
+    - ``dck``: arg kappa (sqrt(v_hat) + eps), kappa the tensor's secant curvature along the
+      read points, <g - g_prev, r - r_prev> / <r - r_prev, (sqrt(v_hat) + eps)(r - r_prev)>,
+      a running mean;
+    - ``dcr``/``dca``: (sqrt(v_hat) + eps) / (arg rms(w)) (the preconditioner over the
+      tensor's own scale; ``dca`` applies it after clipping); ``dcb``: rho 0.01 after clipping,
+      the correction's norm bounded by arg times the clipped gradient's, per tensor.
+    """
+    if not st:  # no moments yet: the first step has nothing to scale the curvature by
+        return
+    v_hat = st["exp_avg_sq"] / (1 - b2 ** int(st["step"]))
+    precond, gap = v_hat.sqrt() + eps, w - w_read
+    if mode == "dc":
+        g.add_(arg * g * g * gap / precond)
+        return
+    if mode == "dch":
+        g.add_(arg * precond / lr * gap)
+        return
+    if mode in ("dcr", "dca", "dcb"):
+        rms = float(w.pow(2).mean().sqrt()) + 1e-12
+        fix = precond / ((0.01 if mode == "dcb" else arg) * rms) * gap
+        if mode == "dcb":  # after clipping, bounded by arg times the clipped gradient's norm
+            fix.mul_(min(1.0, arg * float(g.norm()) / (float(fix.norm()) + 1e-12)))
+        g.add_(fix)
+        return
+    if "last" in mem:  # dck
+        g0, r0 = mem["last"]
+        dg, dr = g - g0, w_read - r0
+        den = float((dr * dr * precond).sum())
+        if den > 0:
+            now = float((dg * dr).sum()) / den
+            mem["kappa"] = 0.9 * mem.get("kappa", now) + 0.1 * now
+    mem["last"] = (g.clone(), w_read.clone())
+    g.add_(arg * max(0.0, mem.get("kappa", 0.0)) * precond * gap)
+
+
+def train(
+    mode_spec: str, *, lr: float, steps: int, seed: int, clip: float = 1.0
+) -> tuple[list[float], torch.nn.Module]:
+    """Per-step training losses of one run, and the trained model (its masters); ``clip`` is
+    the gradient clipping norm (0: none)."""
     mode, _, num = mode_spec.partition(":")
     arg = float(num) if num else 0.0
     model = build_tiny_model(seed=seed, layers=2, hidden=64).float()
     reader = copy.deepcopy(model)  # the weights each iteration reads
     params, rparams = list(model.parameters()), list(reader.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if mode == "b1":
+        opt.param_groups[0]["betas"] = (arg, opt.param_groups[0]["betas"][1])
+    curvature: dict[int, dict[str, Any]] = {}  # dck: per tensor, its secant's running state
+    fit: dict[int, float] = {}  # adapt: per tensor, the running scale of the prediction
+    last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # adapt: (masters, published)
     betas, eps = opt.param_groups[0]["betas"], opt.param_groups[0]["eps"]
     data = batches(stdlib_corpus(), seq_len=SEQ, micro_batch=MICRO, seed=seed)
     pending: list[torch.Tensor] | None = None  # stale: the gradient not yet applied
@@ -93,25 +165,52 @@ def train(mode_spec: str, *, lr: float, steps: int, seed: int) -> list[float]:
             apply, apply_read, pending, read = pending, read, grads, taken_at
         if apply is None:
             continue
-        if mode == "dc" and apply_read is not None:
+        before_clip = mode in DELAY_COMPENSATED and mode not in ("dca", "dcb")
+        if before_clip and apply_read is not None:
             for g, p, w_read in zip(apply, params, apply_read, strict=True):
-                st = opt.state.get(p)
-                if st:
-                    v_hat = st["exp_avg_sq"] / (1 - betas[1] ** int(st["step"]))
-                    g.add_(arg * g * g * (p.detach() - w_read) / (v_hat.sqrt() + eps))
+                _compensate(g, p.detach(), w_read, opt.state.get(p), mode, arg, rate, betas[1], eps,
+                            curvature.setdefault(id(p), {}))  # fmt: skip
         for p, g in zip(params, apply, strict=True):
             p.grad = g
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        if mode in ("dca", "dcb") and apply_read is not None:
+            for p, w_read in zip(params, apply_read, strict=True):
+                assert p.grad is not None
+                _compensate(p.grad, p.detach(), w_read, opt.state.get(p), mode, arg, rate, betas[1],
+                            eps, {})  # fmt: skip
         opt.step()
         if mode == "sync":
             continue
         with torch.no_grad():  # publish what the next iteration reads
-            for r, p in zip(rparams, params, strict=True):
+            for i, (r, p) in enumerate(zip(rparams, params, strict=True)):
                 if mode == "stale":
                     r.copy_(p)
-                else:
-                    r.copy_(_published(p, opt.state[p], p.grad, mode, arg, rate, betas, eps))
-    return losses
+                    continue
+                on_lookahead = mode in ("adapt", "b1", *DELAY_COMPENSATED)
+                kind, karg = ("lookahead", 0.0) if on_lookahead else (mode, arg)
+                b = opt.param_groups[0]["betas"]
+                pub = _published(p, opt.state[p], p.grad, kind, karg, rate, b, eps)
+                if mode == "adapt":
+                    if i in last:
+                        w0, r0 = last[i]
+                        d_pred, d_true = r0 - w0, p - w0
+                        den = float((d_pred * d_pred).sum())
+                        if den > 0:
+                            a = max(0.0, min(2.0, float((d_true * d_pred).sum()) / den))
+                            fit[i] = (1 - arg) * fit.get(i, 1.0) + arg * a
+                    pub = p + fit.get(i, 1.0) * (pub - p)
+                    last[i] = (p.detach().clone(), pub.clone())
+                r.copy_(pub)
+    return losses, model
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, *, micro_batches: int = 32, seed: int = 1234) -> float:
+    """Mean loss of ``model`` on fixed windows of the corpus (the same for every run): the
+    quality of what a run produces, apart from the weights its iterations happened to read."""
+    data = batches(stdlib_corpus(), seq_len=SEQ, micro_batch=MICRO, seed=seed)
+    return statistics.mean(float(model(**next(data)).loss) for _ in range(micro_batches))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,19 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="sync,stale,predict,lookahead")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (0: none)")
     ap.add_argument("--sync-loss", type=float, help="compare with this sync loss instead")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
-    finals = {}
+    finals, held = {}, {}
     for mode in args.modes.split(","):
-        finals[mode] = statistics.mean(
-            train(mode, lr=args.lr, steps=args.steps, seed=args.seed)[-TAIL:]
-        )
+        losses, model = train(mode, lr=args.lr, steps=args.steps, seed=args.seed, clip=args.clip)
+        finals[mode], held[mode] = statistics.mean(losses[-TAIL:]), held_out_loss(model)
         base = args.sync_loss or finals.get("sync")
         gap = f" {100 * (finals[mode] - base) / base:+.1f} %" if base else ""
-        print(f"lr {args.lr:g} seed {args.seed} {mode}: final-{TAIL} mean {finals[mode]:.4f}{gap}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    print(json.dumps({"lr": args.lr, "seed": args.seed, "steps": args.steps, "final": finals}))
+        hgap = f" {100 * (held[mode] / held['sync'] - 1):+.1f} %" if "sync" in held else ""
+        print(f"lr {args.lr:g} seed {args.seed} {mode}: final-{TAIL} mean {finals[mode]:.4f}{gap}"
+              f", held-out {held[mode]:.4f}{hgap}", file=sys.stderr, flush=True)  # fmt: skip
+    print(json.dumps({"lr": args.lr, "seed": args.seed, "steps": args.steps, "final": finals,
+                      "held_out": held}))  # fmt: skip
     return 0
 
 
