@@ -28,7 +28,10 @@ Modes (comma-separated; ``name:x`` takes a number):
   (sqrt(v_hat) + eps)), ``dch:c`` (c (sqrt(v_hat) + eps) / lr), ``dck:c`` (c kappa
   (sqrt(v_hat) + eps), kappa the tensor's measured secant curvature), ``dcr:rho``
   ((sqrt(v_hat) + eps) / (rho rms(w))), ``dca:rho`` (dcr after clipping) and ``dcb:k``
-  (dcr:0.01 after clipping, its norm bounded by k times the clipped gradient's, per tensor).
+  (dcr:0.01 after clipping, its norm bounded by k times the clipped gradient's, per tensor),
+  ``dcg:rho`` (rms(g) / (rho rms(w)) per tensor: the raw gradient's scale instead of v's);
+- ``pull:mu``: lookahead, and after each step the masters pulled a fraction mu toward the
+  weights the applied gradient was taken at.
 
 Each run also reports the held-out loss of its final masters (``held_out_loss``: fixed windows,
 the same for every run), the quality of what it produces apart from the weights its
@@ -72,7 +75,7 @@ def _published(p: torch.Tensor, st: dict[str, Any], g: torch.Tensor, mode: str, 
     return p - k * lr * m1 / (v1.sqrt() + eps)
 
 
-DELAY_COMPENSATED = ("dc", "dch", "dck", "dcr", "dca", "dcb")
+DELAY_COMPENSATED = ("dc", "dch", "dck", "dcr", "dca", "dcb", "dcg")
 
 
 @torch.no_grad()
@@ -100,6 +103,10 @@ def _compensate(g: torch.Tensor, w: torch.Tensor, w_read: torch.Tensor, st: dict
         return
     if mode == "dch":
         g.add_(arg * precond / lr * gap)
+        return
+    if mode == "dcg":  # H = rms(g) / (arg rms(w)): the raw gradient's scale, no feedback via v
+        rms_w = float(w.pow(2).mean().sqrt()) + 1e-12
+        g.add_(float(g.pow(2).mean().sqrt()) / (arg * rms_w) * gap)
         return
     if mode in ("dcr", "dca", "dcb"):
         rms = float(w.pow(2).mean().sqrt()) + 1e-12
@@ -180,6 +187,10 @@ def train(
                 _compensate(p.grad, p.detach(), w_read, opt.state.get(p), mode, arg, rate, betas[1],
                             eps, {})  # fmt: skip
         opt.step()
+        if mode == "pull" and apply_read is not None:  # masters pulled toward the read weights
+            with torch.no_grad():
+                for p, w_read in zip(params, apply_read, strict=True):
+                    p.add_(arg * (w_read - p))
         if mode == "sync":
             continue
         with torch.no_grad():  # publish what the next iteration reads
@@ -187,7 +198,7 @@ def train(
                 if mode == "stale":
                     r.copy_(p)
                     continue
-                on_lookahead = mode in ("adapt", "b1", *DELAY_COMPENSATED)
+                on_lookahead = mode in ("adapt", "b1", "pull", *DELAY_COMPENSATED)
                 kind, karg = ("lookahead", 0.0) if on_lookahead else (mode, arg)
                 b = opt.param_groups[0]["betas"]
                 pub = _published(p, opt.state[p], p.grad, kind, karg, rate, b, eps)
