@@ -76,6 +76,12 @@ def _published(p: torch.Tensor, st: dict[str, Any], g: torch.Tensor, mode: str, 
 
 
 DELAY_COMPENSATED = ("dc", "dch", "dck", "dcr", "dca", "dcb", "dcg")
+AFTER_CLIPPING = ("dca", "dcb")  # the delay compensations applied to the clipped gradient
+
+
+def _rms(t: torch.Tensor) -> float:
+    """Root mean square of ``t``."""
+    return float(t.pow(2).mean().sqrt())
 
 
 @torch.no_grad()
@@ -92,7 +98,8 @@ def _compensate(g: torch.Tensor, w: torch.Tensor, w_read: torch.Tensor, st: dict
       a running mean;
     - ``dcr``/``dca``: (sqrt(v_hat) + eps) / (arg rms(w)) (the preconditioner over the
       tensor's own scale; ``dca`` applies it after clipping); ``dcb``: rho 0.01 after clipping,
-      the correction's norm bounded by arg times the clipped gradient's, per tensor.
+      the correction's norm bounded by arg times the clipped gradient's, per tensor;
+    - ``dcg``: rms(g) / (arg rms(w)) per tensor (the raw gradient's scale instead of v's).
     """
     if not st:  # no moments yet: the first step has nothing to scale the curvature by
         return
@@ -104,13 +111,11 @@ def _compensate(g: torch.Tensor, w: torch.Tensor, w_read: torch.Tensor, st: dict
     if mode == "dch":
         g.add_(arg * precond / lr * gap)
         return
-    if mode == "dcg":  # H = rms(g) / (arg rms(w)): the raw gradient's scale, no feedback via v
-        rms_w = float(w.pow(2).mean().sqrt()) + 1e-12
-        g.add_(float(g.pow(2).mean().sqrt()) / (arg * rms_w) * gap)
+    if mode == "dcg":  # no feedback through v, which the correction itself feeds
+        g.add_(_rms(g) / (arg * (_rms(w) + 1e-12)) * gap)
         return
     if mode in ("dcr", "dca", "dcb"):
-        rms = float(w.pow(2).mean().sqrt()) + 1e-12
-        fix = precond / ((0.01 if mode == "dcb" else arg) * rms) * gap
+        fix = precond / ((0.01 if mode == "dcb" else arg) * (_rms(w) + 1e-12)) * gap
         if mode == "dcb":  # after clipping, bounded by arg times the clipped gradient's norm
             fix.mul_(min(1.0, arg * float(g.norm()) / (float(fix.norm()) + 1e-12)))
         g.add_(fix)
@@ -172,7 +177,7 @@ def train(
             apply, apply_read, pending, read = pending, read, grads, taken_at
         if apply is None:
             continue
-        before_clip = mode in DELAY_COMPENSATED and mode not in ("dca", "dcb")
+        before_clip = mode in DELAY_COMPENSATED and mode not in AFTER_CLIPPING
         if before_clip and apply_read is not None:
             for g, p, w_read in zip(apply, params, apply_read, strict=True):
                 _compensate(g, p.detach(), w_read, opt.state.get(p), mode, arg, rate, betas[1], eps,
@@ -181,7 +186,7 @@ def train(
             p.grad = g
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
-        if mode in ("dca", "dcb") and apply_read is not None:
+        if mode in AFTER_CLIPPING and apply_read is not None:
             for p, w_read in zip(params, apply_read, strict=True):
                 assert p.grad is not None
                 _compensate(p.grad, p.detach(), w_read, opt.state.get(p), mode, arg, rate, betas[1],
@@ -193,14 +198,14 @@ def train(
                     p.add_(arg * (w_read - p))
         if mode == "sync":
             continue
+        on_lookahead = mode in ("adapt", "b1", "pull", *DELAY_COMPENSATED)
+        kind, karg = ("lookahead", 0.0) if on_lookahead else (mode, arg)
+        b = opt.param_groups[0]["betas"]
         with torch.no_grad():  # publish what the next iteration reads
             for i, (r, p) in enumerate(zip(rparams, params, strict=True)):
                 if mode == "stale":
                     r.copy_(p)
                     continue
-                on_lookahead = mode in ("adapt", "b1", "pull", *DELAY_COMPENSATED)
-                kind, karg = ("lookahead", 0.0) if on_lookahead else (mode, arg)
-                b = opt.param_groups[0]["betas"]
                 pub = _published(p, opt.state[p], p.grad, kind, karg, rate, b, eps)
                 if mode == "adapt":
                     if i in last:

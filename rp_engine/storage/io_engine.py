@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
 from rp_engine.storage.aligned import ALIGN, aligned_empty, round_up
 
 __all__ = ["AioEngine", "IOEngine", "IOStats", "ThreadEngine", "aio_op_built", "make_io_engine"]
@@ -285,8 +286,6 @@ class AioEngine(IOEngine):
 
 def aio_op_built() -> bool:
     """Whether DeepSpeed's aio op is built in the extensions cache (loading it is then quick)."""
-    from rp_engine.optim.jit_cache import cpu_adam_cache_dir
-
     for _dirpath, _, files in os.walk(cpu_adam_cache_dir()):
         if "async_io.so" in files:
             return True
@@ -297,8 +296,6 @@ def load_aio_op() -> Any:
     """DeepSpeed's aio op from the shared extensions cache (building it when it is not there:
     minutes on 2 cores). Raises when it cannot build (no libaio-dev)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
 
     builder = AsyncIOBuilder()
     with extensions_dir(cpu_adam_cache_dir()):
