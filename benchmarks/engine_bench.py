@@ -244,16 +244,19 @@ def convergence(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
-    """Per-layer optimizer work with weight prediction on vs off, side by side: one layer of
-    ``--cost-elems`` trainable parameters (4 tensors, bf16 compute weights, double-buffered),
+    """Per-layer optimizer work with staleness compensation on vs off, side by side: one layer
+    of ``--cost-elems`` trainable parameters (4 tensors, bf16 compute weights, double-buffered),
     stepped and published as the optimizer worker does at step end (optim/stepper.py): DeepSpeed
     CPU AdamW (``step_params``) writing each slice into ``HostStore.publishing``'s buffer right
-    after stepping it, as a cast of the masters (off) or predicted (on). Also the previous
-    design, a whole-layer step and then a separate ``publish`` pass (plain or with
-    ``predict_into``), for reference. Interleaved, median seconds per layer step."""
+    after stepping it, as a cast of the masters (off), the "lookahead" prediction, or
+    "lookahead_dc" (each slice's gradient also delay-compensated from the buffer's old values
+    before Adam steps it). Also the previous design, a whole-layer step and then a separate
+    ``publish`` pass (plain or with ``predict_into``), for reference. Interleaved, median
+    seconds per layer step."""
     from torch import nn
 
     from rp_engine.model.host_store import HostStore
+    from rp_engine.optim.delay_compensation import DelayCompensation
     from rp_engine.optim.loss_scaler import LossScaler
     from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer
 
@@ -269,17 +272,20 @@ def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
     for hp in store.owned_params():
         store.accumulate(hp.param, torch.randn(n))
     version = [0]
+    delay = DelayCompensation()
 
-    def fused(predict: bool) -> Callable[[], float]:
+    def fused(predict: str | None) -> Callable[[], float]:
+        dc = delay if predict == "lookahead_dc" else None
+
         def go() -> float:
             start = time.perf_counter()
             store.attach_grads([0])
             version[0] += 1
-            with store.publishing(0, version[0], predicted=predict) as dst:
+            with store.publishing(0, version[0], predicted=bool(predict), keep=bool(dc)) as dst:
                 assert dst is not None
                 opt.step_params(
                     masters, groups=groups, grad_coef=1.0,
-                    publish=lambda p: dst(owned[id(p)]), predict=predict,
+                    publish=lambda p: dst(owned[id(p)]), predict=predict, delay=dc,
                 )  # fmt: skip
             return time.perf_counter() - start
 
@@ -299,9 +305,10 @@ def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
 
         return go
 
-    fused(False)()  # warm-up: Adam state allocated, publish kernel built
+    for warm in (None, "lookahead", "lookahead_dc", "lookahead_dc"):  # state, kernels, rms
+        fused(warm)()
     runs = {
-        "off": fused(False), "on": fused(True),
+        "off": fused(None), "lookahead": fused("lookahead"), "lookahead_dc": fused("lookahead_dc"),
         "separate_off": separate(False), "separate_on": separate(True),
     }  # fmt: skip
     times = _interleaved(runs, args.repeats)
@@ -310,8 +317,10 @@ def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "compensation_cost",
         "params": 4 * n,
         "step_publish_off_s": med["off"],
-        "step_publish_on_s": med["on"],
-        "on_over_off": med["on"] / med["off"],
+        "step_publish_lookahead_s": med["lookahead"],
+        "step_publish_lookahead_dc_s": med["lookahead_dc"],
+        "lookahead_over_off": med["lookahead"] / med["off"],
+        "lookahead_dc_over_off": med["lookahead_dc"] / med["off"],
         "separate_off_s": med["separate_off"],
         "separate_on_s": med["separate_on"],
         "separate_on_over_off": med["separate_on"] / med["separate_off"],

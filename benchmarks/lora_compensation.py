@@ -1,7 +1,7 @@
 """LoRA fine-tune of a saved model on text at 2e-4 with rp-train: sync vs async vs compensated.
 
 Issue 28's acceptance item: "run a LoRA fine-tune of a saved model on text at 2e-4 (rp-train),
-with its loss curves in one PNG". Four fine-tunes with the same seed, data and steps:
+with its loss curves in one PNG". Five fine-tunes with the same seed, data and steps:
 
 - ``sync``: ``--sync-optimizer`` (no stale weights);
 - ``async``: the asynchronous optimizer (iteration t reads w_{t-2}: staleness 1) with
@@ -9,7 +9,10 @@ with its loss curves in one PNG". Four fine-tunes with the same seed, data and s
 - ``predict``: the asynchronous optimizer with ``"predict"`` (the published weights
   extrapolated one Adam step ahead along the moments; rp_engine/optim/stepper.py);
 - ``lookahead``: with ``"lookahead"`` (one step ahead along the moments the next step makes if
-  the last gradient repeats; what ``"auto"`` resolves to).
+  the last gradient repeats);
+- ``lookahead_dc``: with ``"lookahead_dc"`` (lookahead, and each gradient delay-compensated
+  from the weights its iteration read to the masters it is applied at; what ``"auto"``
+  resolves to: optim/delay_compensation.py).
 
 How it runs, all offline (nothing is downloaded):
 
@@ -86,6 +89,7 @@ VARIANTS = (
     Variant("async", False, "none", "async, staleness 1, no compensation"),
     Variant("predict", False, "predict", 'async, staleness 1, "predict"'),
     Variant("lookahead", False, "lookahead", 'async, staleness 1, "lookahead"'),
+    Variant("lookahead_dc", False, "lookahead_dc", 'async, staleness 1, "lookahead_dc"'),
 )
 
 
@@ -209,6 +213,7 @@ def plot(
         "async": "tab:red",
         "predict": "tab:green",
         "lookahead": "tab:purple",
+        "lookahead_dc": "tab:orange",
     }
     fig = Figure(figsize=(12, 4.6))
     ax, gap = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})

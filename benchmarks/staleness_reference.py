@@ -29,7 +29,11 @@ Modes (comma-separated; ``name:x`` takes a number):
   (sqrt(v_hat) + eps), kappa the tensor's measured secant curvature), ``dcr:rho``
   ((sqrt(v_hat) + eps) / (rho rms(w))), ``dca:rho`` (dcr after clipping) and ``dcb:k``
   (dcr:0.01 after clipping, its norm bounded by k times the clipped gradient's, per tensor),
-  ``dcg:rho`` (rms(g) / (rho rms(w)) per tensor: the raw gradient's scale instead of v's);
+  ``dcg:rho`` (rms(g) / (rho rms(w)) per tensor: the raw gradient's scale instead of v's),
+  ``dcv:rho`` (dcr with v from a shadow copy that sees only the raw gradients), ``dcn:rho``
+  (dcr, then the whole gradient rescaled to the raw one's global norm), ``dcl:rho`` (the same
+  with the last step's norm ratio) and ``dce:rho``, the engine's "lookahead_dc"
+  (``_engine_dc``: dcr with the norm kept per block, rms(w) from the tensor's last step);
 - ``pull:mu``: lookahead, and after each step the masters pulled a fraction mu toward the
   weights the applied gradient was taken at.
 
@@ -75,7 +79,7 @@ def _published(p: torch.Tensor, st: dict[str, Any], g: torch.Tensor, mode: str, 
     return p - k * lr * m1 / (v1.sqrt() + eps)
 
 
-DELAY_COMPENSATED = ("dc", "dch", "dck", "dcr", "dca", "dcb", "dcg")
+DELAY_COMPENSATED = ("dc", "dch", "dck", "dcr", "dca", "dcb", "dcg", "dcn", "dcv", "dcl", "dce")
 AFTER_CLIPPING = ("dca", "dcb")  # the delay compensations applied to the clipped gradient
 
 
@@ -99,7 +103,9 @@ def _compensate(g: torch.Tensor, w: torch.Tensor, w_read: torch.Tensor, st: dict
     - ``dcr``/``dca``: (sqrt(v_hat) + eps) / (arg rms(w)) (the preconditioner over the
       tensor's own scale; ``dca`` applies it after clipping); ``dcb``: rho 0.01 after clipping,
       the correction's norm bounded by arg times the clipped gradient's, per tensor;
-    - ``dcg``: rms(g) / (arg rms(w)) per tensor (the raw gradient's scale instead of v's).
+    - ``dcg``: rms(g) / (arg rms(w)) per tensor (the raw gradient's scale instead of v's);
+    - ``dcv``: dcr's H with v from ``mem["raw_v"]``, a shadow second moment of the raw
+      gradients; ``dcn``/``dcl``: dcr's (``train`` rescales the result).
     """
     if not st:  # no moments yet: the first step has nothing to scale the curvature by
         return
@@ -114,7 +120,11 @@ def _compensate(g: torch.Tensor, w: torch.Tensor, w_read: torch.Tensor, st: dict
     if mode == "dcg":  # no feedback through v, which the correction itself feeds
         g.add_(_rms(g) / (arg * (_rms(w) + 1e-12)) * gap)
         return
-    if mode in ("dcr", "dca", "dcb"):
+    if mode == "dcv":  # v of the raw gradients only: no feedback of the correction through v
+        raw_v = mem["raw_v"] / (1 - b2 ** int(st["step"]))
+        g.add_((raw_v.sqrt() + eps) / (arg * (_rms(w) + 1e-12)) * gap)
+        return
+    if mode in ("dcr", "dca", "dcb", "dcn", "dcl"):
         fix = precond / ((0.01 if mode == "dcb" else arg) * (_rms(w) + 1e-12)) * gap
         if mode == "dcb":  # after clipping, bounded by arg times the clipped gradient's norm
             fix.mul_(min(1.0, arg * float(g.norm()) / (float(fix.norm()) + 1e-12)))
@@ -129,6 +139,33 @@ def _compensate(g: torch.Tensor, w: torch.Tensor, w_read: torch.Tensor, st: dict
             mem["kappa"] = 0.9 * mem.get("kappa", now) + 0.1 * now
     mem["last"] = (g.clone(), w_read.clone())
     g.add_(arg * max(0.0, mem.get("kappa", 0.0)) * precond * gap)
+
+
+DC_BLOCK = 65536  # optim/delay_compensation.py: the gradient's norm is kept per block
+
+
+@torch.no_grad()
+def _engine_dc(grads: list[torch.Tensor], params: list[torch.Tensor], reads: list[torch.Tensor],
+               opt: torch.optim.Optimizer, rho: float, clip: float, raw_norm: float, eps: float,
+               seen: dict[int, float]) -> None:  # fmt: skip
+    """``dce``: delay compensation as the engine computes it (optim/delay_compensation.py), in
+    place on ``grads``: clipped at the raw gradient's norm, then f = coef (sqrt(v_hat) + eps) /
+    (rho rms(w)) (w - w_read) with rms(w) from the tensor's previous step (its first step only
+    measures it), and per block of ``DC_BLOCK`` elements g <- |g| / |g + f| (g + f)."""
+    coef = min(1.0, clip / (raw_norm + 1e-6)) if clip > 0 else 1.0
+    b2 = opt.param_groups[0]["betas"][1]
+    for g, p, w_read in zip(grads, params, reads, strict=True):
+        g.mul_(coef)
+        st, rms = opt.state.get(p), seen.get(id(p))
+        seen[id(p)] = _rms(p)
+        if not st or rms is None:
+            continue
+        v_hat = st["exp_avg_sq"] / (1 - b2 ** int(st["step"]))
+        fix = coef * (v_hat.sqrt() + eps) / (rho * rms) * (p - w_read)
+        flat_g, flat_c = g.view(-1), (g + fix).view(-1)
+        for lo in range(0, flat_g.numel(), DC_BLOCK):
+            gb, cb = flat_g[lo : lo + DC_BLOCK], flat_c[lo : lo + DC_BLOCK]
+            gb.copy_(cb * (gb.norm() / cb.norm()))
 
 
 def train(
@@ -149,6 +186,8 @@ def train(
     last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # adapt: (masters, published)
     betas, eps = opt.param_groups[0]["betas"], opt.param_groups[0]["eps"]
     data = batches(stdlib_corpus(), seq_len=SEQ, micro_batch=MICRO, seed=seed)
+    lagged: dict[str, float] = {}  # dcl: the last step's norm ratio
+    lagged_dc: dict[int, float] = {}  # dce: per tensor, the rms of its masters at its last step
     pending: list[torch.Tensor] | None = None  # stale: the gradient not yet applied
     read: list[torch.Tensor] | None = None  # the weights the pending gradient was taken at
     losses = []
@@ -177,14 +216,29 @@ def train(
             apply, apply_read, pending, read = pending, read, grads, taken_at
         if apply is None:
             continue
-        before_clip = mode in DELAY_COMPENSATED and mode not in AFTER_CLIPPING
+        before_clip = mode in DELAY_COMPENSATED and mode not in (*AFTER_CLIPPING, "dce")
+        if mode == "dcv":  # the shadow v sees the raw gradient before its compensation
+            for g, p in zip(apply, params, strict=True):
+                mem = curvature.setdefault(id(p), {})
+                mem["raw_v"] = (
+                    betas[1] * mem.get("raw_v", torch.zeros_like(g)) + (1 - betas[1]) * g * g
+                )
+        raw_norm = float(torch.stack([g.norm() for g in apply]).norm())
         if before_clip and apply_read is not None:
             for g, p, w_read in zip(apply, params, apply_read, strict=True):
                 _compensate(g, p.detach(), w_read, opt.state.get(p), mode, arg, rate, betas[1], eps,
                             curvature.setdefault(id(p), {}))  # fmt: skip
+        if mode in ("dcn", "dcl") and apply_read is not None:  # to the raw gradient's norm
+            ratio = raw_norm / (float(torch.stack([g.norm() for g in apply]).norm()) + 1e-12)
+            scale = ratio if mode == "dcn" else lagged.get("ratio", 1.0)
+            lagged["ratio"] = ratio  # dcl: this step's ratio scales the next step
+            for g in apply:
+                g.mul_(scale)
+        if mode == "dce" and apply_read is not None:  # the engine's form (``_engine_dc``)
+            _engine_dc(apply, params, apply_read, opt, arg, clip, raw_norm, eps, lagged_dc)
         for p, g in zip(params, apply, strict=True):
             p.grad = g
-        if clip > 0:
+        if clip > 0 and not (mode == "dce" and apply_read is not None):  # dce: clipped already
             torch.nn.utils.clip_grad_norm_(params, clip)
         if mode in AFTER_CLIPPING and apply_read is not None:
             for p, w_read in zip(params, apply_read, strict=True):

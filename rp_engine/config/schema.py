@@ -38,8 +38,8 @@ __all__ = [
 ]
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-# roundpipe.staleness_compensation: "auto" resolves to "lookahead" where it applies
-STALENESS_COMPENSATIONS = ("none", "auto", "predict", "lookahead")
+# roundpipe.staleness_compensation: "auto" resolves to "lookahead_dc" where it applies
+STALENESS_COMPENSATIONS = ("none", "auto", "predict", "lookahead", "lookahead_dc")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,8 +329,10 @@ class RoundPipeConfig:
     # the asynchronous optimizer's stale weights (iteration t reads w_{t-2}): "none" reads them
     # as they are (RoundPipe's rule); "predict" and "lookahead" publish compute weights one Adam
     # step ahead, along the moments at hand or along the next moments if the last gradient
-    # repeated (optim/stepper.py; the masters stay Adam's); "auto": "lookahead" where it
-    # applies (async CPU Adam/AdamW, one process), else "none"
+    # repeated (optim/stepper.py; the masters stay Adam's); "lookahead_dc" also moves each
+    # gradient from the weights it was taken at to the masters it is applied at (optim/
+    # delay_compensation.py); "auto": "lookahead_dc" where it applies (async CPU Adam/AdamW,
+    # one process), else "none"
     staleness_compensation: str = field(
         default="none", metadata=_m(choices=STALENESS_COMPENSATIONS)
     )

@@ -208,7 +208,8 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             self.stepper.journal = None
         # with the parameter tier, the paged layers' second buffer lives on disk, not in RAM
         paged_weights = wants_param_tier(cfg)
-        if self._overlap and self.stepper.async_mode:
+        # delay compensation reads the weights a gradient was taken at from the second buffer
+        if (self._overlap or self.stepper.delay is not None) and self.stepper.async_mode:
             self.store.double_buffer_weights(allocate=not paged_weights)
         if nvme and self.stepper.async_mode:
             # w_{t-1} is published when step t-1 ends, while the tier holds its masters, not at

@@ -664,7 +664,7 @@ class HostStore:
 
     @contextmanager
     def publishing(
-        self, layer: int, version: int, *, predicted: bool
+        self, layer: int, version: int, *, predicted: bool, keep: bool = False
     ) -> Iterator[Callable[[HostParam], torch.Tensor] | None]:
         """``publish`` with the caller writing: yields ``hp -> compute weight`` of ``version``'s
         buffer for the caller to fill with every owned param's new value (the stepper writes
@@ -674,13 +674,14 @@ class HostStore:
         exception; after one it holds no version at all (-1: it may be half written), which the
         undo of the failed step rewinds (``rewind``). Waits first, as ``publish`` does, for
         uploads still reading an older version from the buffer. Call it inside
-        ``resident(layer)``."""
+        ``resident(layer)``. ``keep``: the caller reads the buffer's old values before writing
+        (delay compensation, optim/delay_compensation.py): a paged buffer is read in first."""
         b = self._buffer_of(version)
         if not self._claim(layer, b, version, plain=not predicted):
             yield None
             return
         try:
-            with torch.no_grad(), self._weights(layer, b, overwrite=True) as dst:
+            with torch.no_grad(), self._weights(layer, b, overwrite=True, keep=keep) as dst:
                 yield dst
         except BaseException:
             with self._cond:
@@ -725,16 +726,16 @@ class HostStore:
 
     @contextmanager
     def _weights(
-        self, layer: int, buffer: int, *, overwrite: bool
+        self, layer: int, buffer: int, *, overwrite: bool, keep: bool = False
     ) -> Iterator[Callable[[HostParam], torch.Tensor]]:
         """The layer's compute weights in ``buffer`` for the block, as ``HostParam -> tensor``;
         paged ones (``weight_pager``) are views of the tier's buffer, written back after the
-        block when ``overwrite``."""
+        block when ``overwrite`` (read in first unless only overwritten: ``keep`` False)."""
         pager = self.weight_pager
         if pager is None or not pager.paged(layer):
             yield lambda hp: self._weight(hp, buffer)
             return
-        with pager.buffer(layer, buffer, overwrite=overwrite) as views:
+        with pager.buffer(layer, buffer, overwrite=overwrite, keep=keep) as views:
             yield (
                 lambda hp: (
                     views[id(hp.param)] if id(hp.param) in views else self._weight(hp, buffer)

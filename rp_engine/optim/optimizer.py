@@ -25,6 +25,10 @@ the stepper publishes at step end are written right after each slice's Adam call
 reading the slice Adam has just written from the CPU's caches (a 2M-element slice's w, g, m, v
 and compute weight, 36 MiB, fit a server's last-level cache; smaller slices would fit the
 per-core caches but cost more in per-call overhead than they save: benchmarks/RESULTS.md).
+With delay compensation ("lookahead_dc") the slice is instead stepped by ``adam_step``, one
+compiled pass per 64K-element block doing compensation, DeepSpeed's Adam formula and the
+look-ahead while the block is in the core's L2 (equal to ``adam_update`` to fp32 rounding; it
+also runs without the GIL, ctypes releasing it).
 """
 
 from __future__ import annotations
@@ -40,9 +44,16 @@ from typing import Any
 
 import torch
 
+from rp_engine.optim.delay_compensation import BLOCK, DelayCompensation
 from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
 from rp_engine.optim.loss_scaler import LossScaler
-from rp_engine.optim.publish_kernel import write_copy, write_lookahead, write_prediction
+from rp_engine.optim.publish_kernel import (
+    AdamTerms,
+    adam_step,
+    write_copy,
+    write_lookahead,
+    write_prediction,
+)
 from rp_engine.optim.step_journal import StepJournal
 
 __all__ = [
@@ -276,6 +287,8 @@ class HostOptimizer:
         grad_coef: float,
         publish: Callable[[torch.Tensor], torch.Tensor] | None = None,
         predict: str | None = None,
+        delay: DelayCompensation | None = None,
+        fix_coef: float = 1.0,
     ) -> None:
         """Step ``params`` (masters with ``.grad``; None = not stepped) with ``groups``.
 
@@ -293,10 +306,26 @@ class HostOptimizer:
         (``_lookahead_terms``). Every param gets its compute weight written, stepped or not (a
         param without a gradient is extrapolated along its moments, there being no gradient to
         repeat).
+
+        ``delay`` (with ``publish`` and CPU Adam; ``predict`` "lookahead_dc"): each slice's
+        gradient is delay-compensated right before its Adam update (optim/
+        delay_compensation.py), from the compute weights ``publish`` is about to overwrite,
+        which must hold the weights the gradient was taken at (the stepper's double-buffered
+        publish). ``fix_coef``: the clip coefficient inside ``grad_coef`` (``grad_coef`` times
+        the loss scale). Compensation, Adam and look-ahead then run as one pass per cache-sized
+        block (``adam_step``, publish_kernel.py): DeepSpeed's ``adam_update`` cannot share its
+        loop, and three passes cost 2x the plain step (benchmarks/RESULTS.md). That Adam is
+        DeepSpeed's formula in DeepSpeed's order, equal to its ``adam_update`` to fp32
+        rounding, not bit for bit: the compensated gradients have no uncompensated reference
+        to be bit-identical to.
         """
+        if predict not in PREDICTIONS:
+            raise ValueError(f"predict {predict!r}: expected one of {PREDICTIONS}")
+        if delay is not None and (publish is None or predict != "lookahead_dc"):
+            raise ValueError('delay compensation needs publish and predict "lookahead_dc"')
         live = [p for p in params if p.grad is not None]
         if self.per_layer:
-            self._cpu_adam_step(live, groups, grad_coef, publish, predict)
+            self._cpu_adam_step(live, groups, grad_coef, publish, predict, delay, fix_coef)
         else:
             if grad_coef != 1.0:
                 for p in live:
@@ -320,6 +349,8 @@ class HostOptimizer:
         grad_coef: float,
         publish: Callable[[torch.Tensor], torch.Tensor] | None,
         predict: str | None,
+        delay: DelayCompensation | None = None,
+        fix_coef: float = 1.0,
     ) -> None:
         inner: Any = self.optimizer
         for p in params:
@@ -338,16 +369,32 @@ class HostOptimizer:
                 state["exp_avg"],
                 state["exp_avg_sq"],
             )
-            terms = None
+            terms = dc = None
             if publish is not None:
                 tensors += (publish(p),)
                 if predict == "predict":
                     terms = self._prediction_terms(p, g)
-                elif predict == "lookahead":
+                elif predict in ("lookahead", "lookahead_dc"):
                     terms = self._lookahead_terms(p, g)
-            for param, grad, exp_avg, exp_avg_sq, *out in _slices(tensors, self.slice_elems):
+                if delay is not None:
+                    dc = delay.terms(p, state["step"] - 1, g, fix_coef)
+            sums = [0.0, 0.0, 0.0]
+            # the compensation keeps norms per block of the tensor: slices of whole blocks
+            size = self.slice_elems if dc is None else max(1, self.slice_elems // BLOCK) * BLOCK
+            adam = None if dc is None else self._adam_terms(g, int(state["step"]))
+            for param, grad, exp_avg, exp_avg_sq, *out in _slices(tensors, size):
                 if grad_coef != 1.0:
                     grad.mul_(grad_coef)
+                if dc is not None and adam is not None:
+                    # compensation (out[0] still holds the weights the gradient was taken at),
+                    # Adam and look-ahead in one pass over the slice (``adam_step``)
+                    part = adam_step(
+                        grad, param, exp_avg, exp_avg_sq, out[0], adam=adam, block=dc.block,
+                        delay=(dc.vcoef, dc.eps, dc.h),
+                        publish=None if terms is None else "lookahead", terms=terms,
+                    )  # fmt: skip
+                    sums = [x + y for x, y in zip(sums, part, strict=True)]
+                    continue
                 # DeepSpeed's own C++ kernel, exactly as DeepSpeedCPUAdam.step calls it. The GIL
                 # is held for one slice only: other threads run between two calls.
                 inner.ds_opt_adam.adam_update(
@@ -358,10 +405,25 @@ class HostOptimizer:
                     continue
                 if terms is None:
                     write_copy(param, out[0])
-                elif predict == "lookahead":
-                    write_lookahead(param, grad, exp_avg, exp_avg_sq, out[0], **terms)
-                else:
+                elif predict == "predict":
                     write_prediction(param, exp_avg, exp_avg_sq, out[0], **terms)
+                else:
+                    write_lookahead(param, grad, exp_avg, exp_avg_sq, out[0], **terms)
+            if dc is not None and delay is not None:
+                delay.record(p, (sums[0], sums[1], sums[2]))
+
+    def _adam_terms(self, g: dict[str, Any], step: int) -> AdamTerms:
+        """Step ``step``'s scalars with group hyper-parameters ``g``, folded as DeepSpeed's CPU
+        Adam folds them (``AdamTerms``)."""
+        lr, wd = float(g["lr"]), float(g["weight_decay"])
+        beta1, beta2 = g["betas"]
+        bc1 = 1.0 - beta1**step if g["bias_correction"] else 1.0
+        bc2 = 1.0 / math.sqrt(1.0 - beta2**step) if g["bias_correction"] else 1.0
+        return AdamTerms(
+            b1=float(beta1), b2=float(beta2), step_size=-lr / bc1, bc2=bc2, eps=float(g["eps"]),
+            w_decay=-lr * wd if wd > 0 and self._adamw else 0.0,
+            l2=wd if wd > 0 and not self._adamw else 0.0,
+        )  # fmt: skip
 
     @property
     def can_predict(self) -> bool:
@@ -459,6 +521,9 @@ class HostOptimizer:
                 for live, now in zip(live_groups, current, strict=True):
                     live.update(now)
 
+
+# ``step_params``'s ``predict``: what each slice's publish writes (None: the masters' cast)
+PREDICTIONS = (None, "predict", "lookahead", "lookahead_dc")
 
 # Elements per call of the publish kernel outside that loop (``predict_into``): its torch
 # fallback's temporaries stay bounded.

@@ -2,7 +2,11 @@
 
 Publishing writes the weights an iteration reads: a cast of the fp32 masters (bf16, fp16 or
 fp32), or with weight prediction (``roundpipe.staleness_compensation: "predict"``) one Adam step
-ahead of them, ``decay * w + coef * m / (sqrt(v) + eps)``. The stepper writes both right after
+ahead of them, ``decay * w + coef * m / (sqrt(v) + eps)``; with delay compensation
+(``"lookahead_dc"``) the gradient is first moved, in place, from the weights it was taken at to
+the masters it is applied at (``compensate_delay``), reading the compute weights before the
+publish overwrites them, and ``adam_step`` does that, the Adam update (DeepSpeed's formula) and
+the look-ahead in one pass per cache-sized block. The stepper writes both right after
 DeepSpeed's CPU Adam has stepped a cache-sized slice (optim/optimizer.py), so the slice is read
 from cache, and the prediction must cost little more than the cast: torch would run it as five
 elementwise calls with temporaries. ``csrc/publish.c`` does each in one vectorized loop.
@@ -20,10 +24,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,7 +38,15 @@ import torch
 
 from rp_engine.optim.jit_cache import cpu_adam_cache_dir
 
-__all__ = ["write_copy", "write_prediction", "write_lookahead", "native"]
+__all__ = [
+    "write_copy",
+    "write_prediction",
+    "write_lookahead",
+    "compensate_delay",
+    "adam_step",
+    "AdamTerms",
+    "native",
+]
 
 log = logging.getLogger("rp_engine.optim")
 
@@ -99,8 +114,21 @@ def native() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [_P, _P, _P, _P, _I64, _F32, _F32, _F32]
     for suffix in ("bf16", "f16", "f32"):
         getattr(lib, f"rp_lookahead_{suffix}").argtypes = [_P] * 5 + [_I64] + [_F32] * 6
+    for suffix in ("bf16", "f16", "f32"):
+        getattr(lib, f"rp_delay_{suffix}").argtypes = [_P] * 4 + [_I64] * 2 + [_F32] * 3 + [_P]
+    for suffix in ("bf16", "f16", "f32"):
+        getattr(lib, f"rp_adam_{suffix}").argtypes = (
+            [_P] * 5
+            + [_I64] * 2
+            + [ctypes.c_int]
+            + [_F32] * 10
+            + [ctypes.c_int]
+            + [_F32] * 4
+            + [_P]
+        )
     for name in ("copy_bf16", "copy_f16", "predict_bf16", "predict_f16", "predict_f32",
-                 "lookahead_bf16", "lookahead_f16", "lookahead_f32"):  # fmt: skip
+                 "lookahead_bf16", "lookahead_f16", "lookahead_f32", "delay_bf16", "delay_f16",
+                 "delay_f32", "adam_bf16", "adam_f16", "adam_f32"):  # fmt: skip
         getattr(lib, f"rp_{name}").restype = None
     return lib
 
@@ -185,3 +213,122 @@ def write_lookahead(
         w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), dst.data_ptr(), w.numel(),
         decay, b1, b2, coef, eps, l2,
     )  # fmt: skip
+
+
+@torch.no_grad()
+def compensate_delay(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    v: torch.Tensor,
+    read: torch.Tensor,
+    *,
+    block: int,
+    vcoef: float,
+    eps: float,
+    h: float,
+) -> tuple[float, float, float]:
+    """Delay compensation of one slice, in place on the gradient ``g`` (fp32, unscaled and
+    clipped), taken at the compute weights ``read`` (bf16, fp16 or fp32) and applied at the
+    masters ``w``: with ``f = (sqrt(v) * vcoef + eps) * h * (w - read)`` (``v`` Adam's second
+    moment, ``vcoef`` its bias correction 1 / sqrt(1 - b2^s)), each ``block`` elements of ``g``
+    become ``(g + f) * |g| / |g + f|`` over the block (h = 0: unchanged). Returns the slice's
+    sums of ``g^2``, ``(g + f)^2`` and ``w^2`` (before the update): the last gives the tensor's
+    scale for its next step (optim/delay_compensation.py). Reads ``w``, ``v`` and ``read`` and
+    writes nothing else."""
+    lib = native()
+    suffix = _SUFFIX.get(read.dtype)
+    if lib is None or suffix is None or not _flat_ok(g, w, v, read):
+        flat = g.view(-1)
+        fix = v.sqrt().mul_(vcoef).add_(eps).mul_(w - read.float()).mul_(h).view(-1)
+        sg = sc = 0.0
+        for lo in range(0, flat.numel(), block):
+            gb, cb = flat[lo : lo + block], flat[lo : lo + block] + fix[lo : lo + block]
+            bg, bc = float(gb.double().square().sum()), float(cb.double().square().sum())
+            gb.copy_(cb * (math.sqrt(bg / bc) if bc > 0 else 1.0))
+            sg, sc = sg + bg, sc + bc
+        return sg, sc, float(w.double().square().sum())
+    out = (ctypes.c_double * 3)()
+    getattr(lib, f"rp_delay_{suffix}")(
+        g.data_ptr(), w.data_ptr(), v.data_ptr(), read.data_ptr(), g.numel(), block,
+        vcoef, eps, h, ctypes.addressof(out),
+    )  # fmt: skip
+    return out[0], out[1], out[2]
+
+
+@dataclass(frozen=True)
+class AdamTerms:
+    """One Adam/AdamW step's scalars as DeepSpeed's CPU Adam folds them (cpu_adam.h): ``w +=
+    w_decay * w`` (AdamW's decay, -lr wd), then ``w += step_size * m / (sqrt(v) * bc2 + eps)``
+    with ``step_size`` = -lr / (1 - b1^t) and ``bc2`` = 1 / sqrt(1 - b2^t), after ``l2 * w``
+    (Adam's L2 decay) is added to the gradient."""
+
+    b1: float
+    b2: float
+    step_size: float
+    bc2: float
+    eps: float
+    w_decay: float
+    l2: float
+
+
+_KINDS = {None: 0, "predict": 1, "lookahead": 2}
+
+
+@torch.no_grad()
+def adam_step(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    adam: AdamTerms,
+    block: int,
+    delay: tuple[float, float, float] | None = None,
+    publish: str | None = None,
+    terms: dict[str, float] | None = None,
+) -> tuple[float, float, float]:
+    """One Adam step of a slice fused with what is around it, block by block while each block
+    is in cache: the delay compensation of ``g`` from ``out``'s old values (``delay`` =
+    ``compensate_delay``'s vcoef, eps and h; None: none), the update of ``w``, ``m`` and ``v``
+    (``adam``, DeepSpeed's formula and order of operations), and the publish of the new ``w``
+    into ``out``: the cast (``publish`` None), ``write_prediction``'s or ``write_lookahead``'s
+    (with ``terms``; the look-ahead repeats the compensated ``g``). The same values as those
+    calls one after the other, to fp32 rounding (~23-bit reciprocals for sqrt and division), in
+    one pass over memory instead of three. Returns ``compensate_delay``'s sums (zeros without
+    ``delay``)."""
+    kind = _KINDS[publish]
+    lib = native()
+    suffix = _SUFFIX.get(out.dtype)
+    if lib is None or suffix is None or not _flat_ok(g, w, m, v, out):
+        sums = (0.0, 0.0, 0.0)
+        if delay is not None:
+            vcoef, eps, h = delay
+            sums = compensate_delay(g, w, v, out, block=block, vcoef=vcoef, eps=eps, h=h)
+        gd = g + w * adam.l2 if adam.l2 else g
+        # 1 - beta as DeepSpeed computes it, from the fp32 beta (exact: Sterbenz)
+        nb1, nb2 = (1.0 - struct.unpack("f", struct.pack("f", b))[0] for b in (adam.b1, adam.b2))
+        m.mul_(adam.b1).add_(gd, alpha=nb1)
+        v.mul_(adam.b2).addcmul_(gd, gd, value=nb2)
+        if adam.w_decay:
+            w.add_(w * adam.w_decay)
+        w.addcdiv_(m, v.sqrt().mul_(adam.bc2).add_(adam.eps), value=adam.step_size)
+        if kind == 0:
+            write_copy(w, out)
+        elif kind == 1:
+            assert terms is not None
+            write_prediction(w, m, v, out, **terms)
+        else:
+            assert terms is not None
+            write_lookahead(w, g, m, v, out, **terms)
+        return sums
+    dv, de, dh = delay if delay is not None else (1.0, 0.0, 0.0)
+    t = terms or {}
+    result = (ctypes.c_double * 3)()
+    getattr(lib, f"rp_adam_{suffix}")(
+        g.data_ptr(), w.data_ptr(), m.data_ptr(), v.data_ptr(), out.data_ptr(), g.numel(), block,
+        int(delay is not None), dv, de, dh, adam.b1, adam.b2, adam.step_size, adam.bc2, adam.eps, adam.w_decay, adam.l2,
+        kind, t.get("decay", 1.0), t.get("coef", 0.0), t.get("eps", 0.0), t.get("l2", 0.0),
+        ctypes.addressof(result),
+    )  # fmt: skip
+    return result[0], result[1], result[2]

@@ -27,7 +27,10 @@ t's ("lookahead"). Published at step end, it is written slice by slice as Adam s
 while each slice is in cache (``HostOptimizer.step_params`` with ``publish``); published apart
 (one weight buffer, at iteration t+1's ``layer_ready``) step t's gradient is gone, so both
 extrapolate along the moments. The masters and moments stay Adam's, and a drain publishes the
-masters (``HostStore.publish``).
+masters (``HostStore.publish``). "lookahead_dc" also delay-compensates step t's gradient before
+Adam sees it, from the weights iteration t read, which the buffer step t publishes into still
+holds (optim/delay_compensation.py): the masters and moments are then Adam's for the
+compensated gradients. With one weight buffer it steps as "lookahead" (a warning says so).
 
 Global-norm clipping and fp16 overflow need every layer's gradient: the squared norms are summed
 as layers complete (no separate pass; a layer whose whole gradient came down in one download
@@ -60,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rp_engine.model.host_store import HostParam, HostStore
+from rp_engine.optim.delay_compensation import DelayCompensation
 from rp_engine.optim.optimizer import HostOptimizer
 from rp_engine.optim.step_journal import StepJournal
 
@@ -69,7 +73,7 @@ if TYPE_CHECKING:
 __all__ = ["COMPENSATIONS", "OptimizerStepper", "StepResult", "staleness_compensation"]
 
 # ``roundpipe.staleness_compensation`` resolved: the methods (weight predictions) it can run
-COMPENSATIONS = ("none", "predict", "lookahead")
+COMPENSATIONS = ("none", "predict", "lookahead", "lookahead_dc")
 
 log = logging.getLogger("rp_engine.optim")
 
@@ -150,6 +154,12 @@ class OptimizerStepper:
         self.predicts = compensation != "none" and async_mode
         self.compensation = compensation
         self._hp: dict[int, list[dict[str, Any]]] = {}
+        # "lookahead_dc": the gradients are also delay-compensated, from the weights they were
+        # taken at, which only the double-buffered publish still holds (optim/
+        # delay_compensation.py); published apart, the step has only the look-ahead
+        dc = self.predicts and compensation == "lookahead_dc"
+        self.delay = DelayCompensation() if dc else None
+        self._undelayed_warned = False
         self._thread = threading.Thread(target=self._run, name="rp-optimizer", daemon=True)
         self._thread.start()
         # Data parallel (distributed.py): gradients reduced onto each layer's owner rank, which
@@ -497,17 +507,21 @@ class OptimizerStepper:
                     self.journal.record(st.step, layer, masters)
                 self.store.attach_grads([layer])
                 if not self.publishes_at_step_end:
+                    self._warn_undelayed()
                     self.optimizer.step_params(masters, groups=st.groups, grad_coef=coef)
                     self._finish([layer], st.step)
                     return
                 # w_t is published as the layer steps: each Adam slice is written (or, with
                 # weight prediction, extrapolated) into the compute weights while in cache
                 owned = {id(hp.master): hp for hp in self.store.layers[layer].owned}
-                with self.store.publishing(layer, st.step, predicted=self.predicts) as dst:
+                with self.store.publishing(
+                    layer, st.step, predicted=self.predicts, keep=self.delay is not None
+                ) as dst:
                     self.optimizer.step_params(
                         masters, groups=st.groups, grad_coef=coef,
                         publish=None if dst is None else (lambda p: dst(owned[id(p)])),
                         predict=self.compensation if self.predicts else None,
+                        delay=None if dst is None else self.delay, fix_coef=coef * st.loss_scale,
                     )  # fmt: skip
                 self._finish([layer], st.step, published=True)
 
@@ -518,6 +532,17 @@ class OptimizerStepper:
             self.store.prefetch(range(layer, -1, -1))
         else:
             self.store.prefetch(range(layer, self._num_layers))
+
+    def _warn_undelayed(self) -> None:
+        """Once: "lookahead_dc" with one compute-weight buffer steps without the delay
+        compensation (the weights the gradient was taken at are gone by then)."""
+        if self.delay is not None and not self._undelayed_warned:
+            self._undelayed_warned = True
+            log.warning(
+                'roundpipe.staleness_compensation "lookahead_dc": the compute weights are not '
+                "double-buffered (too little free host memory for a second copy), so the "
+                'gradients cannot be delay-compensated; stepping with "lookahead" alone'
+            )
 
     def _enqueue_dp(self, layer: int, st: _OpenStep, *, coef: float, skip: bool) -> None:
         """Data parallel: the owner rank steps the layer; then every rank receives its weights
@@ -638,7 +663,7 @@ def staleness_compensation(
 ) -> str:
     """``roundpipe.staleness_compensation`` resolved for this engine: one of ``COMPENSATIONS``.
 
-    "auto" is "lookahead" (the method benchmarks/RESULTS.md found best) where it applies (the
+    "auto" is "lookahead_dc" (the method benchmarks/RESULTS.md found best) where it applies (the
     asynchronous optimizer on DeepSpeed's CPU Adam, one process) and "none" elsewhere. An
     explicit method where it cannot run raises (ValueError); with the synchronous optimizer
     nothing is stale, so it resolves to "none"."""
@@ -646,7 +671,7 @@ def staleness_compensation(
         return "none"
     fits = can_predict and not data_parallel
     if wanted == "auto":
-        return "lookahead" if fits else "none"
+        return "lookahead_dc" if fits else "none"
     if not fits:
         why = (
             "data parallel (the weights are stepped on one rank and broadcast)"

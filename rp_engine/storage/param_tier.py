@@ -233,15 +233,16 @@ class ParamTier(PooledTier):
     # --- publishing (the optimizer) -----------------------------------------------------------
     @contextlib.contextmanager
     def buffer(
-        self, layer: int, copy: int, *, overwrite: bool
+        self, layer: int, copy: int, *, overwrite: bool, keep: bool = False
     ) -> Iterator[dict[int, torch.Tensor]]:
         """The layer's paged weights in buffer ``copy`` as views (``id(param)`` -> tensor) for
-        the block; ``overwrite``: the block writes the trainable ones, written back after."""
+        the block; ``overwrite``: the block writes the trainable ones, written back after;
+        ``keep``: it reads their old values first (so the buffer is read in even then)."""
         rec = self._records[(layer, copy)]
         with self._lock:
             self._asker.pop(id(rec), None)  # a read for the optimizer: not on an upload's row
         # a record holding frozen weights is read first: the block rewrites only part of it
-        fresh = overwrite and all(p.requires_grad for p, _ in rec.tensors)
+        fresh = overwrite and not keep and all(p.requires_grad for p, _ in rec.tensors)
         (data,) = self.pool.pin([rec], fresh=fresh)
         try:
             yield {id(p): _view(data, at, p) for p, at in rec.tensors}

@@ -1,4 +1,5 @@
-"""Weight prediction (``roundpipe.staleness_compensation``: "predict" and "lookahead") with the
+"""Weight prediction (``roundpipe.staleness_compensation``: "predict", "lookahead" and
+"lookahead_dc", which also delay-compensates the gradients) with the
 engine's other features: the NVMe optimizer tier (the moments are staged in from the swap file
 when the publish predicts), LoRA (only the adapters are stepped and predicted), fp16 loss scaling
 (overflowing steps are skipped and publish the masters) and gradient clipping.
@@ -32,7 +33,7 @@ def _cfg(mode: str, **extra: Any) -> dict[str, Any]:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("method", ["predict", "lookahead"])
+@pytest.mark.parametrize("method", ["predict", "lookahead", "lookahead_dc"])
 def test_predict_with_the_nvme_tier_equals_host_resident(tmp_path, method: str) -> None:
     """The tier stages each layer's masters and moments in for its step and its publish, so
     the prediction reads the same moments as with everything in RAM: same losses, same
@@ -56,7 +57,7 @@ def _train(model: torch.nn.Module, cfg: dict[str, Any], steps: int) -> tuple[lis
     return losses, engine
 
 
-@pytest.mark.parametrize("method", ["predict", "lookahead"])
+@pytest.mark.parametrize("method", ["predict", "lookahead", "lookahead_dc"])
 @pytest.mark.parametrize("case", ["lora", "fp16-overflow", "clipping"])
 def test_predict_composes_and_leaves_the_masters_true(case: str, method: str) -> None:
     """LoRA, fp16 loss scaling whose first steps overflow (initial scale 2^20: skipped steps,
@@ -92,3 +93,19 @@ def test_predict_composes_and_leaves_the_masters_true(case: str, method: str) ->
         assert module is engine.module
     finally:
         engine.destroy()
+
+
+def test_delay_compensation_with_the_parameter_tier_equals_host_resident(tmp_path) -> None:
+    """With the compute weights paged to NVMe, the weights an iteration read are in the tier's
+    buffer that the step publishes into: it is read in before the compensation reads it (not
+    taken as overwritten), so the result is the host-resident one bit for bit."""
+    model = tiny_qwen3(0, layers=4)
+    cfg = _cfg("lookahead_dc")
+    host_losses, host = run(copy.deepcopy(model), cfg, steps=STEPS)
+    tier_losses, tier = run(
+        copy.deepcopy(model), nvme_config(cfg, str(tmp_path), params=True), steps=STEPS
+    )
+    assert tier["io"]["stats"].read_bytes > 0
+    assert tier_losses == host_losses
+    for name, w in host["weights"].items():
+        assert torch.equal(tier["weights"][name], w), name

@@ -102,6 +102,50 @@ def test_the_prediction_is_the_formula_to_rounding(kernel: str, dtype: torch.dty
     assert (err <= 2 * ulp + step.abs() * 2**-20).all(), float((err / ulp).max())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_delay_compensation_is_the_formula_to_rounding(kernel: str, dtype: torch.dtype) -> None:
+    """Per block, g <- (g + f) |g| / |g + f| with f = (sqrt(v) vcoef + eps) h (w - read),
+    ``read`` widened from ``dtype``, against float64 with the fp32 scalars the kernel receives
+    (blocks of 1000 over 65,537 elements: a partial last one); the sums of g^2, (g + f)^2 and
+    w^2 to float64's; with h = 0 the gradient is left bit for bit, and taken where it is
+    applied (read = w) to rounding."""
+    gen = torch.Generator().manual_seed(3)
+    n, block = 65_537, 1000
+    w, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
+    v = torch.rand(n, generator=gen) * 1e-4
+    read = (w + torch.randn(n, generator=gen) * 1e-3).to(dtype)
+    v[:16] = 0.0  # no second moment yet: the fix scales by eps alone
+    g[2000:3000] = 0.0  # a block without gradient: nothing to keep the norm of
+    terms = {"vcoef": 31.6, "eps": 1e-8, "h": 250.0}
+    got = g.clone()
+    sums = publish_kernel.compensate_delay(got, w, v, read, block=block, **terms)
+    t = {k: float(torch.tensor(x, dtype=torch.float32)) for k, x in terms.items()}
+    fix = (v.double().sqrt() * t["vcoef"] + t["eps"]) * t["h"] * (w.double() - read.double())
+    c = g.double() + fix
+    want = torch.cat([
+        c[lo : lo + block] * (g.double()[lo : lo + block].norm() / c[lo : lo + block].norm())
+        for lo in range(0, n, block)
+    ])  # fmt: skip
+    assert torch.count_nonzero(got[2000:3000]) == 0
+    assert bool(torch.all((got[:2000] != 0) == (want[:2000] != 0)))
+    err = (got.double() - want).abs()
+    assert (err <= want.abs() * 2**-18 + want.abs().max() * 2**-22).all(), float(err.max())
+    for block_norm in (got.double()[:block].norm(), got.double()[-537:].norm()):
+        assert block_norm > 0
+    torch.testing.assert_close(
+        got.double()[:block].norm(), g.double()[:block].norm(), rtol=1e-5, atol=0
+    )
+    ref = (g.double().square().sum(), c.square().sum(), w.double().square().sum())
+    for s, r in zip(sums, ref, strict=True):
+        assert s == pytest.approx(float(r), rel=1e-5)
+    same = g.clone()
+    publish_kernel.compensate_delay(same, w, v, read, block=block, vcoef=1.0, eps=0.0, h=0.0)
+    assert torch.equal(same, g)
+    if dtype == torch.float32:  # read where it is applied: nothing to compensate
+        publish_kernel.compensate_delay(same, w, v, w.clone(), block=block, **terms)
+        torch.testing.assert_close(same, g, rtol=1e-6, atol=0)
+
+
 def _layer_store(n: int) -> tuple[HostStore, HostOptimizer, list[torch.Tensor]]:
     torch.manual_seed(0)
     layer = nn.ParameterList(
@@ -202,3 +246,84 @@ def test_a_publish_that_raises_leaves_the_buffer_holding_no_version() -> None:
     assert store.version(0) == 3
     with store.publishing(0, 1, predicted=False) as dst:
         assert dst is None  # held already: nothing to write
+
+
+def test_an_unknown_prediction_is_refused() -> None:
+    """``step_params`` names its predictions: anything else (a bool, as the cost benchmark once
+    passed, which then silently published the plain cast) raises instead of publishing
+    something other than what was asked."""
+    store, opt, masters = _layer_store(4096)
+    for hp in store.owned_params():
+        store.accumulate(hp.param, torch.ones_like(hp.master))
+    store.attach_grads([0])
+    owned = {id(hp.master): hp for hp in store.owned_params()}
+    with store.publishing(0, 1, predicted=True) as dst:
+        assert dst is not None
+        with pytest.raises(ValueError, match="predict True"):
+            opt.step_params(
+                masters, groups=opt.snapshot(), grad_coef=1.0,
+                publish=lambda p: dst(owned[id(p)]), predict=True,  # type: ignore[arg-type]
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("publish", [None, "lookahead"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_adam_step_is_deepspeeds_step_then_the_publish(
+    kernel: str, dtype: torch.dtype, publish: str | None, adamw: bool
+) -> None:
+    """``adam_step`` without compensation: DeepSpeed's CPU Adam (``adam_update``, AdamW's
+    decoupled decay or Adam's L2 decay, bias corrections of step 3) then the publish, to fp32
+    rounding; with compensation (``delay``): ``compensate_delay`` first, from ``out``'s old
+    values."""
+    gen = torch.Generator().manual_seed(4)
+    n, lr, wd, step = 200_003, 1e-3, 0.1, 3
+    w, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
+    m, v = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-5
+    read = (w + torch.randn(n, generator=gen) * 1e-3).to(dtype)
+    inner, _ = build_inner_optimizer(
+        "adamw" if adamw else "adam",
+        {"lr": lr, "weight_decay": wd, **({} if adamw else {"adam_w_mode": False})},
+        [{"params": [torch.zeros(1)]}],
+    )
+    opt = HostOptimizer(inner, per_layer=True, scaler=LossScaler(cur_scale=1.0))
+    group = opt.snapshot()[0]
+    adam = opt._adam_terms(group, step)
+    terms = None
+    if publish == "lookahead":
+        terms = {**opt._step_terms(group, step + 1), "b1": 0.9, "b2": 0.999,
+                 "l2": 0.0 if adamw else wd}  # fmt: skip
+    for delay in (None, (31.6, 1e-8, 250.0)):
+        want = [t.clone() for t in (g, w, m, v, read)]
+        if delay is not None:
+            publish_kernel.compensate_delay(
+                want[0], want[1], want[3], want[4], block=65536,
+                vcoef=delay[0], eps=delay[1], h=delay[2],
+            )  # fmt: skip
+        inner.ds_opt_adam.adam_update(
+            inner.opt_id, step, lr, 0.9, 0.999, 1e-8, wd, True, *want[1:2], want[0], *want[2:4]
+        )
+        if publish is None:
+            publish_kernel.write_copy(want[1], want[4])
+        else:
+            assert terms is not None
+            publish_kernel.write_lookahead(want[1], want[0], want[2], want[3], want[4], **terms)
+        got = [t.clone() for t in (g, w, m, v, read)]
+        publish_kernel.adam_step(
+            *got, adam=adam, block=65536, delay=delay, publish=publish, terms=terms
+        )
+        torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-12)
+        # the moments to rounding of their two terms (with or without FMA: m may cancel), and
+        # of the compensated g
+        gd = want[0] if adamw else want[0] + wd * w
+        for x, y, b, old, new in (
+            (got[2], want[2], 0.9, m, gd),
+            (got[3], want[3], 0.999, v, gd * gd),
+        ):
+            bound = 1e-5 * (b * old.abs() + (1 - b) * new.abs())  # g itself is to 2e-6
+            assert ((x - y).abs() <= bound + 1e-30).all()
+        step_size = (want[1] - w).abs() + 1e-12  # the update, to which rounding is relative
+        w_err = (got[1] - want[1]).abs()
+        assert (w_err <= 2 * want[1].abs() * 2**-24 + step_size * 1e-5).all(), float(w_err.max())
+        ulp = want[4].float().abs() * torch.finfo(dtype).eps
+        assert ((got[4].float() - want[4].float()).abs() <= 3 * ulp + step_size * 1e-4).all()

@@ -240,12 +240,13 @@ def test_config_key_and_resolution() -> None:
         load_config({**base, "roundpipe": {"staleness_compensation": "dc"}})
     text = str(err.value)
     assert "roundpipe.staleness_compensation" in text
-    assert all(c in text for c in ('"none"', '"auto"', '"predict"', '"lookahead"')), text
+    choices = ('"none"', '"auto"', '"predict"', '"lookahead"', '"lookahead_dc"')
+    assert all(c in text for c in choices), text
     assert (
         staleness_compensation("auto", async_mode=True, can_predict=True, data_parallel=False)
-        == "lookahead"
+        == "lookahead_dc"
     )
-    for method in ("predict", "lookahead"):
+    for method in ("predict", "lookahead", "lookahead_dc"):
         assert (
             load_config(
                 {**base, "roundpipe": {"staleness_compensation": method}}
@@ -274,7 +275,7 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return [random_batch(128, batch=2, seq=12, seed=300 + i) for i in range(n)]
 
 
-@pytest.mark.parametrize("method", ["predict", "lookahead"])
+@pytest.mark.parametrize("method", ["predict", "lookahead", "lookahead_dc"])
 def test_engine_none_is_bit_identical_and_predict_keeps_true_masters(method: str) -> None:
     """Engine level: "none" trains bit for bit as the default (the staleness-1 rule that
     test_async_optimizer.py checks against its reference); "predict" changes the losses from
@@ -311,3 +312,93 @@ def test_engine_none_is_bit_identical_and_predict_keeps_true_masters(method: str
         assert module is engine.module
     finally:
         engine.destroy()
+
+
+def test_delay_compensation_reads_the_weights_each_gradient_was_taken_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With "lookahead_dc" each step's gradient is compensated from the compute weights its
+    iteration read (step t's: version t-2's buffer, which step t's publish then overwrites)
+    and the masters before the step, once a tensor has moments and its scale (rms) measured at
+    its previous step (from step 2 on, h > 0); the compensated gradient keeps the raw one's
+    norm; a skipped step compensates nothing. The compensated run leaves the plain
+    look-ahead's masters."""
+    from rp_engine.optim import optimizer as optimizer_module
+
+    calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
+    real = optimizer_module.adam_step
+
+    def spy(g, w, m, v, out, **kw):  # type: ignore[no-untyped-def]
+        before, read, raw = w.clone(), out.clone(), g.clone()
+        sums = real(g, w, m, v, out, **kw)
+        calls.append((w.data_ptr(), before, read, raw, g.clone(), kw["delay"][2]))
+        return sums
+
+    monkeypatch.setattr(optimizer_module, "adam_step", spy)
+    h, plain = _Harness(compensation="lookahead_dc"), _Harness(compensation="lookahead")
+    try:
+        assert h.stepper.delay is not None
+        index = {hp.master.data_ptr(): i for i, hp in enumerate(h.store.owned_params())}
+        for step in range(1, 7):
+            read, before = h.published(max(step - 2, 0)), h.masters()
+            calls.clear()
+            skip = step == 5
+            h.step(step, _grads(step), skip=skip)
+            plain.step(step, _grads(step), skip=skip)
+            if skip:
+                assert calls == []
+                continue
+            assert sorted(index[c[0]] for c in calls) == [0, 1, 2, 3]
+            for ptr, w, r, raw, got, hh in calls:
+                i = index[ptr]
+                assert torch.equal(r.flatten(), read[i].flatten()), (step, i)
+                assert torch.equal(w.flatten(), before[i].flatten()), (step, i)
+                assert (hh > 0) is (step > 1), (step, hh)
+                if step > 2:  # w has moved from what was read: a new direction, the same norm
+                    assert not torch.equal(got, raw)
+                    torch.testing.assert_close(got.norm(), raw.norm())
+        moved = [(a - b).abs().max() for a, b in zip(h.masters(), plain.masters(), strict=True)]
+        assert min(moved) > 1e-5
+    finally:
+        h.close()
+        plain.close()
+
+
+def test_delay_compensation_without_a_second_weight_buffer_warns_and_steps_as_lookahead(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One compute-weight buffer: the weights a gradient was taken at are overwritten before
+    its step, so "lookahead_dc" cannot compensate; it says so once and steps as "lookahead"
+    (the same masters, bit for bit)."""
+    from rp_engine.optim import optimizer as optimizer_module
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("compensated without the weights the gradient was taken at")
+
+    monkeypatch.setattr(optimizer_module, "adam_step", refuse)
+    runs = {}
+    for method in ("lookahead_dc", "lookahead"):
+        h = _Harness(compensation=method)
+        h.stepper.close()
+        store = HostStore(h.modules, double_buffer=False)  # one weight buffer
+        masters = [hp.master for hp in store.owned_params()]
+        inner, per_layer = build_inner_optimizer(
+            "adamw", {"lr": 1e-2, "weight_decay": WD}, [{"params": masters}]
+        )
+        opt = HostOptimizer(inner, per_layer=per_layer, scaler=LossScaler(cur_scale=1.0))
+        h.store, h.opt = store, opt
+        h.stepper = OptimizerStepper(
+            store, opt, clip=1e9, async_mode=True, fp16=False, guard_nonfinite=True,
+            compensation=method,
+        )  # fmt: skip
+        assert not h.stepper.publishes_at_step_end
+        with caplog.at_level("WARNING", logger="rp_engine.optim"):
+            for step in range(1, 5):
+                h.step(step, _grads(step))
+        runs[method] = h.masters()
+        warned = [r for r in caplog.records if "cannot be delay-compensated" in r.message]
+        assert len(warned) == (1 if method == "lookahead_dc" else 0)
+        caplog.clear()
+        h.close()
+    for a, b in zip(runs["lookahead_dc"], runs["lookahead"], strict=True):
+        assert torch.equal(a, b)

@@ -88,3 +88,133 @@ static inline float looked_ahead(float w, float g, float m, float v, float decay
 LOOKAHEAD(bf16, uint16_t, to_bf16)
 LOOKAHEAD(f16, _Float16, AS_F16)
 LOOKAHEAD(f32, float, AS_F32)
+
+/* Delay compensation of a slice's gradient, in place, right before its Adam step: the gradient
+ * g (unscaled and clipped) was taken at the compute weights `read` the iteration read, and is
+ * applied at the masters w. With the fix f = (sqrt(v) * vcoef + eps) * h * (w - read) (Adam's
+ * denominator over the tensor's scale, h folding 1 / (rho rms(w)) and the clip coefficient),
+ * each block of `block` elements becomes (g + f) |g| / |g + f|: the compensated direction at
+ * the raw gradient's norm (optim/delay_compensation.py). One pass writes g + f and sums the
+ * norms, a second scales the block by the ratio while it is in the core's L2 (a 64K block's
+ * arrays fit). sums[0..2] gain the slice's sums of g^2, (g + f)^2 and w^2. With h = 0 the
+ * gradient is left bit for bit. */
+#define SUB 1024 /* elements per float partial sum of the norms */
+
+static inline float widen_bf16(uint16_t x) {
+    uint32_t b = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+#define DELAY(suffix, type, widen)                                                              \
+    static inline void delay_block_##suffix(float *restrict g, const float *restrict w,         \
+                                            const float *restrict v, const type *restrict read, \
+                                            int64_t lo, int64_t hi, float vcoef, float eps,     \
+                                            float h, double *restrict part) {                   \
+        double bg = 0.0, bc = 0.0, bw = 0.0;                                                    \
+        /* float sums over runs of SUB elements (vectorized), added up in double */             \
+        for (int64_t s = lo; s < hi; s += SUB) {                                                \
+            int64_t e = s + SUB < hi ? s + SUB : hi;                                            \
+            float fg = 0.0f, fc = 0.0f, fw = 0.0f;                                              \
+            for (int64_t i = s; i < e; i++) {                                                   \
+                float gi = g[i], wi = w[i];                                                     \
+                float c = gi + (sqrtf(v[i]) * vcoef + eps) * h * (wi - widen(read[i]));         \
+                fg += gi * gi;                                                                  \
+                fc += c * c;                                                                    \
+                fw += wi * wi;                                                                  \
+                g[i] = c;                                                                       \
+            }                                                                                   \
+            bg += fg;                                                                           \
+            bc += fc;                                                                           \
+            bw += fw;                                                                           \
+        }                                                                                       \
+        /* h = 0 leaves g as it is (c == g, to the bit; the sums could round apart) */         \
+        float r = h == 0.0f ? 1.0f : bc > 0.0 ? (float)sqrt(bg / bc) : 1.0f;                    \
+        if (r != 1.0f)                                                                          \
+            for (int64_t i = lo; i < hi; i++) g[i] *= r; /* from the core's L2 */               \
+        part[0] += bg;                                                                          \
+        part[1] += bc;                                                                          \
+        part[2] += bw;                                                                          \
+    }                                                                                           \
+                                                                                                \
+    void rp_delay_##suffix(float *restrict g, const float *restrict w, const float *restrict v, \
+                           const type *restrict read, int64_t n, int64_t block, float vcoef,    \
+                           float eps, float h, double *restrict sums) {                         \
+        double sg = 0.0, sc = 0.0, sw = 0.0;                                                    \
+        int64_t blocks = (n + block - 1) / block;                                               \
+        _Pragma("omp parallel for schedule(static) reduction(+ : sg, sc, sw) if (n >= PARALLEL_MIN)") \
+        for (int64_t k = 0; k < blocks; k++) {                                                  \
+            int64_t lo = k * block, hi = lo + block < n ? lo + block : n;                       \
+            double part[3] = {0.0, 0.0, 0.0};                                                   \
+            delay_block_##suffix(g, w, v, read, lo, hi, vcoef, eps, h, part);                   \
+            sg += part[0];                                                                      \
+            sc += part[1];                                                                      \
+            sw += part[2];                                                                      \
+        }                                                                                       \
+        sums[0] += sg;                                                                          \
+        sums[1] += sc;                                                                          \
+        sums[2] += sw;                                                                          \
+    }
+
+#define WIDEN_F16(x) ((float)(x))
+#define WIDEN_F32(x) (x)
+DELAY(bf16, uint16_t, widen_bf16)
+DELAY(f16, _Float16, WIDEN_F16)
+DELAY(f32, float, WIDEN_F32)
+
+/* One Adam/AdamW step of a slice fused with its compensation and its publish, one block of
+ * `block` elements at a time while the block is in the core's L2 (the compensated modes:
+ * optim/optimizer.py). Per block: the delay compensation (as rp_delay_*, with dc), then in
+ * one loop DeepSpeed's CPU Adam update in DeepSpeed's own order of operations (cpu_adam.h,
+ * Step_1: m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2, w += w_decay w (AdamW), w +=
+ * step_size m / (sqrt(v) bc2 + eps), with Adam's L2 decay l2 w added to g first) and the
+ * publish of the new w: `kind` 1 the prediction along the new moments, 2 the look-ahead
+ * along the moments a repeat of g would make (with the compensated g), else the cast. */
+#define FUSED(suffix, type, widen, convert)                                                     \
+    void rp_adam_##suffix(float *restrict g, float *restrict w, float *restrict m,               \
+                          float *restrict v, type *restrict out, int64_t n, int64_t block,      \
+                          int dc, float dvcoef, float deps, float dh, float b1, float b2,       \
+                          float step_size, float bc2, float eps, float w_decay, float l2,       \
+                          int kind, float pdecay, float pcoef, float peps, float pl2,           \
+                          double *restrict sums) {                                              \
+        double sg = 0.0, sc = 0.0, sw = 0.0;                                                    \
+        int64_t blocks = (n + block - 1) / block;                                               \
+        float nb1 = 1.0f - b1, nb2 = 1.0f - b2;                                                 \
+        _Pragma("omp parallel for schedule(static) reduction(+ : sg, sc, sw) if (n >= PARALLEL_MIN)") \
+        for (int64_t k = 0; k < blocks; k++) {                                                  \
+            int64_t lo = k * block, hi = lo + block < n ? lo + block : n;                       \
+            if (dc) { /* with h = 0 it only measures (the tensor's first step) */              \
+                double part[3] = {0.0, 0.0, 0.0};                                               \
+                delay_block_##suffix(g, w, v, out, lo, hi, dvcoef, deps, dh, part);             \
+                sg += part[0];                                                                  \
+                sc += part[1];                                                                  \
+                sw += part[2];                                                                  \
+            }                                                                                   \
+            for (int64_t i = lo; i < hi; i++) {                                                 \
+                float gi = g[i], wi = w[i];                                                     \
+                float gd = gi + l2 * wi;                                                        \
+                float mi = gd * nb1 + m[i] * b1;                                                \
+                float vi = gd * gd * nb2 + v[i] * b2;                                           \
+                float u = mi / (sqrtf(vi) * bc2 + eps);                                         \
+                wi = wi + w_decay * wi;                                                         \
+                wi = u * step_size + wi;                                                        \
+                w[i] = wi;                                                                      \
+                m[i] = mi;                                                                      \
+                v[i] = vi;                                                                      \
+                float o = wi;                                                                   \
+                if (kind == 1)                                                                  \
+                    o = predicted(wi, mi, vi, pdecay, pcoef, peps);                             \
+                else if (kind == 2)                                                             \
+                    o = looked_ahead(wi, gi, mi, vi, pdecay, b1, b2, pcoef, peps, pl2);         \
+                out[i] = convert(o);                                                            \
+            }                                                                                   \
+        }                                                                                       \
+        sums[0] += sg;                                                                          \
+        sums[1] += sc;                                                                          \
+        sums[2] += sw;                                                                          \
+    }
+
+FUSED(bf16, uint16_t, widen_bf16, to_bf16)
+FUSED(f16, _Float16, WIDEN_F16, AS_F16)
+FUSED(f32, float, WIDEN_F32, AS_F32)
