@@ -47,10 +47,9 @@ BLOCK = 1 << 16  # elements per norm-keeping block: a 64K block's five arrays fi
 
 @dataclass(frozen=True)
 class DelayTerms:
-    """``compensate_delay``'s scalars for one tensor's step (h = 0: the gradient is left as it
-    is)."""
+    """The compensation's scalars for one tensor's step (``adam_step``'s ``delay``; h = 0: the
+    gradient is left as it is). The blocks are always ``BLOCK`` elements."""
 
-    block: int
     vcoef: float
     eps: float
     h: float
@@ -69,20 +68,20 @@ class DelayCompensation:
     def terms(
         self, master: torch.Tensor, moments_step: int, group: dict[str, Any], fix_coef: float
     ) -> DelayTerms:
-        """``compensate_delay``'s scalars for ``master``'s step now: ``moments_step`` is the
+        """The compensation's scalars for ``master``'s step now: ``moments_step`` is the
         number of steps its moments hold (0: none yet, nothing to scale the curvature by),
         ``group`` the step's hyper-parameters, ``fix_coef`` the clip coefficient the gradient
         was scaled by (the fix is in the clipped gradient's units; without clipping 1). h = 0
         (the gradient left as it is) until the tensor's scale is known."""
         rms = self._rms.get(id(master), 0.0)
         if moments_step == 0 or rms == 0.0:
-            return DelayTerms(BLOCK, 1.0, 0.0, 0.0)
+            return DelayTerms(1.0, 0.0, 0.0)
         _, beta2 = group["betas"]
         vcoef = 1.0 / math.sqrt(1.0 - beta2**moments_step) if group["bias_correction"] else 1.0
         h = fix_coef / (self.rho * rms)
-        return DelayTerms(BLOCK, vcoef, float(group["eps"]), h)
+        return DelayTerms(vcoef, float(group["eps"]), h)
 
-    def record(self, master: torch.Tensor, sums: tuple[float, float, float]) -> None:
-        """``master``'s step is done; ``sums``: its sums of g^2, (g + fix)^2 and w^2 over the
-        whole tensor (``compensate_delay``'s, added over the slices)."""
-        self._rms[id(master)] = math.sqrt(sums[2] / max(master.numel(), 1))
+    def record(self, master: torch.Tensor, w_sq_sum: float) -> None:
+        """``master``'s step is done; ``w_sq_sum``: the sum of its squared masters before the
+        step, over the whole tensor (the last of ``adam_step``'s sums, added over the slices)."""
+        self._rms[id(master)] = math.sqrt(w_sq_sum / max(master.numel(), 1))

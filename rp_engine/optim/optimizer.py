@@ -61,6 +61,7 @@ __all__ = [
     "CUDA_ADAM_SLICE",
     "adam_slice",
     "HostOptimizer",
+    "PREDICTIONS",
     "build_inner_optimizer",
     "snapshot_groups",
 ]
@@ -378,7 +379,7 @@ class HostOptimizer:
                     terms = self._lookahead_terms(p, g)
                 if delay is not None:
                     dc = delay.terms(p, state["step"] - 1, g, fix_coef)
-            sums = [0.0, 0.0, 0.0]
+            w_sq_sum = 0.0  # the masters' squared sum before the step: the tensor's scale
             # the compensation keeps norms per block of the tensor: slices of whole blocks
             size = self.slice_elems if dc is None else max(1, self.slice_elems // BLOCK) * BLOCK
             adam = None if dc is None else self._adam_terms(g, int(state["step"]))
@@ -388,12 +389,11 @@ class HostOptimizer:
                 if dc is not None and adam is not None:
                     # compensation (out[0] still holds the weights the gradient was taken at),
                     # Adam and look-ahead in one pass over the slice (``adam_step``)
-                    part = adam_step(
-                        grad, param, exp_avg, exp_avg_sq, out[0], adam=adam, block=dc.block,
+                    w_sq_sum += adam_step(
+                        grad, param, exp_avg, exp_avg_sq, out[0], adam=adam, block=BLOCK,
                         delay=(dc.vcoef, dc.eps, dc.h),
                         publish=None if terms is None else "lookahead", terms=terms,
-                    )  # fmt: skip
-                    sums = [x + y for x, y in zip(sums, part, strict=True)]
+                    )[2]  # fmt: skip
                     continue
                 # DeepSpeed's own C++ kernel, exactly as DeepSpeedCPUAdam.step calls it. The GIL
                 # is held for one slice only: other threads run between two calls.
@@ -410,7 +410,7 @@ class HostOptimizer:
                 else:
                     write_lookahead(param, grad, exp_avg, exp_avg_sq, out[0], **terms)
             if dc is not None and delay is not None:
-                delay.record(p, (sums[0], sums[1], sums[2]))
+                delay.record(p, w_sq_sum)
 
     def _adam_terms(self, g: dict[str, Any], step: int) -> AdamTerms:
         """Step ``step``'s scalars with group hyper-parameters ``g``, folded as DeepSpeed's CPU

@@ -327,7 +327,8 @@ def adam_step(
     result = (ctypes.c_double * 3)()
     getattr(lib, f"rp_adam_{suffix}")(
         g.data_ptr(), w.data_ptr(), m.data_ptr(), v.data_ptr(), out.data_ptr(), g.numel(), block,
-        int(delay is not None), dv, de, dh, adam.b1, adam.b2, adam.step_size, adam.bc2, adam.eps, adam.w_decay, adam.l2,
+        int(delay is not None), dv, de, dh,
+        adam.b1, adam.b2, adam.step_size, adam.bc2, adam.eps, adam.w_decay, adam.l2,
         kind, t.get("decay", 1.0), t.get("coef", 0.0), t.get("eps", 0.0), t.get("l2", 0.0),
         ctypes.addressof(result),
     )  # fmt: skip

@@ -64,7 +64,7 @@ import torch
 
 from rp_engine.model.host_store import HostParam, HostStore
 from rp_engine.optim.delay_compensation import DelayCompensation
-from rp_engine.optim.optimizer import HostOptimizer
+from rp_engine.optim.optimizer import PREDICTIONS, HostOptimizer
 from rp_engine.optim.step_journal import StepJournal
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 __all__ = ["COMPENSATIONS", "OptimizerStepper", "StepResult", "staleness_compensation"]
 
 # ``roundpipe.staleness_compensation`` resolved: the methods (weight predictions) it can run
-COMPENSATIONS = ("none", "predict", "lookahead", "lookahead_dc")
+COMPENSATIONS = ("none", *(p for p in PREDICTIONS if p is not None))
 
 log = logging.getLogger("rp_engine.optim")
 
