@@ -5,7 +5,8 @@
 #   GPU_CHECK_DRY=1 OUT=$(mktemp -d) bash benchmarks/gpu_check.sh   # the same plumbing on CPU
 #
 # In order (most important first, so a run cut short keeps what matters):
-#   1. the CUDA tests (-m gpu: test_device_cuda, test_engine_cuda, test_device_grad_norm);
+#   1. the CUDA tests (-m gpu: test_device_cuda, test_engine_cuda, test_device_grad_norm,
+#      test_host_path);
 #   2. benchmarks.head_to_head on the Qwen3-1.7B shape (bf16, micro-batch 4 x 1,024, GAS 4):
 #      roundpipe, roundpipe_sync, deepspeed, torch; 1 warm-up and 3 timed steps, one repeat,
 #      each system in its own process (killed after $H2H_TIMEOUT s); the parent appends each
@@ -89,7 +90,8 @@ torch.version.cuda, transformers.__version__, deepspeed.__version__)" | tee "$wo
 
     echo "== 1. CUDA tests ($SECONDS s)"
     timeout 240 "$py" -m pytest -q -ra -p no:cacheprovider -m gpu tests/unit/test_device_cuda.py \
-        tests/engine/test_engine_cuda.py tests/engine/test_device_grad_norm.py 2>&1 | tee "$work/gpu_tests.log"
+        tests/engine/test_engine_cuda.py tests/engine/test_device_grad_norm.py \
+        tests/engine/test_host_path.py 2>&1 | tee "$work/gpu_tests.log"
     local tests_rc=$?
     echo "gpu_check: tests rc=$tests_rc"
     pack

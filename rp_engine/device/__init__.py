@@ -13,7 +13,7 @@ import torch
 
 from .base import Device, DeviceError, Event, Stream, StreamRole
 from .cpu import CPUDevice, CPUPool
-from .cuda import CUDADevice, pin
+from .cuda import CUDADevice, is_pinned, pin
 
 __all__ = [
     "CPUDevice",
@@ -27,6 +27,7 @@ __all__ = [
     "StreamRole",
     "make_devices",
     "parse_device_spec",
+    "is_pinned",
     "pin",
 ]
 

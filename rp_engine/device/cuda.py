@@ -32,7 +32,9 @@ What the runtime must do itself (CUDA's caching allocator tracks tensors per str
 
 from __future__ import annotations
 
+import bisect
 import mmap
+import threading
 import weakref
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -48,6 +50,7 @@ __all__ = [
     "CUDAEvent",
     "CUDAStream",
     "CUDATimer",
+    "is_pinned",
     "pin",
     "pinned_empty",
     "stream_priorities",
@@ -55,6 +58,25 @@ __all__ = [
 
 _PAGE = mmap.PAGESIZE
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context
+# The live ``pinned_empty`` registrations: sorted start addresses and each one's span in bytes.
+_registered_starts: list[int] = []
+_registered_spans: dict[int, int] = {}
+_registered_lock = threading.Lock()
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is page-locked: a block of torch's pinned allocator
+    (``Tensor.is_pinned``) or memory ``pinned_empty`` registered. torch's own check does not
+    see the latter (torch 2.11 on an H200: ``is_pinned`` is False for a registered range, though
+    the driver holds it locked and copies from it asynchronously), so ask this instead."""
+    if t.device.type != "cpu":
+        return False
+    if t.is_pinned():
+        return True
+    addr = t.data_ptr()
+    with _registered_lock:
+        i = bisect.bisect_right(_registered_starts, addr) - 1
+        return i >= 0 and addr < _registered_starts[i] + _registered_spans[_registered_starts[i]]
 
 
 def pin(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +86,7 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     without an accelerator, hence the guard. The copy is ``pinned_empty``: exactly the tensor's
     bytes (``Tensor.pin_memory`` would round each block up to a power of two).
     """
-    if not torch.cuda.is_available() or t.device.type != "cpu" or t.is_pinned():
+    if not torch.cuda.is_available() or t.device.type != "cpu" or is_pinned(t):
         return t
     out = pinned_empty(t.numel(), t.dtype).view(t.shape)
     out.copy_(t)
@@ -91,12 +113,18 @@ def pinned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
     torch.cuda.check_error(
         torch.cuda.cudart().cudaHostRegister(addr, span, _HOST_REGISTER_PORTABLE)
     )
+    with _registered_lock:
+        bisect.insort(_registered_starts, addr)
+        _registered_spans[addr] = span
     # numpy runs weakref callbacks before it frees the buffer: unregister first, then free.
     weakref.finalize(raw, _unregister, addr)
     return torch.from_numpy(raw)[start : start + nbytes].view(dtype)
 
 
 def _unregister(addr: int) -> None:
+    with _registered_lock:
+        del _registered_spans[addr]
+        del _registered_starts[bisect.bisect_left(_registered_starts, addr)]
     # At interpreter exit CUDA may already be torn down; the process frees everything anyway.
     try:
         torch.cuda.cudart().cudaHostUnregister(addr)

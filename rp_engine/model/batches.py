@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rp_engine.device.cuda import is_pinned
 from rp_engine.model.base import LayerSequence, batch_to_dict
 from rp_engine.model.batch_checks import check_batch
 from rp_engine.model.module import module_batch
@@ -89,7 +90,7 @@ class BatchAdapter:
 
 def _pinned(value: Any) -> Any:
     # batches are small (token ids): torch's caching pinned allocator suits them
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_pinned():
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not is_pinned(value):
         return value.pin_memory()
     return value
 

@@ -314,7 +314,9 @@ def test_cuda_device_norms_are_the_host_pass(dtype: torch.dtype) -> None:
     norms = device_norms([g.cuda() for g in grads])
     assert norms.is_cuda and norms.dtype == torch.float32
     host = [float(torch.linalg.vector_norm(g.double())) for g in grads]
-    torch.testing.assert_close(norms.cpu().double(), torch.tensor(host), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        norms.cpu().double(), torch.tensor(host, dtype=torch.float64), rtol=1e-5, atol=0
+    )
 
 
 @pytest.mark.gpu

@@ -745,11 +745,11 @@ def test_adam_kernel_calls_are_bounded_slices_so_other_threads_get_the_gil() -> 
 def test_pinned_memory_is_exact_size_page_locked_and_released() -> None:
     import mmap
 
-    from rp_engine.device.cuda import pin, pinned_empty
+    from rp_engine.device.cuda import is_pinned, pin, pinned_empty
 
     n = 38_912_003  # 155.6 MB: the caching host allocator would lock 256 MiB
     arena = pinned_empty(n)
-    assert arena.is_pinned() and arena.numel() == n and arena.dtype == torch.float32
+    assert is_pinned(arena) and arena.numel() == n and arena.dtype == torch.float32
     assert arena.untyped_storage().nbytes() < n * 4 + 3 * mmap.PAGESIZE
     dev = torch.arange(n, device="cuda", dtype=torch.float32)
     arena.copy_(dev, non_blocking=True)
@@ -757,16 +757,16 @@ def test_pinned_memory_is_exact_size_page_locked_and_released() -> None:
     assert torch.equal(arena, dev.cpu())
     weight = torch.randn(1000, 3).to(torch.bfloat16)
     pinned = pin(weight)
-    assert pinned.is_pinned() and torch.equal(pinned, weight) and pinned.shape == weight.shape
+    assert is_pinned(pinned) and torch.equal(pinned, weight) and pinned.shape == weight.shape
     for _ in range(20):  # neighbours never share a registered page; freeing unregisters
         small = [pinned_empty(1000) for _ in range(8)]
-        assert all(t.is_pinned() for t in small)
+        assert all(is_pinned(t) for t in small)
         del small
     model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
     store = HostStore(list(model), pin=pin, alloc=pinned_empty)
-    assert store.grads.arena.is_pinned()
-    assert all(p.is_pinned() for p in model.parameters())
-    assert all(b.is_pinned() for b in model.buffers())  # uploads read them too
+    assert is_pinned(store.grads.arena)
+    assert all(is_pinned(p) for p in model.parameters())
+    assert all(is_pinned(b) for b in model.buffers())  # uploads read them too
 
 
 @pytest.mark.gpu
@@ -777,7 +777,7 @@ def test_cuda_first_contribution_lands_in_the_pinned_arena(dtype: torch.dtype) -
     buffer (bf16: the upper half, widened on the host); a second contribution accumulated while
     that copy is still held back on the GPU waits for the copy's fence, so the sum is exact."""
     from rp_engine.device.base import StreamRole
-    from rp_engine.device.cuda import CUDADevice, pin, pinned_empty
+    from rp_engine.device.cuda import CUDADevice, is_pinned, pin, pinned_empty
 
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 8)).to(dtype)
     store = HostStore(list(model), pin=pin, alloc=pinned_empty, double_buffer=False)
@@ -793,7 +793,7 @@ def test_cuda_first_contribution_lands_in_the_pinned_arena(dtype: torch.dtype) -
 
         def download() -> None:
             landing = store.announce(w, g0_dev, free=True)
-            assert landing.target is not None and landing.target.is_pinned()
+            assert landing.target is not None and is_pinned(landing.target)
             torch.cuda._sleep(200_000_000)  # hold the copy back on the GPU (~0.1 s)
             dev.to_host(g0_dev, out=landing.target)
             store.fenced([landing], dev.fence())

@@ -271,17 +271,22 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _hold_step(engine: Any, step: int) -> threading.Event:
-    """Hold the optimizer's finish of ``step`` (on its thread) until the returned event is set
-    (at most 60 s): what the engine does meanwhile did not wait for that step."""
+    """Hold every optimizer task of ``step`` (on its thread) before it starts, until the
+    returned event is set (at most 60 s): what the engine does meanwhile did not wait for that
+    step. Held at submission, not at ``_finish``: the fused publish marks a layer's new version
+    inside the task, before ``_finish`` runs, so a hold there let the step show in the
+    weights' versions whenever the optimizer thread outran the test's check."""
     release = threading.Event()
-    finish = engine.stepper._finish
+    submit = engine.stepper._submit
 
-    def held(layers: list[int], at: int, **kw: Any) -> None:
-        if at == step:
+    def held(task: Any, what: str, at: int) -> None:
+        def waiting() -> None:
             release.wait(timeout=60)
-        finish(layers, at, **kw)
+            task()
 
-    engine.stepper._finish = held
+        submit(waiting if at == step else task, what, at)
+
+    engine.stepper._submit = held
     return release
 
 

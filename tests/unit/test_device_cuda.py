@@ -16,7 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rp_engine.device import Device, DeviceError, DevicePool, Event, StreamRole, make_devices, pin
+from rp_engine.device import (
+    Device,
+    DeviceError,
+    DevicePool,
+    Event,
+    StreamRole,
+    is_pinned,
+    make_devices,
+    pin,
+)
 from rp_engine.device.cuda import CUDADevice, CUDAEvent
 
 pytestmark = [
@@ -121,10 +130,20 @@ def test_wait_issued_before_record_orders_gpu_work(pool: DevicePool) -> None:
     assert bool((out["y"] == 1.0).all())
 
 
+def test_registered_memory_counts_as_pinned_and_pin_copies_it_no_more() -> None:
+    """``is_pinned`` sees ``pinned_empty``'s registered range, its last byte too, and nothing
+    outside it; ``pin`` hands already pinned memory back as it is (no second locked copy)."""
+    from rp_engine.device.cuda import pinned_empty
+
+    buf = pinned_empty(5000, torch.float32)
+    assert is_pinned(buf) and is_pinned(buf[4999:])
+    assert pin(buf) is buf and not is_pinned(torch.empty(5000))
+
+
 def test_pinned_upload_compute_download_round_trip(pool: DevicePool) -> None:
     dev = device(pool)
     host = pin(torch.randn(1 << 20))
-    assert host.is_pinned()
+    assert is_pinned(host)
     out: dict[str, torch.Tensor] = {}
     up, compute, down = dev.stream(H2D_PARAM), dev.stream(COMPUTE), dev.stream(D2H)
 
@@ -141,7 +160,7 @@ def test_pinned_upload_compute_download_round_trip(pool: DevicePool) -> None:
     down.wait(compute.record())
     down.submit(lambda: out.__setitem__("h", dev.to_host(out["y"])), label="D0.0")
     sync(down.record())
-    assert out["h"].is_pinned() and out["h"].device.type == "cpu"
+    assert is_pinned(out["h"]) and out["h"].device.type == "cpu"
     torch.testing.assert_close(out["h"], host * 2)
     stats = dev.memory_stats()
     assert stats["allocated"] == host.numel() * 4 and stats["cuda_allocated"] > 0
@@ -156,7 +175,7 @@ def test_host_buffers_are_exact_size_pinned_and_counted(pool: DevicePool) -> Non
     allocation and never as device memory."""
     dev = device(pool)
     buf = dev.host_buffer(1000, torch.bfloat16)
-    assert buf.is_pinned() and buf.numel() == 1000 and buf.dtype == torch.bfloat16
+    assert is_pinned(buf) and buf.numel() == 1000 and buf.dtype == torch.bfloat16
     page = mmap.PAGESIZE  # whole pages plus one for the alignment, not a power of two
     assert buf.untyped_storage().nbytes() <= -(-2000 // page) * page + page
     stats = dev.memory_stats()
