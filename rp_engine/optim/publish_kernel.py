@@ -53,10 +53,14 @@ log = logging.getLogger("rp_engine.optim")
 _SOURCE = Path(__file__).with_name("csrc") / "publish.c"
 # Approximate reciprocals (-mrecip with one Newton step: ~23 bits) for the sqrt and division of
 # the prediction's step term. These flags are given to the compile only: linking with them
-# would pull in crtfastmath.o, which turns on flush-to-zero for the whole process.
+# would pull in crtfastmath.o, which turns on flush-to-zero for the whole process. The vector
+# width is the widest the CPU has (DeepSpeed's kernel uses it too): -march=native alone takes
+# the tuning's preference, 128 bits where gcc knows the CPU only as an older family (gcc 12 on
+# a Zen 2 EPYC: znver1), which left every kernel here at half of DeepSpeed's width.
 _CFLAGS = [
     "-O3", "-march=native", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
     "-ffinite-math-only", "-fno-signed-zeros", "-funsafe-math-optimizations", "-mrecip=all",
+    "-mprefer-vector-width=512",
 ]  # fmt: skip
 
 _F32, _I64 = ctypes.c_float, ctypes.c_int64
@@ -128,8 +132,10 @@ def native() -> ctypes.CDLL | None:
         )
     for name in ("copy_bf16", "copy_f16", "predict_bf16", "predict_f16", "predict_f32",
                  "lookahead_bf16", "lookahead_f16", "lookahead_f32", "delay_bf16", "delay_f16",
-                 "delay_f32", "adam_bf16", "adam_f16", "adam_f32"):  # fmt: skip
+                 "delay_f32"):  # fmt: skip
         getattr(lib, f"rp_{name}").restype = None
+    for suffix in ("bf16", "f16", "f32"):
+        getattr(lib, f"rp_adam_{suffix}").restype = ctypes.c_int
     return lib
 
 
@@ -291,12 +297,14 @@ def adam_step(
     """One Adam step of a slice fused with what is around it, block by block while each block
     is in cache: the delay compensation of ``g`` from ``out``'s old values (``delay`` =
     ``compensate_delay``'s vcoef, eps and h; None: none), the update of ``w``, ``m`` and ``v``
-    (``adam``, DeepSpeed's formula and order of operations), and the publish of the new ``w``
-    into ``out``: the cast (``publish`` None), ``write_prediction``'s or ``write_lookahead``'s
-    (with ``terms``; the look-ahead repeats the compensated ``g``). The same values as those
-    calls one after the other, to fp32 rounding (~23-bit reciprocals for sqrt and division), in
-    one pass over memory instead of three. Returns ``compensate_delay``'s sums (zeros without
-    ``delay``)."""
+    (``adam``, DeepSpeed's formula and order of operations) with the compensated gradient, and
+    the publish of the new ``w`` into ``out``: the cast (``publish`` None),
+    ``write_prediction``'s or ``write_lookahead``'s (with ``terms``; the look-ahead repeats the
+    compensated gradient). The same values as those calls one after the other, to fp32 rounding
+    (~23-bit reciprocals for sqrt and division), in one pass over memory instead of three. ``g``
+    is read, never written (the compensated block lives in a per-thread scratch block: writing
+    the gradient back would cost memory bandwidth). Returns ``compensate_delay``'s sums (zeros
+    without ``delay``). Raises MemoryError when the scratch cannot be allocated."""
     kind = _KINDS[publish]
     lib = native()
     suffix = _SUFFIX.get(out.dtype)
@@ -304,6 +312,7 @@ def adam_step(
         sums = (0.0, 0.0, 0.0)
         if delay is not None:
             vcoef, eps, h = delay
+            g = g.clone()  # compensated in a copy: the gradient itself is left as it is
             sums = compensate_delay(g, w, v, out, block=block, vcoef=vcoef, eps=eps, h=h)
         gd = g + w * adam.l2 if adam.l2 else g
         # 1 - beta as DeepSpeed computes it, from the fp32 beta (exact: Sterbenz)
@@ -325,11 +334,16 @@ def adam_step(
     dv, de, dh = delay if delay is not None else (1.0, 0.0, 0.0)
     t = terms or {}
     result = (ctypes.c_double * 3)()
-    getattr(lib, f"rp_adam_{suffix}")(
+    failed = getattr(lib, f"rp_adam_{suffix}")(
         g.data_ptr(), w.data_ptr(), m.data_ptr(), v.data_ptr(), out.data_ptr(), g.numel(), block,
         int(delay is not None), dv, de, dh,
         adam.b1, adam.b2, adam.step_size, adam.bc2, adam.eps, adam.w_decay, adam.l2,
         kind, t.get("decay", 1.0), t.get("coef", 0.0), t.get("eps", 0.0), t.get("l2", 0.0),
         ctypes.addressof(result),
     )  # fmt: skip
+    if failed:
+        raise MemoryError(
+            f"the compensated Adam step could not allocate its {block * 4} B scratch block per "
+            + ("thread (nothing was stepped)" if failed == -1 else "thread, part-way through")
+        )
     return result[0], result[1], result[2]

@@ -20,6 +20,8 @@ from torch import nn
 
 from rp_engine.config import ConfigError, load_config
 from rp_engine.model.host_store import HostStore
+from rp_engine.optim import publish_kernel
+from rp_engine.optim.delay_compensation import BLOCK
 from rp_engine.optim.loss_scaler import LossScaler
 from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer
 from rp_engine.optim.stepper import OptimizerStepper, staleness_compensation
@@ -325,13 +327,14 @@ def test_delay_compensation_reads_the_weights_each_gradient_was_taken_at(
     look-ahead's masters."""
     from rp_engine.optim import optimizer as optimizer_module
 
-    calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
+    calls: list[tuple[int, list[torch.Tensor], torch.Tensor, dict]] = []  # type: ignore[type-arg]
     real = optimizer_module.adam_step
 
     def spy(g, w, m, v, out, **kw):  # type: ignore[no-untyped-def]
-        before, read, raw = w.clone(), out.clone(), g.clone()
+        before = [t.clone() for t in (g, w, m, v, out)]
         sums = real(g, w, m, v, out, **kw)
-        calls.append((w.data_ptr(), before, read, raw, g.clone(), kw["delay"][2]))
+        assert torch.equal(g, before[0])  # the gradient is read, never written
+        calls.append((w.data_ptr(), before, w.clone(), kw))
         return sums
 
     monkeypatch.setattr(optimizer_module, "adam_step", spy)
@@ -349,14 +352,23 @@ def test_delay_compensation_reads_the_weights_each_gradient_was_taken_at(
                 assert calls == []
                 continue
             assert sorted(index[c[0]] for c in calls) == [0, 1, 2, 3]
-            for ptr, w, r, raw, got, hh in calls:
+            for ptr, (raw, w, m, v, r), stepped, kw in calls:
                 i = index[ptr]
                 assert torch.equal(r.flatten(), read[i].flatten()), (step, i)
                 assert torch.equal(w.flatten(), before[i].flatten()), (step, i)
+                vcoef, eps, hh = kw["delay"]
                 assert (hh > 0) is (step > 1), (step, hh)
                 if step > 2:  # w has moved from what was read: a new direction, the same norm
-                    assert not torch.equal(got, raw)
-                    torch.testing.assert_close(got.norm(), raw.norm())
+                    fixed = raw.clone()
+                    publish_kernel.compensate_delay(
+                        fixed, w, v, r, block=BLOCK, vcoef=vcoef, eps=eps, h=hh
+                    )
+                    assert not torch.equal(fixed, raw)
+                    torch.testing.assert_close(fixed.norm(), raw.norm())
+                    # the step applied that gradient: Adam on it, uncompensated, lands there too
+                    again = w.clone()
+                    real(fixed, again, m.clone(), v.clone(), r.clone(), **{**kw, "delay": None})
+                    torch.testing.assert_close(again, stepped, rtol=1e-6, atol=1e-9)
         moved = [(a - b).abs().max() for a, b in zip(h.masters(), plain.masters(), strict=True)]
         assert min(moved) > 1e-5
     finally:
