@@ -130,12 +130,11 @@ def native() -> ctypes.CDLL | None:
             + [_F32] * 4
             + [_P]
         )
+        getattr(lib, f"rp_adam_{suffix}").restype = ctypes.c_int  # 0, or the scratch failed
     for name in ("copy_bf16", "copy_f16", "predict_bf16", "predict_f16", "predict_f32",
                  "lookahead_bf16", "lookahead_f16", "lookahead_f32", "delay_bf16", "delay_f16",
                  "delay_f32"):  # fmt: skip
         getattr(lib, f"rp_{name}").restype = None
-    for suffix in ("bf16", "f16", "f32"):
-        getattr(lib, f"rp_adam_{suffix}").restype = ctypes.c_int
     return lib
 
 
