@@ -19,7 +19,9 @@ row is seconds per step over the whole tensor, and its ratio to "off":
 - ``hand_plain``: Adam + cast, one pass (no compensation);
 - ``hand_lookahead`` / ``hand_dc`` / ``hand_lookahead_dc``: the engine's arithmetic, to ~23 bits;
 - ``*_raw``: the look-ahead and the compensation's square root with the raw 12-bit
-  ``rsqrt``/``rcp``, below the issue's "to fp32 rounding": a floor, not a candidate.
+  ``rsqrt``/``rcp``, below the issue's "to fp32 rounding": a floor, not a candidate;
+- ``hand_shared_*``: a cheaper method than the engine's, not validated for convergence: the
+  look-ahead's m' over the denominator the update has just used (the csrc file says more).
 
 Before timing, ``hand_lookahead_dc`` is checked against the engine's ``adam_step`` on the same
 inputs (the largest differences are in the JSON), so the floor is the same computation.
@@ -47,9 +49,9 @@ from rp_engine.optim.loss_scaler import LossScaler
 from rp_engine.optim.optimizer import ADAM_SLICE, HostOptimizer, build_inner_optimizer
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "compensation_floor.c"
-# name: (la, dc) of floor_step; la 3 is the memory stream
+# name: (la, dc) of floor_step; la 4 is the memory stream
 VARIANTS = {
-    "stream": (3, 0),
+    "stream": (4, 0),
     "hand_plain": (0, 0),
     "hand_lookahead": (1, 0),
     "hand_dc": (0, 1),
@@ -57,6 +59,8 @@ VARIANTS = {
     "hand_lookahead_raw": (2, 0),
     "hand_dc_raw": (0, 2),
     "hand_lookahead_dc_raw": (2, 2),
+    "hand_shared_lookahead": (3, 0),
+    "hand_shared_lookahead_dc": (3, 1),
 }
 # the compensation's scalars of a mid-run step (vcoef ~ 1 / sqrt(1 - b2^s) early on, h = 1 /
 # (rho rms(w)) for rms ~ 0.4): the arithmetic does not depend on them
@@ -82,6 +86,7 @@ class Terms(ctypes.Structure):
             "pdecay",
             "pcoef",
             "peps",
+            "pstep",
         )  # fmt: skip
     ]
 
@@ -128,7 +133,8 @@ def run(elems: int, repeats: int) -> dict[str, Any]:
     adam = opt._adam_terms(group, STEP)
     look = {**opt._step_terms(group, STEP + 1), "b1": adam.b1, "b2": adam.b2, "l2": 0.0}
     terms = Terms(*DELAY, adam.b1, adam.b2, adam.step_size, adam.bc2, adam.eps, adam.w_decay,
-                  look["decay"], look["coef"], look["eps"])  # fmt: skip
+                  look["decay"], look["coef"], look["eps"],
+                  opt._adam_terms(group, STEP + 1).step_size)  # fmt: skip
     sums = (ctypes.c_double * 3)()
     parts = _slices(elems)
 

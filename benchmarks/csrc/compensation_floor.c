@@ -5,9 +5,13 @@
  *
  *   la 0: no look-ahead (the cast of the new masters), 1: the look-ahead to ~23 bits (what the
  *         engine computes), 2: the look-ahead with the raw 12-bit rsqrt / rcp (below the
- *         issue's "to fp32 rounding": a floor, not a candidate);
+ *         issue's "to fp32 rounding": a floor, not a candidate), 3: a cheaper method, not the
+ *         engine's: the look-ahead's m' over the denominator Adam has just used, sqrt(v) bc2 +
+ *         eps, instead of the one of v' (one reciprocal shared by the update and the
+ *         prediction, no second square root). Under a constant gradient it is still exactly
+ *         the next step (v_hat does not move then), but it is not validated for convergence;
  *   dc 0: no delay compensation, 1: the compensation to ~23 bits, 2: its sqrt raw (12 bits);
- *   stream: the same bytes moved (g, w, m, v and the read weights in; w, m, v and the compute
+ *   la 4, the stream: the same bytes moved (g, w, m, v and the read weights in; w, m, v and the compute
  *         weights out) with no arithmetic to speak of: the memory floor of the fused pass.
  *
  * The Adam update itself is always DeepSpeed's formula to ~23 bits, as rp_adam_*. Only bf16
@@ -61,6 +65,7 @@ typedef struct {
     float vcoef, deps, h;                              /* the compensation (publish.c) */
     float b1, b2, step_size, bc2, eps, w_decay;        /* AdamW, DeepSpeed's folding */
     float pdecay, pcoef, peps;                         /* the look-ahead's next step */
+    float pstep;                                       /* la 3: its -lr / (1 - b1^(t+1)) */
 } Terms;
 
 static _Thread_local float *scratch = NULL;
@@ -112,7 +117,9 @@ static inline __attribute__((always_inline)) int block(const float *g, float *w,
         V mi = _mm256_fmadd_ps(gi, nb1, _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
         V g2 = _mm256_mul_ps(gi, gi);
         V vi = _mm256_fmadd_ps(g2, nb2, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
-        V u = div23(mi, _mm256_fmadd_ps(sqrt23(vi), bc2, eps));
+        V den = _mm256_fmadd_ps(sqrt23(vi), bc2, eps);
+        V inv = la == 3 ? div23(S(1.0f), den) : S(0.0f);
+        V u = la == 3 ? _mm256_mul_ps(mi, inv) : div23(mi, den);
         wi = _mm256_fmadd_ps(u, step, _mm256_fmadd_ps(wi, wd, wi));
         _mm256_storeu_ps(w + i, wi);
         _mm256_storeu_ps(m + i, mi);
@@ -121,9 +128,14 @@ static inline __attribute__((always_inline)) int block(const float *g, float *w,
         if (la) { /* the next step's moments for a repeat of this gradient, then its step */
             V m1 = _mm256_fmadd_ps(gi, nb1, _mm256_mul_ps(mi, b1));
             V v1 = _mm256_fmadd_ps(g2, nb2, _mm256_mul_ps(vi, b2));
-            V q = la == 2 ? div12(m1, _mm256_add_ps(sqrt12(v1), pe))
-                          : div23(m1, _mm256_add_ps(sqrt23(v1), pe));
-            o = _mm256_fmadd_ps(pd, wi, _mm256_mul_ps(pc, q));
+            V q;
+            if (la == 3)
+                q = _mm256_mul_ps(S(t->pstep), _mm256_mul_ps(m1, inv));
+            else if (la == 2)
+                q = _mm256_mul_ps(pc, div12(m1, _mm256_add_ps(sqrt12(v1), pe)));
+            else
+                q = _mm256_mul_ps(pc, div23(m1, _mm256_add_ps(sqrt23(v1), pe)));
+            o = _mm256_fmadd_ps(pd, wi, q);
         }
         _mm_storeu_si128((__m128i *)(out + i), to_bf16(o));
     }
@@ -147,7 +159,7 @@ static void stream(const float *g, float *w, float *m, float *v, uint16_t *out, 
         break;
 
 /* One slice of n elements in blocks of `blk` over the OpenMP threads (static, as publish.c).
- * la, dc: the variant (above); la = 3: the memory stream. Returns 0, -1 on a failed scratch. */
+ * la, dc: the variant (above); la = 4: the memory stream. Returns 0, -1 on a failed scratch. */
 int floor_step(const float *g, float *w, float *m, float *v, uint16_t *out, int64_t n,
                int64_t blk, int la, int dc, const Terms *t, double *sums) {
     double sg = 0.0, sc = 0.0, sw = 0.0;
@@ -157,13 +169,13 @@ int floor_step(const float *g, float *w, float *m, float *v, uint16_t *out, int6
     for (int64_t k = 0; k < blocks; k++) {
         int64_t lo = k * blk, hi = lo + blk < n ? lo + blk : n;
         double p[3] = {0.0, 0.0, 0.0};
-        if (la == 3) {
+        if (la == 4) {
             stream(g + lo, w + lo, m + lo, v + lo, out + lo, hi - lo);
             continue;
         }
         switch (la * 3 + dc) { /* each variant inlined with its constants */
             CASE(0, 0) CASE(0, 1) CASE(0, 2) CASE(1, 0) CASE(1, 1) CASE(1, 2) CASE(2, 0)
-            CASE(2, 1) CASE(2, 2)
+            CASE(2, 1) CASE(2, 2) CASE(3, 0) CASE(3, 1) CASE(3, 2)
         }
         sg += p[0];
         sc += p[1];
