@@ -23,6 +23,9 @@ _LOSS_SCALER = "loss_scaler"
 _CLIP_GRAD = "clip_grad"
 # Not DeepSpeed's: rp_engine's full loss-scaler state, next to DeepSpeed's scaler object.
 _RP_LOSS_SCALER = "rp_loss_scaler"
+# Not DeepSpeed's: the delay compensation's scale per parameter name ("lookahead_dc"), so a
+# resumed run compensates as the run that saved (optim/delay_compensation.py).
+_RP_DELAY_COMPENSATION = "rp_delay_compensation"
 # Not DeepSpeed's: the data-parallel world that trained and its shard layout (layer owners).
 # DeepSpeed's own ``dp_world_size`` keeps its meaning for its loaders: the number of optimizer
 # partition files, always 1 here (rank 0 writes the whole state, which loads at any world size).

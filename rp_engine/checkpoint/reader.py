@@ -33,6 +33,7 @@ from rp_engine.checkpoint.layout import (
     _OWN_KEYS,
     _PARAM_ALIGNMENT_PADDINGS,
     _RP_DATA_PARALLEL,
+    _RP_DELAY_COMPENSATION,
     _RP_LOSS_SCALER,
     _SINGLE_PARTITION,
     _ZERO_STAGE,
@@ -109,6 +110,9 @@ def load(
     store = engine.store
     store.zero_grads()
     store.reload_masters()
+    delay = getattr(engine.stepper, "delay", None)
+    if delay is not None:  # the scales belong to the masters just replaced
+        delay.load_scales({})
     if load_optimizer and osd is not None:
         _load_optimizer(engine, ckpt, osd, strict=strict)
     if scheduler_states and not module_only and engine.lr_scheduler is not None:
@@ -235,6 +239,14 @@ def _load_optimizer(
             _scaler_dict(scaler_state, engine.host_optimizer.loss_scaler)
         )
     engine.host_optimizer.overflow = bool(osd.get("overflow", False))
+    delay = getattr(engine.stepper, "delay", None)
+    if delay is not None:  # without saved scales each tensor measures its own again (load)
+        scales = osd.get(_RP_DELAY_COMPENSATION) or {}
+        delay.load_scales({
+            targets[primary].master: float(value)
+            for name, value in scales.items()
+            if (primary := aliases.get(name, name)) in targets
+        })  # fmt: skip
 
 
 def _zero3_placeholders(module: nn.Module, ckpt: Mapping[str, Any]) -> list[str]:

@@ -44,6 +44,7 @@ from rp_engine.checkpoint.layout import (
     _PARAM_ALIGNMENT_PADDINGS,
     _PARTITION_COUNT,
     _RP_DATA_PARALLEL,
+    _RP_DELAY_COMPENSATION,
     _RP_LOSS_SCALER,
     _SINGLE_PARTITION,
     _ZERO_STAGE,
@@ -371,6 +372,14 @@ def _optim_states(
         # rp_engine's own scaler state, exact (DeepSpeed's static scaler keeps the scale only).
         _RP_LOSS_SCALER: dict(scaler.state_dict()),
     }
+    delay = getattr(engine.stepper, "delay", None)
+    if delay is not None:  # "lookahead_dc": each tensor's scale for its next step
+        common[_RP_DELAY_COMPENSATION] = {
+            name: scale
+            for u in units
+            for name, master, _ in u.params
+            if (scale := delay.scale(master)) is not None
+        }
     inner = _flat_optimizer_state(engine, units, streamed)
     if _plain_stage0(engine):  # the state is in the model file (DeepSpeed's place): not twice
         inner = {"state": {}, "param_groups": inner["param_groups"]}

@@ -27,13 +27,17 @@ the best of 0.005-0.05 over three learning rates (RESULTS.md). ``BLOCK`` divides
 sizes (optim/optimizer.py), so the blocks, and the result, do not depend on the device kind.
 
 The masters and the moments are exactly what Adam computes from the gradients it receives; the
-compensation changes which gradient that is. The state (one float per master tensor) is in
-memory only: after a resume each tensor measures its scale again for one step.
+compensation changes which gradient that is. The state is one float per master tensor (its
+scale); checkpoints carry it by parameter name (``scales`` / ``load_scales``, rp_engine/
+checkpoint), so a resumed run compensates its first step as the run that saved would have. A
+checkpoint without it (older, or saved without compensation) leaves each tensor to measure its
+scale again for one step.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +84,16 @@ class DelayCompensation:
         vcoef = 1.0 / math.sqrt(1.0 - beta2**moments_step) if group["bias_correction"] else 1.0
         h = fix_coef / (self.rho * rms)
         return DelayTerms(vcoef, float(group["eps"]), h)
+
+    def scale(self, master: torch.Tensor) -> float | None:
+        """``master``'s recorded scale (rms of its masters before its last step), or None
+        before its first step. Read by the checkpoint writer, once the steps are drained."""
+        return self._rms.get(id(master))
+
+    def load_scales(self, scales: Mapping[torch.Tensor, float]) -> None:
+        """Replace every recorded scale with ``scales`` (master -> scale, a checkpoint's): the
+        masters not in it measure theirs again at their next step."""
+        self._rms = {id(master): float(value) for master, value in scales.items()}
 
     def record(self, master: torch.Tensor, w_sq_sum: float) -> None:
         """``master``'s step is done; ``w_sq_sum``: the sum of its squared masters before the
