@@ -245,7 +245,8 @@ def convergence(args: argparse.Namespace) -> dict[str, Any]:
 
 def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
     """Per-layer optimizer work with staleness compensation on vs off, side by side: one layer
-    of ``--cost-elems`` trainable parameters (4 tensors, bf16 compute weights, double-buffered),
+    of ``--cost-elems`` trainable parameters (4 tensors, ``--cost-dtype`` compute weights, bf16 by
+    default, double-buffered),
     stepped and published as the optimizer worker does at step end (optim/stepper.py): DeepSpeed
     CPU AdamW (``step_params``) writing each slice into ``HostStore.publishing``'s buffer right
     after stepping it, as a cast of the masters (off), the "lookahead" prediction, or
@@ -261,7 +262,8 @@ def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
     from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer
 
     n = args.cost_elems // 4
-    layer = nn.ParameterList(nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for _ in range(4))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.cost_dtype]
+    layer = nn.ParameterList(nn.Parameter(torch.randn(n, dtype=dtype)) for _ in range(4))
     store = HostStore([layer], double_buffer=False)
     store.double_buffer_weights(True)
     owned = {id(hp.master): hp for hp in store.owned_params()}
@@ -316,6 +318,7 @@ def compensation_cost(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "compensation_cost",
         "params": 4 * n,
+        "dtype": args.cost_dtype,
         "step_publish_off_s": med["off"],
         "step_publish_lookahead_s": med["lookahead"],
         "step_publish_lookahead_dc_s": med["lookahead_dc"],
@@ -549,6 +552,8 @@ def main(argv: list[str] | None = None) -> None:
         "async (comma-separated; empty: none)",
     )
     p.add_argument("--cost-elems", type=int, default=8_000_000, help="compensation_cost: params")
+    p.add_argument("--cost-dtype", choices=("bf16", "fp16"), default="bf16",
+                   help="compensation_cost: the compute weights' dtype")  # fmt: skip
     p.add_argument("--pcie-gbps", type=float, default=1.0)
     p.add_argument("--adam-params", type=int, default=50_000_000)
     p.add_argument(

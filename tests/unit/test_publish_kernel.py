@@ -57,6 +57,27 @@ def test_the_cast_is_torchs_cast_bit_for_bit(kernel: str, dtype: torch.dtype) ->
     assert out.isnan().all()
 
 
+def test_fp16_rounds_as_torch_at_every_boundary(kernel: str) -> None:
+    """The kernels' own fp32 -> fp16 rounding (integer operations, so that their loops
+    vectorize; the cast itself uses F16C where the CPU has it) against torch's, bit for bit:
+    every finite fp16 value, each midpoint between neighbours (ties to even), one fp32 ulp
+    either side of it, and the overflow edge, both signs. Through ``write_prediction`` with a
+    zero step term: what it writes is the rounding of w alone."""
+    finite = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    v = finite.float()  # the positive finite fp16 values, exact in fp32
+    mids = (v[:-1] + v[1:]) / 2  # exact: 12 significant bits
+    top = torch.tensor([65504.0, 65519.996, 65520.0, 65520.004, 65536.0, 1e6, float("inf")])
+    tiny = torch.tensor([2.0**-25, 2.0**-25 * 1.0000001, 2.0**-26, 1e-45, 2.0**-24 * 1.5])
+    x = torch.cat([v, mids, torch.nextafter(mids, v[1:]), torch.nextafter(mids, v[:-1]), top,
+                   tiny])  # fmt: skip
+    x = torch.cat([x, -x])
+    got = torch.empty(x.shape, dtype=torch.float16)
+    zero = torch.zeros_like(x)
+    publish_kernel.write_prediction(x, zero, zero, got, decay=1.0, coef=0.0, eps=1.0)
+    want = x.to(torch.float16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_lookahead_is_the_formula_to_rounding(kernel: str, dtype: torch.dtype) -> None:
     """The next moments for a repeated gradient (L2 decay folded into it), then the step, in
