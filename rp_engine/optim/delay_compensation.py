@@ -28,7 +28,7 @@ sizes (optim/optimizer.py), so the blocks, and the result, do not depend on the 
 
 The masters and the moments are exactly what Adam computes from the gradients it receives; the
 compensation changes which gradient that is. The state is one float per master tensor (its
-scale); checkpoints carry it by parameter name (``scales`` / ``load_scales``, rp_engine/
+scale); checkpoints carry it by parameter name (``scale`` / ``load_scales``, rp_engine/
 checkpoint), so a resumed run compensates its first step as the run that saved would have. A
 checkpoint without it (older, or saved without compensation) leaves each tensor to measure its
 scale again for one step.
