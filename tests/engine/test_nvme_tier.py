@@ -60,8 +60,12 @@ def test_tier_equals_host_resident_bit_for_bit(tmp_path, case: str) -> None:
     assert not os.path.exists(got["io"]["path"]), "destroy removes the swap file"
     for key in ("nvme_read_bytes", "nvme_write_bytes", "nvme_busy_s", "nvme_total_write_bytes"):
         assert key in got["stats"], key
-    # counted at the last step's close: the last step's own write-backs come after it
-    assert stats.write_bytes - disk <= got["stats"]["nvme_total_write_bytes"] <= stats.write_bytes
+    # counted at the last step's close: the last step's own write-backs come after it, and with
+    # the asynchronous optimizer the steps before it may still be writing back (they overlap
+    # the last iterations: CI's run of 2026-12-04 counted two steps behind). Only the initial
+    # write is done by then for sure.
+    done = disk if asyn else stats.write_bytes - disk
+    assert done <= got["stats"]["nvme_total_write_bytes"] <= stats.write_bytes
     assert "nvme_read_bytes" not in ref["stats"]
 
 
