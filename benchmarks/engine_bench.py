@@ -39,6 +39,10 @@ os.environ.setdefault(
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import rp_engine  # noqa: E402
+from rp_engine.optim.jit_cache import with_own_ninja  # noqa: E402
+
+# DeepSpeed's own CPU Adam builds in the engine's cache with the engine's ninja (jit_cache.py)
+os.environ["PATH"] = with_own_ninja(os.environ.get("PATH", ""))
 from rp_engine.train.cli import batches, build_tiny_model, stdlib_corpus  # noqa: E402
 
 

@@ -473,6 +473,11 @@ def run_child(spec: dict[str, Any], timeout: float, child_log: str | None) -> di
         "TORCH_EXTENSIONS_DIR",
         os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions"),
     )
+    # DeepSpeed's own aio op loads from that cache with the engine's ninja (jit_cache.py):
+    # another one rebuilds it (minutes), and the engine's next load rebuilds it again
+    from rp_engine.optim.jit_cache import with_own_ninja
+
+    env["PATH"] = with_own_ninja(env.get("PATH", ""))
     cmd = [sys.executable, "-m", "benchmarks.nvme_bench", "--child", json.dumps(spec)]
     system = spec["system"]
     start = time.perf_counter()

@@ -161,9 +161,12 @@ def cpu_adam_rate(num_params: int = 1 << 20, reps: int = 3) -> float:
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+    from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
+
     p = torch.nn.Parameter(torch.zeros(max(num_params, 1)))
     p.grad = torch.full_like(p, 1e-3)
-    opt = DeepSpeedCPUAdam([p], lr=1e-4)
+    with extensions_dir(cpu_adam_cache_dir()):  # the engine's build, not a second one
+        opt = DeepSpeedCPUAdam([p], lr=1e-4)
     opt.step()  # warm-up
     times = []
     for _ in range(reps):

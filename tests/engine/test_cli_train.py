@@ -199,7 +199,9 @@ def test_resume_continues_steps_lr_and_data(tmp_path: Path, capsys: pytest.Captu
 def test_signal_saves_a_checkpoint_and_finishes_wandb(tmp_path: Path, sig: int) -> None:
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    root = Path(__file__).resolve().parents[2]
+    # tests/support only for its sitecustomize: the CPU probe this process made (conftest.py)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests" / "support")])
     env["HOME"] = str(tmp_path)  # no ~/.netrc W&B key: the default (offline) path is what runs
     log = (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen(

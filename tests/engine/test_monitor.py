@@ -96,3 +96,23 @@ def test_cpu_adam_leaves_the_environment_alone(monkeypatch) -> None:
     p = torch.nn.Parameter(torch.zeros(4))
     _, per_layer = build_inner_optimizer("adamw", {"lr": 1e-3}, [{"params": [p]}])
     assert per_layer and "TORCH_EXTENSIONS_DIR" not in os.environ
+
+
+def test_jit_builds_run_the_environments_own_ninja(monkeypatch) -> None:
+    """Whatever PATH says, torch's JIT (which runs ``ninja`` off PATH) builds the engine's ops
+    with the ninja package's binary (another ninja rebuilds the whole cache: jit_cache.py), and
+    PATH is the user's again afterwards."""
+    import shutil
+
+    import ninja
+
+    from rp_engine.optim.jit_cache import extensions_dir, with_own_ninja
+
+    own = str(ninja.BIN_DIR)
+    users = os.pathsep.join(["/usr/bin", own, "/bin"])
+    monkeypatch.setenv("PATH", users)
+    with extensions_dir("/some/where"):
+        assert os.environ["PATH"].split(os.pathsep) == [own, "/usr/bin", "/bin"]
+        assert shutil.which("ninja") == os.path.join(own, "ninja")
+    assert os.environ["PATH"] == users
+    assert with_own_ninja("") == own

@@ -115,6 +115,11 @@ def avx2_env(ext_dir: Path = DEFAULT_DIR, *, torch_avx2: bool = True) -> dict[st
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TORCH_EXTENSIONS_DIR": str(ext_dir)}
+    # the build probe's ninja: the environment's own, as the tests' (tests/conftest.py), or
+    # every switch between this script run bare and under `make` rebuilds the op
+    from rp_engine.optim.jit_cache import with_own_ninja
+
+    env["PATH"] = with_own_ninja(env.get("PATH", ""))
     if torch_avx2:
         env.update(TORCH_AVX2_ENV)
     return env
