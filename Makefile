@@ -50,7 +50,8 @@ test: lint
 # has AVX-512: the tests that compare the engine's weights with plain PyTorch's must hold on
 # both (the AVX2 CPU Adam is built once into its own cache folder, about 2 minutes).
 AVX2_TESTS := tests/engine/test_async_optimizer.py tests/engine/test_iteration_overlap.py \
-	tests/unit/test_reference_slack.py
+	tests/unit/test_reference_slack.py tests/engine/test_compensation_combos.py \
+	tests/engine/test_module_models.py tests/interop/test_module_parity.py
 test-avx2: $(VENV)/.installed
 	$(PY) tests/support/avx2_cpu_adam.py -q -p no:cacheprovider $(AVX2_TESTS)
 

@@ -14,7 +14,7 @@ from typing import Any
 from rp_engine.storage.io_engine import IOStats, make_io_engine
 from rp_engine.storage.optimizer_tier import OptimizerTier, tier_bytes
 from rp_engine.storage.param_tier import ParamTier, param_tier_plan
-from rp_engine.storage.swap_file import check_nvme_path
+from rp_engine.storage.swap_file import NvmeSpaceError, check_nvme_path
 
 __all__ = [
     "Tiers",
@@ -64,9 +64,18 @@ def build_optimizer_tier(
             store, optimizer, folder=folder, rank=rank, engine=engine,
             buffer_count=opt.buffer_count,
         )  # fmt: skip
+    except NvmeSpaceError as exc:
+        engine.close()
+        raise _naming(exc, _KEY, opt.nvme_path) from exc
     except BaseException:
         engine.close()
         raise
+
+
+def _naming(exc: NvmeSpaceError, key: str, path: str | None) -> NvmeSpaceError:
+    """The swap file's refusal (swap_file.SwapFile: its open, lock or reservation) with the
+    ds_config key that chose the folder, as the checks before it name it."""
+    return NvmeSpaceError(exc.errno, f"{key} = {path!r}: {exc.strerror}")
 
 
 _PARAM_KEY = "zero_optimization.offload_param.nvme_path"
@@ -100,6 +109,9 @@ def build_param_tier(cfg: Any, store: Any, *, rank: int, data_parallel: bool) ->
         tier = ParamTier(
             store, plan, folder=folder, rank=rank, engine=engine, buffer_count=conf.buffer_count
         )
+    except NvmeSpaceError as exc:
+        engine.close()
+        raise _naming(exc, _PARAM_KEY, conf.nvme_path) from exc
     except BaseException:
         engine.close()
         raise

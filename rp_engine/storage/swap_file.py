@@ -77,7 +77,17 @@ class SwapFile:
             self._made.append(d)
         # the file stays open and locked for the run: a second live run on the same folder is
         # refused, while a file left by a killed run (no lock holder) is reused, not piled up
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:  # the folder passed the access check, yet the kernel refuses
+            # (a read-only mount, root on a root-squashed NFS export): an error naming the
+            # file, and nothing left behind
+            self._remove_dirs()
+            raise NvmeSpaceError(
+                exc.errno or errno.EACCES,
+                f"could not create {self.path} ({exc.strerror}): {folder} must be a writable "
+                "folder on a local NVMe drive",
+            ) from exc
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

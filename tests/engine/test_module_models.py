@@ -3,7 +3,10 @@ caller's own loss, forward without backward, evaluation, and the two bugs the De
 rewrap found (a one-layer Sequential, a parameterless first layer).
 
 References are plain PyTorch (engine_helpers.reference_losses: AdamW, staleness 0 or 1); the
-comparison with real DeepSpeed ZeRO-3 is in tests/interop/test_module_parity.py.
+comparison with real DeepSpeed ZeRO-3 is in tests/interop/test_module_parity.py. Adam divides a
+constant factor of the gradient out, so every training comparison also checks each step's
+``get_global_grad_norm()`` against the reference's norm (grad_scale.py), and one case clips
+below the norm and one trains with SGD, whose weights see the gradient's scale.
 """
 
 from __future__ import annotations
@@ -15,12 +18,34 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import assert_same_weights, config, engine_for, reference_losses
+from engine_helpers import (
+    assert_close_named,
+    assert_same_weights,
+    config,
+    engine_for,
+    reference_losses,
+)
+from grad_scale import StepNorms, sgd_reference
 from torch import nn
 
 from rp_engine.device.base import DeviceError
 
 GAS, STEPS = 2, 3
+NORM_RTOL = 1e-5  # fp32 gradients summed in another order: ~1e-7 of the norm
+
+
+def adamw(lr: float = 1e-3) -> Callable[[Any], torch.optim.Optimizer]:
+    """reference_losses' default optimizer, for ``StepNorms`` to wrap."""
+    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+def assert_norms(got: list[float | None], want: list[float]) -> None:
+    """Each step's ``get_global_grad_norm()`` is the reference's global gradient norm."""
+    assert all(n is not None for n in got), got
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+        rtol=NORM_RTOL, atol=0.0,
+    )  # fmt: skip
 
 
 class Block(nn.Module):
@@ -98,9 +123,10 @@ def call(engine_or_model: Any, batch: Any, takes_labels: bool) -> Any:
 
 def train_imperative(
     engine: Any, batches: list[Any], loss_of: Any, takes_labels: bool, *,
-    extra_forward_at: int | None = None,
+    extra_forward_at: int | None = None, norms: list[float | None] | None = None,
 ) -> list[float]:  # fmt: skip
-    """DeepSpeed's loop; per-step mean of the caller's losses."""
+    """DeepSpeed's loop; per-step mean of the caller's losses (and each step's
+    ``get_global_grad_norm()`` appended to ``norms`` when given)."""
     losses: list[float] = []
     total = 0.0
     for i, batch in enumerate(batches):
@@ -113,6 +139,8 @@ def train_imperative(
         if (i + 1) % GAS == 0:
             losses.append(total / GAS)
             total = 0.0
+            if norms is not None:
+                norms.append(engine.get_global_grad_norm())
     return losses
 
 
@@ -125,18 +153,68 @@ def test_module_model_matches_pytorch(name: str, async_optimizer: bool) -> None:
     ref = copy.deepcopy(model)
     batches = make_batches(GAS * STEPS)
     engine = engine_for(model, config(devices=2, gas=GAS, async_optimizer=async_optimizer))
+    norms: list[float | None] = []
     try:
         assert engine.layering.strategy == strategy, engine.layering
-        got = train_imperative(engine, batches, loss_of, takes_labels)
+        got = train_imperative(engine, batches, loss_of, takes_labels, norms=norms)
         engine.synchronize()
     finally:
         engine.destroy()
+    reference = StepNorms(adamw())
     want = reference_losses(
         ref, batches, steps=STEPS, gas=GAS, staleness=1 if async_optimizer else 0,
-        loss_of=lambda m, b: loss_of(call(m, b, takes_labels), b),
+        loss_of=lambda m, b: loss_of(call(m, b, takes_labels), b), make_optimizer=reference,
     )  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_norms(norms, reference.norms)
     assert_same_weights(model, ref)
+
+
+CLIP = 0.5  # below every step's gradient norm in these runs (1.07-2.2): each step is clipped
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-clipped", "sgd"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_module_model_gradient_scale(name: str, optimizer: str) -> None:
+    """The gradient's scale, which Adam alone would hide: AdamW clipped below the norm (the
+    clip coefficient is the reference's only if the norm is) and SGD with momentum (its steps
+    are the gradient's own size), each against plain PyTorch: losses, norms and weights."""
+    build, make_batches, loss_of, takes_labels, _ = CASES[name]
+    torch.manual_seed(0)
+    model = build()
+    ref = copy.deepcopy(model)
+    batches = make_batches(GAS * STEPS)
+    sgd = {"lr": 0.1, "momentum": 0.9}
+    cfg = config(devices=2, gas=GAS, clip=0.0 if optimizer == "sgd" else CLIP)
+    if optimizer == "sgd":
+        cfg["optimizer"] = {"type": "SGD", "params": sgd}
+    engine = engine_for(model, cfg)
+    norms: list[float | None] = []
+    try:
+        got = train_imperative(engine, batches, loss_of, takes_labels, norms=norms)
+        engine.synchronize()
+    finally:
+        engine.destroy()
+
+    def ref_loss(m: nn.Module, b: Any) -> torch.Tensor:
+        return loss_of(call(m, b, takes_labels), b)  # type: ignore[no-any-return]
+
+    if optimizer == "sgd":
+        want, want_norms = sgd_reference(
+            ref, batches, steps=STEPS, gas=GAS, **sgd, loss_of=ref_loss
+        )
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert_close_named(p, q, n, rtol=1e-5, atol=1e-6)
+    else:
+        reference = StepNorms(adamw(), clip=CLIP)
+        want = reference_losses(
+            ref, batches, steps=STEPS, gas=GAS, loss_of=ref_loss, make_optimizer=reference
+        )
+        want_norms = reference.norms
+        assert min(want_norms) > CLIP
+        assert_same_weights(model, ref)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_norms(norms, want_norms)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -230,15 +308,23 @@ def test_train_batch_runs_a_model_that_returns_its_loss() -> None:
     ref = copy.deepcopy(model)
     batches = residual_batches(GAS * STEPS)
     engine = engine_for(model, config(devices=2, gas=GAS))
+    norms = []
     try:
         assert engine.layering.strategy == "traced"
         it = iter(batches)
-        got = [float(engine.train_batch(it)) for _ in range(STEPS)]
+        got = []
+        for _ in range(STEPS):
+            got.append(float(engine.train_batch(it)))
+            norms.append(engine.get_global_grad_norm())
         engine.synchronize()
     finally:
         engine.destroy()
-    want = reference_losses(ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: m(*b))
+    reference = StepNorms(adamw())
+    want = reference_losses(
+        ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: m(*b), make_optimizer=reference
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_norms(norms, reference.norms)
     assert_same_weights(model, ref)
 
     engine = engine_for(Residual(), config(devices=2, gas=GAS))
@@ -306,16 +392,23 @@ def _sequential_run(model: nn.Sequential, batches: list[Any] | None = None, **cf
     ref = copy.deepcopy(model)
     batches = batches if batches is not None else residual_batches(GAS * STEPS)
     engine = engine_for(model, config(devices=2, gas=GAS, **cfg))
+    norms = []
     try:
         it = iter(batches)
-        got = [float(engine.train_batch(it)) for _ in range(STEPS)]
+        got = []
+        for _ in range(STEPS):
+            got.append(float(engine.train_batch(it)))
+            norms.append(engine.get_global_grad_norm())
         engine.synchronize()
     finally:
         engine.destroy()
+    reference = StepNorms(adamw())
     want = reference_losses(
-        ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: F.cross_entropy(m(b[0]), b[1])
-    )
+        ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        make_optimizer=reference,
+    )  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_norms(norms, reference.norms)
     assert_same_weights(model, ref)
 
 
@@ -388,6 +481,7 @@ def test_a_hugging_face_model_that_is_not_a_causal_lm_trains_whole() -> None:
         for _ in range(GAS * STEPS)
     ]  # fmt: skip
     engine = engine_for(model, config(devices=2, gas=GAS))
+    norms = []
     try:
         assert engine.layering.strategy == "whole_module"
         assert "cannot trace" in engine.layering.reason
@@ -400,9 +494,16 @@ def test_a_hugging_face_model_that_is_not_a_causal_lm_trains_whole() -> None:
             if i % GAS == 0:
                 got.append(0.0)
             got[-1] += float(out.loss.detach()) / GAS
+            if i % GAS == GAS - 1:
+                norms.append(engine.get_global_grad_norm())
         engine.synchronize()
     finally:
         engine.destroy()
-    want = reference_losses(ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: m(**b).loss)
+    reference = StepNorms(adamw())
+    want = reference_losses(
+        ref, batches, steps=STEPS, gas=GAS, loss_of=lambda m, b: m(**b).loss,
+        make_optimizer=reference,
+    )  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_norms(norms, reference.norms)
     assert_same_weights(model, ref)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,8 @@ from nvme_helpers import (
     train,
 )
 
+from rp_engine.storage.io_engine import AioEngine, ThreadEngine
+
 CASES = {
     # name: (devices, async, bf16, clip, engine)
     "sync-fp32-1dev": (1, False, False, 1.0, "threads"),
@@ -39,8 +42,23 @@ CASES = {
 }
 
 
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every write the I/O engines hand to the OS (their ``_pwrite``, under the
+    counting of ``IOEngine``): the bytes written, counted apart from the tier's counters."""
+    sizes: list[int] = []
+    for cls in (ThreadEngine, AioEngine):
+        real = cls._pwrite
+
+        def pwrite(self: Any, path: str, buffer: torch.Tensor, offset: int, real=real) -> None:
+            real(self, path, buffer, offset)
+            sizes.append(buffer.numel())  # list.append: atomic across the worker threads
+
+        monkeypatch.setattr(cls, "_pwrite", pwrite)
+    return sizes
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_tier_equals_host_resident_bit_for_bit(tmp_path, case: str) -> None:
+def test_tier_equals_host_resident_bit_for_bit(tmp_path, case: str, monkeypatch) -> None:
     devices, asyn, bf16, clip, io = CASES[case]
     if io == "aio":
         io = aio_engine()
@@ -49,6 +67,7 @@ def test_tier_equals_host_resident_bit_for_bit(tmp_path, case: str) -> None:
         cfg["bf16"] = {"enabled": True}
     model = tiny_qwen3(0)
     ref_losses, ref = run(copy.deepcopy(model), cfg)
+    written = _count_writes(monkeypatch)
     losses, got = run(model, nvme_config(cfg, str(tmp_path), engine=io))
     assert losses == ref_losses
     assert_same(got["weights"], ref["weights"])
@@ -60,12 +79,10 @@ def test_tier_equals_host_resident_bit_for_bit(tmp_path, case: str) -> None:
     assert not os.path.exists(got["io"]["path"]), "destroy removes the swap file"
     for key in ("nvme_read_bytes", "nvme_write_bytes", "nvme_busy_s", "nvme_total_write_bytes"):
         assert key in got["stats"], key
-    # counted at the last step's close: the last step's own write-backs come after it, and with
-    # the asynchronous optimizer the steps before it may still be writing back (they overlap
-    # the last iterations: CI's run of 2026-12-04 counted two steps behind). Only the initial
-    # write is done by then for sure.
-    done = disk if asyn else stats.write_bytes - disk
-    assert done <= got["stats"]["nvme_total_write_bytes"] <= stats.write_bytes
+    # read after synchronize() (nvme_helpers.run), when every write-back has finished, in
+    # both modes: the counter is every byte written, the last step's write-backs and (async)
+    # the earlier steps' still in flight at the last step's close included
+    assert got["stats"]["nvme_total_write_bytes"] == sum(written) == (STEPS + 1) * disk
     assert "nvme_read_bytes" not in ref["stats"]
 
 

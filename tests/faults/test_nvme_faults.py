@@ -9,6 +9,8 @@
   ``initialize``; ``posix_fallocate`` failing with ENOSPC) are refused at ``initialize`` with an
   ``NvmeSpaceError`` naming the config key or path and the bytes, and leave the folder exactly
   as it was: no swap file, no folder created, a checkpoint already there byte for byte intact.
+  Unwritable also where the access check passes (root, a read-only mount): the swap file's
+  open or reservation refused with EACCES, simulated so that it runs as root too.
 - A second live engine on the same ``nvme_path`` is refused while the first runs (the swap file
   is locked), without disturbing it; once the first is destroyed (which removes the swap file)
   the second starts.
@@ -202,16 +204,44 @@ def _tree(folder: Path) -> dict[str, bytes | None]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["missing", "a-file", "unwritable"])
-def test_a_bad_nvme_path_is_refused_and_nothing_is_created(tmp_path: Path, kind: str) -> None:
+def _refuse_in(folder: Path, monkeypatch: Any, call: str) -> list[str]:
+    """Make ``os.<call>`` ("open" or "posix_fallocate") fail with EACCES for the tier's swap
+    file under ``folder``, as the kernel answers a user without write permission (or a
+    read-only mount, a root-squashed NFS export: root too); other calls pass through. The
+    refused paths, in order."""
+    real, refused = getattr(os, call), []
+
+    def refuse(first: Any, *args: Any, **kw: Any) -> Any:
+        path = os.readlink(f"/proc/self/fd/{first}") if call == "posix_fallocate" else first
+        if str(path).startswith(str(folder)) and str(path).endswith(".swp"):
+            refused.append(str(path))
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(first, *args, **kw)
+
+    monkeypatch.setattr(swap_file.os, call, refuse)  # swap_file.os is os: the file's own calls
+    return refused
+
+
+@pytest.mark.parametrize("kind", ["missing", "a-file", "unwritable", "allocation-refused"])
+def test_a_bad_nvme_path_is_refused_and_nothing_is_created(
+    tmp_path: Path, kind: str, monkeypatch: Any
+) -> None:
+    """A missing path or a file is refused by the checks at ``initialize``. An unwritable
+    folder too, for a user the mode bits bind; root passes that check (os.access says every
+    folder is writable), so the swap file's open is made to fail with EACCES as the kernel
+    would (for any user: the case runs as root too). A refused reservation likewise. Each is
+    an ``NvmeSpaceError`` naming the key and the path, and leaves the folder as it was."""
     bad = tmp_path / "nvme"
+    refused: list[str] = []
     if kind == "a-file":
         bad.write_bytes(b"not a folder\n")
     elif kind == "unwritable":
-        if os.geteuid() == 0:
-            pytest.skip("running as root: every folder is writable (os.access says so)")
         bad.mkdir()
         bad.chmod(0o500)
+        refused = _refuse_in(bad, monkeypatch, "open")
+    elif kind == "allocation-refused":
+        bad.mkdir()
+        refused = _refuse_in(bad, monkeypatch, "posix_fallocate")
     before = _tree(tmp_path)
     try:
         with pytest.raises(NvmeSpaceError) as err:
@@ -221,8 +251,10 @@ def test_a_bad_nvme_path_is_refused_and_nothing_is_created(tmp_path: Path, kind:
             bad.chmod(0o700)
     text = str(err.value)
     assert KEY in text and str(bad) in text, text
-    assert err.value.errno == (errno.EACCES if kind == "unwritable" else errno.ENOENT)
+    assert err.value.errno == (errno.ENOENT if kind in ("missing", "a-file") else errno.EACCES)
     assert _tree(tmp_path) == before
+    if kind == "allocation-refused" or (kind == "unwritable" and os.geteuid() == 0):
+        assert refused == [str(bad / SWAP)]  # refused there (a user's access check is earlier)
 
 
 @pytest.fixture

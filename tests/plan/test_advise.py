@@ -1,10 +1,15 @@
 """The configuration advisor (rp_engine/plan/advise.py): it finds what an exhaustive search of the
 same grid finds, keeps the user's fixed choices, beats the projection's hand-picked RoundPipe
 configuration, writes configs rp_engine parses, and its command line works and fails clearly.
-Pure Python (no torch in the plan package); reduced grids keep each test to seconds."""
+Pure Python (no torch in the plan package); reduced grids keep each test to seconds.
+
+The references are not the advisor's own figures: the projection's hand-picked configuration is
+scored here (benchmarks/projection.py), the compute floor comes from the published per-layer
+times, and each advised plan is lowered and simulated here again, its figure held to +-5 %."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,18 +17,66 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.projection import roundpipe_tps
 from rp_engine import config as rp_config
+from rp_engine.plan import schedules
 from rp_engine.plan.advise import Advice, AdviceError, Grid, advise, format_table, score_point
-from rp_engine.plan.shapes import SHAPES, Shape, layer_costs
-from rp_engine.plan.simulate import load_machine
+from rp_engine.plan.lower import lower
+from rp_engine.plan.shapes import CONTEXT_BYTES, SHAPES, Shape, layer_costs
+from rp_engine.plan.simulate import Machine, load_machine, simulate
+from rp_engine.plan.validate import validate
 
 PRESETS = ("rtx4090_pcie4_8x", "a800_nvlink_8x")
-# the projection's RoundPipe-async figure for Qwen3-1.7B on 8x RTX 4090 (python -m
-# benchmarks.projection, 16 micro-batches of 4 x 2048 tokens, rounds of 8)
-PROJECTION_1_7B_4090 = 60_244
 # a reduced grid: exhaustion scores every point the advisor's final way (partition, simulate)
 SMALL = Grid(micro_batches=(1, 2), grad_accums=(8,), round_sizes=(4, 8), prune=False)
 WORK = 20_000
+# the published Qwen3-1.7B layer on one RTX 4090, 4 x 2048 tokens per micro-batch (ms; shared/
+# reference/schedules_and_baselines.md): forward, backward, LM head forward and backward
+PUB_FWD, PUB_BWD, PUB_HEAD_FWD, PUB_HEAD_BWD, PUB_TOKENS = 7.43, 15.83, 22.07, 43.71, 4 * 2048
+
+
+def _compute_ceiling(best: Advice, machine: Machine) -> float:
+    """Tokens/s no Qwen3-1.7B plan at 2048 tokens per sequence can pass on ``machine``: every
+    device computing all the time, from the published layer times (per token they do not
+    depend on the micro-batch at a fixed sequence length). Each micro-batch runs every layer's
+    forward and backward, the LM head's, and recomputes the forward of every layer outside
+    the head's backward stage (``best.bwd_cuts[0]`` layers ride with the head)."""
+    layers = SHAPES["qwen3-1.7b"].layers
+    recomputed = layers - best.bwd_cuts[0]
+    per_micro_batch_ms = machine.compute_scale * (
+        layers * (PUB_FWD + PUB_BWD) + recomputed * PUB_FWD + PUB_HEAD_FWD + PUB_HEAD_BWD
+    )
+    return machine.num_devices * PUB_TOKENS / (per_micro_batch_ms / 1e3)
+
+
+def _simulated_tokens_per_s(best: Advice, shape: Shape, machine: Machine) -> float:
+    """The advised plan run again here: its cuts, accumulation and round as a roundpipe
+    schedule of 4 iterations, lowered with prefetch depth 1 where its validated peak (with
+    the CUDA context) fits the device, else 0, simulated with the asynchronous optimizer and
+    the global norm (clipping). The costs are this machine's already (compute_scale 1 in the
+    simulator); the CPU Adam steps only the trainable parameters (LoRA: the adapters)."""
+    assert best.async_optimizer and best.clipping and best.tier == "host"
+    costs = layer_costs(shape, machine, micro_batch=best.micro_batch, seq_len=best.seq_len)
+    plan = schedules.build(
+        "roundpipe", num_iterations=4, fwd_cuts=best.fwd_cuts, bwd_cuts=best.bwd_cuts,
+        num_devices=machine.num_devices, num_microbatches=best.grad_accum,
+        round_size=best.round_size,
+    )  # fmt: skip
+    for depth in (1, 0):
+        lowered = lower(plan, optimizer="async", prefetch_depth=depth)
+        peak = max(validate(lowered, costs=costs)) + CONTEXT_BYTES
+        if machine.memory_bytes is None or peak <= machine.memory_bytes:
+            break
+    rate = machine.cpu_adam_params_per_s * shape.total_params / shape.trainable_params
+    run_on = dataclasses.replace(machine, compute_scale=1.0, cpu_adam_params_per_s=rate)
+    sim = simulate(lowered, costs, machine=run_on, optimizer="async", global_norm=True)
+    return best.tokens_per_step / (sim.iteration_ms / 1e3)
+
+
+def _assert_as_simulated(best: Advice, shape: Shape, machine: Machine) -> None:
+    """The advice's tokens/s within 5 % of its plan's simulation, either way."""
+    simulated = _simulated_tokens_per_s(best, shape, machine)
+    assert best.tokens_per_s == pytest.approx(simulated, rel=0.05), (best, simulated)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -45,6 +98,7 @@ def test_the_best_is_within_5_percent_of_exhaustion(key: str, preset: str) -> No
                     scores.append(a.tokens_per_s)
     assert scores, "the exhaustive search found nothing"
     assert best.tokens_per_s >= 0.95 * max(scores), (best, max(scores))
+    _assert_as_simulated(best, shape, machine)
 
 
 def test_fixed_choices_are_kept() -> None:
@@ -62,8 +116,15 @@ def test_fixed_choices_are_kept() -> None:
 
 
 def test_qwen3_1_7b_reaches_the_projection_on_the_4090() -> None:
-    best = advise(SHAPES["qwen3-1.7b"], load_machine("rtx4090_pcie4_8x"), top=1)[0]
-    assert best.tokens_per_s >= PROJECTION_1_7B_4090
+    """At least the projection's hand-picked configuration (16 micro-batches of 4 x 2048
+    tokens, rounds of 8: python -m benchmarks.projection, 60,244 tokens/s when written),
+    scored here; at most what the GPUs' compute allows; and what its plan simulates."""
+    shape, machine = SHAPES["qwen3-1.7b"], load_machine("rtx4090_pcie4_8x")
+    best = advise(shape, machine, top=1)[0]
+    projection = roundpipe_tps(shape, machine, 16, async_opt=True)["tokens_per_s"]
+    ceiling = _compute_ceiling(best, machine)
+    assert projection <= best.tokens_per_s <= ceiling, (projection, best, ceiling)
+    _assert_as_simulated(best, shape, machine)
     assert best.binds in ("compute", "pcie", "host adam", "disk") and best.fits_device
     assert best.binds in best.why()
 
@@ -167,3 +228,4 @@ def test_the_simulation_runs_the_machines_own_compute_times() -> None:
     per_iteration = 8 * sum(st.busy_ms(i) for i in range(len(st.pre_ms)))
     assert best.sim.busy_ms == pytest.approx(per_iteration, rel=1e-6)
     assert best.iteration_ms >= per_iteration / machine.num_devices
+    assert best.tokens_per_s <= _compute_ceiling(best, machine)  # 257k was above it

@@ -11,14 +11,17 @@ defaults shown)::
      "data_seed": 100,     # micro-batch i is make_batches(..., seed=data_seed)[i]
      "forward_without_backward_at": null | k,
      "save_dir": null | directory for engine.save_checkpoint at the end,
+     "weights_path": null | file for the gathered fp32 parameters after training,
+     "label": null | a name for the run, echoed back (several runs of one model),
      "config": null | a full DeepSpeed config replacing reference_config(gas, mbs, lr)}
 
 With ``forward_without_backward_at = k``, micro-step k first runs an extra training-mode forward
 (same inputs) whose output is discarded without a backward, then the normal forward, backward and
 step. The printed line is ``JSON:`` + :func:`train_module`'s dict plus::
 
-    "model": name, "config": the DeepSpeed config used,
+    "model": name, "label": spec's label or name, "config": the DeepSpeed config used,
     "param_sums": {parameter name: float sum of the full (gathered) fp32 tensor after training},
+    "weights_path": null | where {parameter name: full tensor} was saved (``torch.save``),
     "checkpoint": null | {"dir": save_dir, "tag": "global_step<n>"},
     "seconds": {"import": s, "initialize": s, "train": s, "save": s}
 
@@ -71,6 +74,7 @@ def train_module(
 
         {"losses": [float per micro-step],
          "global_steps": [engine.global_steps after each step()],
+         "grad_norms": [engine.get_global_grad_norm() after each optimizer step],
          "final_global_steps": int,
          "discarded_loss": null | float (the extra forward's loss at forward_without_backward_at)}
     """
@@ -79,6 +83,7 @@ def train_module(
     case = MODELS[name]
     losses: list[float] = []
     steps: list[int] = []
+    norms: list[float] = []
     discarded: float | None = None
     for k, batch in enumerate(batches):
         inputs = case.inputs(batch)
@@ -88,25 +93,29 @@ def train_module(
             discarded = float(case.loss(engine(*inputs), batch).detach())
         loss = case.loss(engine(*inputs), batch)
         engine.backward(loss)
+        before = int(engine.global_steps)
         engine.step()
         losses.append(float(loss.detach()))
         steps.append(int(engine.global_steps))
+        if steps[-1] != before:  # an optimizer step: its global norm (unscaled, unclipped)
+            norms.append(float(engine.get_global_grad_norm()))
     return {
         "losses": losses,
         "global_steps": steps,
+        "grad_norms": norms,
         "final_global_steps": int(engine.global_steps),
         "discarded_loss": discarded,
     }
 
 
-def _param_sums(engine: Any) -> dict[str, float]:
-    """Sum of each full fp32 parameter (ZeRO-3 keeps only partitions: gather them first). Tied
-    parameters appear once, under their first name."""
+def _gathered(engine: Any) -> dict[str, torch.Tensor]:
+    """Copies of each full fp32 parameter (ZeRO-3 keeps only partitions: gather them first).
+    Tied parameters appear once, under their first name."""
     import deepspeed
 
     params = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())):
-        return {n: float(p.detach().double().sum()) for n, p in params.items()}
+        return {n: p.detach().clone() for n, p in params.items()}
 
 
 def _probe_the_cpu_once() -> None:
@@ -147,10 +156,15 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         engine.save_checkpoint(spec["save_dir"])
         checkpoint = {"dir": spec["save_dir"], "tag": f"global_step{engine.global_steps}"}
     t4 = time.perf_counter()
+    weights = _gathered(engine)
+    if spec.get("weights_path"):
+        torch.save(weights, spec["weights_path"])
     result.update(
         model=name,
+        label=spec.get("label", name),
         config=config,
-        param_sums=_param_sums(engine),
+        param_sums={n: float(p.double().sum()) for n, p in weights.items()},
+        weights_path=spec.get("weights_path"),
         checkpoint=checkpoint,
         seconds={"initialize": t2 - t1, "train": t3 - t2, "save": t4 - t3},
     )

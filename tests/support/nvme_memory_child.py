@@ -9,8 +9,11 @@ prints ``JSON:{"peak_rss": bytes, "init_rss": bytes, "trainable": n, "losses": [
 "weight_copies": n}`` (``init_rss``: right after ``initialize``). Run in a fresh process
 per variant so each peak (``ru_maxrss``) is that run's own (tests/engine/test_nvme_memory.py).
 
-``checkpoint`` (a folder): after training, save a checkpoint there and load it back, and report
-how far memory rose above its level before each: ``save_rise`` (RSS, sampled every ms during
+``checkpoint`` (a folder): after training, save a checkpoint there, train one more step
+(``saved_next``: its loss), destroy the engine, build a fresh one over a model initialised from
+another seed, load the checkpoint into it and train the same step (``loaded_next``: its loss,
+which a load that restored everything makes bit for bit the same). Reports how far memory rose
+above its level before the save and the load: ``save_rise`` (RSS, sampled every ms during
 ``save_checkpoint``) and ``load_rise`` (anonymous RSS, sampled during ``load_checkpoint``: the
 checkpoint and the swap files are read through memory mappings, page cache the kernel evicts
 at will, which RSS counts while they are mapped).
@@ -65,11 +68,16 @@ def _rise(measure: Callable[[], int]) -> Iterator[list[int]]:
         out.append(max(peak[0], measure()) - start)
 
 
-def main(spec: dict) -> None:
-    torch.manual_seed(0)
-    width, layers = spec["width"], spec["layers"]
+def _model(width: int, layers: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     model.loss_fn = nn.functional.mse_loss  # type: ignore[assignment]
+    return model
+
+
+def main(spec: dict) -> None:
+    width, layers = spec["width"], spec["layers"]
+    model = _model(width, layers, seed=0)
     rp = {"devices": "cpu:1", "async_optimizer": True, "step_journal": "off", "seed": 0}
     cfg: dict = {
         "train_micro_batch_size_per_gpu": 2,
@@ -93,23 +101,28 @@ def main(spec: dict) -> None:
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(2, width, generator=gen), torch.randn(2, width, generator=gen))
                for _ in range(spec.get("steps", 3))]  # fmt: skip
+    nxt = (torch.randn(2, width, generator=gen), torch.randn(2, width, generator=gen))
     losses = [float(engine.train_batch(iter([b]))) for b in batches]
     engine.synchronize()
-    rises = {}
+    copies = engine.store.weight_copies  # compute-weight buffers (double-buffered: 2)
+    result = {}
     if spec.get("checkpoint"):
         with _rise(_rss) as save_rise:
             engine.save_checkpoint(spec["checkpoint"], tag="t")
+        result["saved_next"] = float(engine.train_batch(iter([nxt])))  # the run that saved
+        engine.destroy()
+        # a fresh engine over other weights: only what the load reads can make its loss equal
+        engine, _, _, _ = rp_engine.initialize(model=_model(width, layers, seed=1), config=cfg)
         with _rise(_rss_anon) as load_rise:
             engine.load_checkpoint(spec["checkpoint"], tag="t")
-        losses.append(float(engine.train_batch(iter([batches[0]]))))  # it still trains
-        rises = {"save_rise": save_rise[0], "load_rise": load_rise[0]}
+        result["loaded_next"] = float(engine.train_batch(iter([nxt])))
+        result.update(save_rise=save_rise[0], load_rise=load_rise[0])
     engine.destroy()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     trainable = sum(p.numel() for p in model.parameters())
-    copies = engine.store.weight_copies  # compute-weight buffers (double-buffered: 2)
     out = {
         "peak_rss": peak, "init_rss": init_rss, "trainable": trainable, "losses": losses,
-        "weight_copies": copies, **rises,
+        "weight_copies": copies, **result,
     }  # fmt: skip
     print("JSON:" + json.dumps(out))
 

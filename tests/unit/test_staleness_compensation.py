@@ -10,6 +10,7 @@ by hand (no devices), so every publish is observed directly.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -21,7 +22,7 @@ from torch import nn
 from rp_engine.config import ConfigError, load_config
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim import publish_kernel
-from rp_engine.optim.delay_compensation import BLOCK
+from rp_engine.optim.delay_compensation import BLOCK, RHO, DelayCompensation, DelayTerms
 from rp_engine.optim.loss_scaler import LossScaler
 from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer
 from rp_engine.optim.stepper import OptimizerStepper, staleness_compensation
@@ -316,6 +317,86 @@ def test_engine_none_is_bit_identical_and_predict_keeps_true_masters(method: str
         engine.destroy()
 
 
+def _compensated_by_the_formula(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    v: torch.Tensor,
+    read: torch.Tensor,
+    *,
+    moments: int,
+    rms: float,
+    clip_coef: float,
+    block: int,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    rho: float = RHO,
+) -> torch.Tensor:
+    """Delay compensation as optim/delay_compensation.py's docstring states it, in float64:
+    ``f = clip_coef (sqrt(v_hat) + eps) / (rho rms) (w - read)`` with ``v_hat = v / (1 -
+    beta2^moments)`` and ``rms`` the root mean square of the masters before the tensor's
+    previous step; then per ``block`` elements ``g <- (g + f) |g| / |g + f|``. ``g`` is the
+    clipped gradient (its clip coefficient ``clip_coef``)."""
+    v_hat = v.double() / (1 - betas[1] ** moments)
+    fix = clip_coef * (v_hat.sqrt() + eps) / (rho * rms) * (w.double() - read.double())
+    flat_g, flat_c = g.double().flatten(), (g.double() + fix).flatten()
+    out = torch.empty_like(flat_g)
+    for lo in range(0, flat_g.numel(), block):
+        gb, cb = flat_g[lo : lo + block], flat_c[lo : lo + block]
+        out[lo : lo + block] = cb * (gb.norm() / cb.norm())
+    return out.view_as(g).float()
+
+
+@pytest.mark.parametrize("read_dtype", [torch.float32, torch.bfloat16])
+def test_delay_terms_and_record_follow_the_formula(read_dtype: torch.dtype) -> None:
+    """``DelayCompensation.record`` keeps the rms of the masters before a tensor's step (from
+    the sum of squares the kernel returns), and ``terms`` (bias correction of v, eps, h) with
+    it make ``compensate_delay`` give the formula written out above, for a clipped gradient
+    (clip coefficient 0.3) over whole and partial blocks. Before a scale is recorded, and
+    without moments, the gradient is left as it is (h = 0)."""
+    clip_coef, block, moments = 0.3, 8, 3
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "bias_correction": True, "lr": 1e-2}
+    gen = torch.Generator().manual_seed(7)
+    shape = (5, 7)  # 35 elements: four blocks of 8 and one of 3
+    w_prev = torch.randn(shape, generator=gen) * 0.5  # the masters before the previous step
+    w = w_prev + 0.01 * torch.randn(shape, generator=gen)  # the masters now
+    read = (w - 0.003 * torch.randn(shape, generator=gen)).to(read_dtype)
+    v = torch.rand(shape, generator=gen) * 1e-3 + 1e-5
+    g = clip_coef * torch.randn(shape, generator=gen)
+
+    dc = DelayCompensation(RHO)
+    assert dc.scale(w) is None
+    assert dc.terms(w, moments, group, clip_coef) == DelayTerms(1.0, 0.0, 0.0)
+    # the previous step: its kernel pass returns the masters' sum of squares before it
+    sums = publish_kernel.compensate_delay(
+        g.clone(), w_prev, v, read, block=block, vcoef=1.0, eps=0.0, h=0.0
+    )
+    assert sums[0] == pytest.approx(float(g.double().square().sum()), rel=1e-6)
+    assert sums[2] == pytest.approx(float(w_prev.double().square().sum()), rel=1e-6)
+    dc.record(w, sums[2])
+    rms = math.sqrt(float(w_prev.double().square().mean()))
+    assert dc.scale(w) == pytest.approx(rms, rel=1e-6)
+    assert dc.terms(w, 0, group, clip_coef).h == 0.0  # no moments: no curvature scale yet
+
+    terms = dc.terms(w, moments, group, clip_coef)
+    got = g.clone()
+    publish_kernel.compensate_delay(
+        got, w, v, read, block=block, vcoef=terms.vcoef, eps=terms.eps, h=terms.h
+    )
+    want = _compensated_by_the_formula(
+        g, w, v, read, moments=moments, rms=rms, clip_coef=clip_coef, block=block
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # not vacuous: the fix turns the gradient by a lot, and the clip coefficient counts
+    assert float((want - g).norm()) > 0.1 * float(g.norm())
+    unclipped = _compensated_by_the_formula(
+        g, w, v, read, moments=moments, rms=rms, clip_coef=1.0, block=block
+    )
+    assert float((unclipped - want).norm()) > 0.1 * float(g.norm())
+    # without bias correction v is used as it is
+    plain = dc.terms(w, moments, {**group, "bias_correction": False}, clip_coef)
+    assert plain.vcoef == 1.0 and plain.h == terms.h
+
+
 def test_delay_compensation_reads_the_weights_each_gradient_was_taken_at(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -342,6 +423,8 @@ def test_delay_compensation_reads_the_weights_each_gradient_was_taken_at(
     try:
         assert h.stepper.delay is not None
         index = {hp.master.data_ptr(): i for i, hp in enumerate(h.store.owned_params())}
+        scale: list[float] | None = None  # rms of the masters before the last applied step
+        applied = 0  # the steps the moments hold
         for step in range(1, 7):
             read, before = h.published(max(step - 2, 0)), h.masters()
             calls.clear()
@@ -359,16 +442,19 @@ def test_delay_compensation_reads_the_weights_each_gradient_was_taken_at(
                 vcoef, eps, hh = kw["delay"]
                 assert (hh > 0) is (step > 1), (step, hh)
                 if step > 2:  # w has moved from what was read: a new direction, the same norm
-                    fixed = raw.clone()
-                    publish_kernel.compensate_delay(
-                        fixed, w, v, r, block=BLOCK, vcoef=vcoef, eps=eps, h=hh
+                    assert scale is not None
+                    # the formula from what the test saw (no clipping: clip coefficient 1)
+                    fixed = _compensated_by_the_formula(
+                        raw, w, v, r, moments=applied, rms=scale[i], clip_coef=1.0, block=BLOCK
                     )
                     assert not torch.equal(fixed, raw)
                     torch.testing.assert_close(fixed.norm(), raw.norm())
                     # the step applied that gradient: Adam on it, uncompensated, lands there too
                     again = w.clone()
                     real(fixed, again, m.clone(), v.clone(), r.clone(), **{**kw, "delay": None})
-                    torch.testing.assert_close(again, stepped, rtol=1e-6, atol=1e-9)
+                    torch.testing.assert_close(again, stepped, rtol=1e-6, atol=1e-8)
+            scale = [math.sqrt(float(t.double().square().mean())) for t in before]
+            applied += 1
         moved = [(a - b).abs().max() for a, b in zip(h.masters(), plain.masters(), strict=True)]
         assert min(moved) > 1e-5
     finally:
