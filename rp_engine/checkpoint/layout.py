@@ -4,10 +4,12 @@ here, so a checkpoint reads back what was written."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-__all__ = ["model_file_name", "optim_file_name"]
+__all__ = ["has_optimizer_state", "model_file_name", "optim_file_name"]
 
 # DeepSpeed's key names (deepspeed/checkpoint/constants.py), spelled out so that importing this
 # module does not import DeepSpeed.
@@ -93,3 +95,11 @@ class _ParamNames:
                 f"an optimized parameter of shape {tuple(param.shape)} is not a parameter of "
                 "engine.module; it cannot be named in the checkpoint"
             ) from None
+
+
+def has_optimizer_state(engine: Any) -> bool:
+    """Whether ``engine``'s checkpoints hold optimizer state (masters, moments, loss scaler):
+    not a forward-only engine's (``initialize`` without an optimizer, optim/build.py's
+    ``NoOptimizer``), whose files, as DeepSpeed's, hold the module and counters only."""
+    host = engine.host_optimizer
+    return host is not None and not host.empty

@@ -38,6 +38,7 @@ from rp_engine.checkpoint.layout import (
     _SINGLE_PARTITION,
     _ZERO_STAGE,
     _ParamNames,
+    has_optimizer_state,
     model_file_name,
     optim_file_name,
 )
@@ -92,10 +93,15 @@ def load(
     if saved != now:  # the files hold the whole state: each rank keeps the layers it owns
         log.info("resharding checkpoint %s: saved at dp world size %s, loading at %d", folder,
                  saved, now)  # fmt: skip
-    load_optimizer = optimizer_states and not module_only and engine.host_optimizer is not None
+    load_optimizer = optimizer_states and not module_only and has_optimizer_state(engine)
     placeholders = _zero3_placeholders(engine.module, ckpt)
     osd = None
-    if load_optimizer or placeholders:
+    fragments = ckpt.get("frozen_param_fragments") or {}
+    aliases = ckpt.get("shared_params") or {}
+    # ZeRO-3 weights not in the model file are in the optim file's fp32 partitions (a forward-
+    # only engine's checkpoint has none: every weight is a fragment there)
+    trained = [k for k in placeholders if aliases.get(k, k) not in fragments]
+    if load_optimizer or trained:
         bf16 = bool(engine._config.bf16.enabled)
         optim_path = _find_file(folder, optim_file_name(bf16=bf16), "*_optim_states.pt")
         # Read (and vet) both files before the engine changes: a refused file leaves it as it was.

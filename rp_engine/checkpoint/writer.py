@@ -49,6 +49,7 @@ from rp_engine.checkpoint.layout import (
     _SINGLE_PARTITION,
     _ZERO_STAGE,
     _ParamNames,
+    has_optimizer_state,
     model_file_name,
     optim_file_name,
 )
@@ -97,7 +98,7 @@ def save(
     )
     model_state.update(client_state)
     files: dict[str, Any] = {model_file_name(stage): model_state}
-    if engine.host_optimizer is not None:
+    if has_optimizer_state(engine):  # a forward-only engine's has none (nor DeepSpeed's)
         files[optim_file_name(bf16=cfg.bf16.enabled)] = _optim_states(
             engine, units, streamed, stage=stage
         )
@@ -136,7 +137,7 @@ class _Group:
 def _optimized_groups(engine: Any, names: _ParamNames) -> list[_Group]:
     """Masters per inner-optimizer group, named. Zero-element parameters are left out, as
     DeepSpeed does (they are recorded with the frozen ones, keeping their shape)."""
-    if engine.host_optimizer is None:
+    if not has_optimizer_state(engine):
         return []
     owner = {id(hp.master): hp for hp in engine.store.owned_params()}
     groups = []
@@ -240,7 +241,7 @@ def _plain_stage0(engine: Any) -> bool:
     parameters and saves its per-parameter state_dict in the model file (``optimizer``)."""
     cfg = engine._config
     return (
-        engine.host_optimizer is not None
+        has_optimizer_state(engine)
         and int(cfg.zero.stage) == 0
         and not cfg.fp16.enabled
         and not cfg.bf16.enabled

@@ -37,6 +37,12 @@ class _InitArgTypeError(TypeError, AssertionError):
     """Raised where DeepSpeed asserts an argument's type (the client optimizer)."""
 
 
+class _NoOptimizerError(RuntimeError, AssertionError):
+    """Raised where DeepSpeed asserts "must provide optimizer during init in order to use
+    backward" (or step): a forward-only engine (``initialize`` without an optimizer) asked to
+    train. Code written against DeepSpeed that catches AssertionError keeps working."""
+
+
 def _show(value: Any) -> str:
     try:
         return json.dumps(value)

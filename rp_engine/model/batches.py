@@ -9,6 +9,7 @@ as a ``CausalLMOutputWithPast``, as the model itself would return it.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,12 +35,20 @@ class BatchAdapter:
         self.dtype = dtype
         self.pin = pin
 
-    def to_dict(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The micro-batch as ``{name: tensor}``; ValueError when it has no labels. A module
-        model's call arguments are kept as given (``module_batch``); a single tuple/list
-        (``train_batch``'s ``(inputs, labels)``) is its positional arguments."""
+    def to_dict(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, fed: bool = False
+    ) -> dict[str, Any]:
+        """The micro-batch as ``{name: tensor}``; ValueError when it has no labels.
+
+        A module model's call arguments are kept as given (``module_batch``; containers of
+        tensors move leaf by leaf). A lone tuple/list is the model's positional arguments when
+        ``fed`` (a ``train_batch`` / ``eval_batch`` micro-batch: PipelineEngine's ``(inputs,
+        labels)``) or when the model's forward cannot take it whole (``engine((x, y))`` for
+        ``forward(x, y)``); otherwise it is the one argument, as DeepSpeed passes it
+        (``engine([x, y])`` for ``forward(xs)``)."""
         if self.seq.returns_outputs:
-            if len(inputs) == 1 and not kwargs and isinstance(inputs[0], tuple | list):
+            lone = len(inputs) == 1 and not kwargs and isinstance(inputs[0], tuple | list)
+            if lone and (fed or not _binds(self.seq.root, inputs)):
                 inputs = tuple(inputs[0])
             batch = module_batch(inputs, kwargs)
             if self.pin:
@@ -74,10 +83,15 @@ class BatchAdapter:
         causal LMs as Hugging Face counts them)."""
         if num_items is None:
             return 1.0
+        return self.token_count(batch) / float(num_items)
+
+    def token_count(self, batch: dict[str, Any]) -> int:
+        """The micro-batch's loss tokens: labels != -100 (shifted for causal LMs, as Hugging
+        Face's Trainer counts ``num_items_in_batch``)."""
         labels = batch["labels"]
         if self.seq.kind.startswith("hf:"):
             labels = labels[..., 1:]
-        return float((labels != -100).sum()) / float(num_items)
+        return int((labels != -100).sum())
 
     def wrap_loss(self, loss: torch.Tensor) -> Any:
         """The loss as the model's own forward would return it."""
@@ -86,6 +100,18 @@ class BatchAdapter:
 
             return CausalLMOutputWithPast(loss=loss)
         return loss
+
+
+def _binds(model: torch.nn.Module, inputs: tuple[Any, ...]) -> bool:
+    """Whether ``model.forward`` accepts ``inputs`` as its positional arguments (True when its
+    signature cannot be read: the call is then made as given, as DeepSpeed makes it)."""
+    try:
+        inspect.signature(model.forward).bind(*inputs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read
+        return True
+    return True
 
 
 def _pinned(value: Any) -> Any:

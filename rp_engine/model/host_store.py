@@ -127,7 +127,9 @@ class HostStore:
     ``pin(torch.zeros(n))`` (defined contents, a transient plain copy) or plain memory.
     ``double_buffer``: a second gradient arena, so step t+1's gradients land while the optimizer
     still reads step t's (+4 B per trainable parameter); None decides by free host memory
-    (the second arena must leave at least three times its size available).
+    (the second arena must leave at least three times its size available). ``trainable``
+    False: a forward-only engine's store (``initialize`` without an optimizer), which steps
+    nothing, so no parameter gets a master or a gradient buffer: the compute weights alone.
     """
 
     def __init__(
@@ -138,6 +140,7 @@ class HostStore:
         alloc: Callable[[int], torch.Tensor] | None = None,
         double_buffer: bool | None = None,
         paged_masters: bool = False,
+        trainable: bool = True,
     ) -> None:
         self.layers: list[HostLayer] = []
         make_master = _paged_master if paged_masters else _make_master
@@ -147,7 +150,7 @@ class HostStore:
             buffers = list(_unique(module.named_buffers(remove_duplicate=False)))
             layer = HostLayer(index, module, list(params), buffers)
             for name, p in layer.params:
-                if p.requires_grad and id(p) not in self._owner:
+                if trainable and p.requires_grad and id(p) not in self._owner:
                     hp = HostParam(name, p, make_master(p), index)
                     self._owner[id(p)] = hp
                     layer.owned.append(hp)
@@ -239,8 +242,9 @@ class HostStore:
         return [hp for layer in self.layers for hp in layer.owned]
 
     def trainable_of(self, layer: int) -> list[nn.Parameter]:
-        """Trainable parameters the layer uses (including shared ones it does not own)."""
-        return [p for _, p in self.layers[layer].params if p.requires_grad]
+        """Trainable parameters the layer uses (including shared ones it does not own): those
+        with a master (none in a forward-only store)."""
+        return [p for _, p in self.layers[layer].params if id(p) in self._owner]
 
     def owner_layer(self, param: nn.Parameter) -> int:
         """The layer whose optimizer step consumes this parameter's gradient (tied weights: the

@@ -11,8 +11,9 @@ RoundPipe needs a sequence of layers; this module makes one without the user wri
   copied (the pieces hold the user's own submodules and tensors).
 * (c) **whole module**: one block that calls the model. No pipelining, but weights stay on the
   host, with DeepSpeed's CPU Adam, sync or async; through ``train_batch`` they go up once per
-  slot and step (DeepSpeed's imperative loop runs each forward and backward as its own run, so
-  there they go up per micro-batch and pass).
+  slot and step (DeepSpeed's imperative loop runs each forward at once, since the caller's
+  criterion needs the outputs, so there the forward weights go up per micro-batch; the
+  window's backwards run as one schedule at its boundary).
 
 Both end in :class:`OutputHead`, a parameterless head that hands the model's outputs back to the
 caller instead of computing a loss: ``engine.backward(loss)`` differentiates the caller's loss
@@ -22,7 +23,12 @@ stage holds no block (``ModelShape.head_alone``).
 State keys (transfer.py's convention): the call's arguments are ``arg.<i>`` / ``kw.<name>``;
 a traced value crossing a cut is ``hidden.v.<node>`` when it is a floating tensor (it carries
 gradient) and ``v.<node>`` otherwise (int tensors, Python ints from ``x.shape``); the outputs
-are ``hidden.out.<i>`` / ``out.<i>`` plus ``out.spec``, their pytree structure.
+are ``hidden.out.<i>`` / ``out.<i>`` plus ``out.spec``, their pytree structure. A container
+holding tensors (``engine([x, y])``, ``engine({"a": x})``, a traced tuple crossing a cut: any
+``torch.utils._pytree`` structure) is flattened, since only a state's top-level tensors move:
+its key holds a :class:`Tree` (the structure, a plain value) and each leaf has a key of its
+own, ``<key>.<j>`` (``hidden.``-prefixed for a floating leaf of a traced value). It is rebuilt
+on the device, from the moved leaves, before the model sees it.
 
 Why ``torch.fx`` and not ``torch.distributed.pipelining.pipeline()`` (torch.export): export
 needs example inputs, which ``initialize`` does not have (the layers, host store and optimizer
@@ -48,6 +54,7 @@ __all__ = [
     "Layering",
     "OutputHead",
     "TracedStage",
+    "Tree",
     "WholeModule",
     "module_batch",
     "module_layers",
@@ -70,29 +77,71 @@ class Layering:
     split_points: tuple[str, ...] = ()
 
 
+# --- containers of tensors --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tree:
+    """The structure of a flattened container (its leaves are under ``<key>.<j>``): a plain
+    value in the state, riding along uncopied while the leaves move."""
+
+    spec: pytree.TreeSpec
+
+
+def _put(state: dict[str, Any], key: str, value: Any, *, traced: bool = False) -> None:
+    """``state[key] = value``, a container holding tensors flattened (module docstring).
+    ``traced``: a traced value, whose floating leaves carry gradient (``grad_key``)."""
+    leaves, spec = pytree.tree_flatten(value)
+    if spec.is_leaf() or not any(isinstance(v, torch.Tensor) for v in leaves):
+        state[grad_key(key, value) if traced else key] = value
+        return
+    state[key] = Tree(spec)  # type: ignore[assignment]  # a plain value: rides along uncopied
+    for j, leaf in enumerate(leaves):
+        state[grad_key(f"{key}.{j}", leaf) if traced else f"{key}.{j}"] = leaf
+
+
+def _get(state: State, key: str) -> Any:
+    """The value ``_put`` stored under ``key``, a container rebuilt from its leaves; KeyError
+    when there is none."""
+    value: Any = state[key]
+    if not isinstance(value, Tree):
+        return value
+    leaves = [
+        state[f"hidden.{key}.{j}"] if f"hidden.{key}.{j}" in state else state[f"{key}.{j}"]
+        for j in range(value.spec.num_leaves)
+    ]
+    return pytree.tree_unflatten(leaves, value.spec)
+
+
+def _leaf_keys(state: State) -> set[str]:
+    """The keys of the flattened containers' leaves (every other key is a value's own)."""
+    return {
+        name
+        for key, value in state.items()
+        if isinstance(value, Tree)
+        for j in range(value.spec.num_leaves)
+        for name in (f"{key}.{j}", f"hidden.{key}.{j}")
+    }
+
+
 # --- batches ----------------------------------------------------------------------------------
 def module_batch(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A call's arguments as a micro-batch state: ``arg.<i>`` and ``kw.<name>``. Values are kept
-    as given (DeepSpeed does not cast a module's inputs); non-tensors ride along uncopied."""
-    out: dict[str, Any] = {f"arg.{i}": v for i, v in enumerate(inputs)}
-    out.update({f"kw.{k}": v for k, v in kwargs.items()})
-    for key, value in out.items():
-        if isinstance(value, tuple | list | dict) and _has_tensor(value):
-            raise TypeError(
-                f"argument {key.split('.', 1)[1]!r} is a {type(value).__name__} holding tensors; "
-                "rp_engine moves tensors given directly as arguments: pass them as separate "
-                "arguments (engine(x, y), engine(input=x, mask=m))"
-            )
+    """A call's arguments as a micro-batch state: ``arg.<i>`` and ``kw.<name>``, a container of
+    tensors flattened into its leaves (``arg.<i>.<j>``), so each tensor moves to the device.
+    Values are kept as given (DeepSpeed does not cast a module's inputs); non-tensors ride
+    along uncopied. Inputs carry no gradient: no key is ``hidden``."""
+    out: dict[str, Any] = {}
+    for i, value in enumerate(inputs):
+        _put(out, f"arg.{i}", value)
+    for name, value in kwargs.items():
+        _put(out, f"kw.{name}", value)
     return out
 
 
-def _has_tensor(value: Any) -> bool:
-    return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
-
-
 def _call_args(state: State) -> tuple[list[Any], dict[str, Any]]:
-    args = [state[f"arg.{i}"] for i in range(sum(k.startswith("arg.") for k in state))]
-    kwargs = {k[3:]: v for k, v in state.items() if k.startswith("kw.")}
+    """The call's positional and keyword arguments from its state, containers rebuilt."""
+    leaves = _leaf_keys(state)
+    roots = [k for k in state if _is_input(k) and k not in leaves]
+    args = [_get(state, f"arg.{i}") for i in range(sum(k.startswith("arg.") for k in roots))]
+    kwargs = {k[3:]: _get(state, k) for k in roots if k.startswith("kw.")}
     return args, kwargs
 
 
@@ -230,13 +279,7 @@ class TracedStage(nn.Module):
         values = [out] if self.single else list(out)
         new: State = {k: v for k, v in state.items() if _is_input(k) or _name(k) in self.keep}
         for name, value in zip(self.outputs, values, strict=True):
-            if isinstance(value, tuple | list) and _has_tensor(value):
-                raise TypeError(
-                    f"the traced value {name!r} is a {type(value).__name__} of tensors crossing a "
-                    "cut; choose other roundpipe.split_points (values crossing a cut must be "
-                    "tensors or plain Python values)"
-                )
-            new[grad_key(f"v.{name}", value)] = value
+            _put(new, f"v.{name}", value, traced=True)  # a tuple of tensors: each leaf moves
         if self.result is None:
             return new
         leaves, spec = self.result
@@ -250,12 +293,13 @@ class TracedStage(nn.Module):
             return getattr(self.attrs, attr)
         for key in (f"hidden.v.{name}", f"v.{name}"):
             if key in state:
-                return state[key]
+                return _get(state, key)
         return self.signature.value(state, name)
 
 
 def _name(key: str) -> str:
-    return key.removeprefix("hidden.").removeprefix("v.")
+    """The traced value a key belongs to (a flattened container's leaves: the container's)."""
+    return key.removeprefix("hidden.").removeprefix("v.").split(".", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -276,10 +320,10 @@ class _Signature:
 
     def value(self, state: State, name: str) -> Any:
         if f"kw.{name}" in state:
-            return state[f"kw.{name}"]
+            return _get(state, f"kw.{name}")
         pos = self.positions.get(name)
         if pos is not None and f"arg.{pos}" in state:
-            return state[f"arg.{pos}"]
+            return _get(state, f"arg.{pos}")
         if name in self.defaults:
             return self.defaults[name]
         raise TypeError(f"the model's forward() is missing the argument {name!r}")

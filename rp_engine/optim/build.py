@@ -15,6 +15,13 @@ overrides ``scheduler``. Here every optimizer runs over fp32 *master* copies on 
   ``engine.step()`` does under DeepSpeed); the engine keeps the original ``step``.
 
 ``returned_optimizer`` picks what ``initialize`` returns, as DeepSpeed 0.19.8 does.
+
+Without either (no client optimizer, no ``optimizer`` section) the engine is forward-only, as
+DeepSpeed allows at ZeRO stage 0 and 3: ``initialize`` returns None as the optimizer and the LR
+scheduler, the engine drives a ``HostOptimizer`` over :class:`NoOptimizer` (no parameters, so
+the host store keeps no fp32 masters and no gradient buffers) and refuses ``backward`` /
+``step`` / ``train_batch`` (``RoundPipeEngine._need_optimizer``). ZeRO stages 1 and 2 need an
+optimizer, as DeepSpeed asserts.
 """
 
 from __future__ import annotations
@@ -28,15 +35,51 @@ import torch
 from torch import nn
 
 from rp_engine.config import DSConfig
-from rp_engine.config.errors import _InitArgTypeError
+from rp_engine.config.errors import _ConfigAssertError, _InitArgTypeError
 from rp_engine.model.host_store import HostStore
 from rp_engine.optim.loss_scaler import LossScaler
 from rp_engine.optim.optimizer import HostOptimizer, adam_slice, build_inner_optimizer
 from rp_engine.optim.step_journal import build_journal
 
-__all__ = ["build_optimizer", "build_scheduler", "master_groups", "returned_optimizer"]
+__all__ = [
+    "NoOptimizer",
+    "build_optimizer",
+    "build_scheduler",
+    "has_optimizer",
+    "master_groups",
+    "returned_optimizer",
+]
 
 log = logging.getLogger("rp_engine.optim")
+
+
+class NoOptimizer(torch.optim.Optimizer):
+    """The inner optimizer of a forward-only engine: no parameter groups, no state (its
+    ``state_dict`` is empty). Nothing ever steps it: the engine refuses to train first."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.empty(0)], {})  # torch refuses an empty list: a stand-in,
+        self.param_groups.clear()  # dropped at once
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise RuntimeError("a forward-only engine (initialize without an optimizer) never steps")
+
+
+def has_optimizer(cfg: DSConfig, client_optimizer: Any) -> bool:
+    """Whether ``initialize`` has an optimizer to train with: the caller's, or the config's
+    ``optimizer`` section. Without one the engine is forward-only, which DeepSpeed refuses at
+    ZeRO stages 1 and 2 (``zero stage N requires an optimizer``): so does this."""
+    if client_optimizer is not None or cfg.optimizer is not None:
+        return True
+    stage = int(cfg.zero.stage)
+    if stage in (1, 2):
+        raise _ConfigAssertError(
+            f'zero_optimization.stage = {stage} needs an optimizer (DeepSpeed asserts "zero stage '
+            f'{stage} requires an optimizer"): add an "optimizer" section to the config (e.g. '
+            '{"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer= to initialize(); for '
+            "forward-only use (no optimizer) use ZeRO stage 0 or 3"
+        )
+    return False
 
 
 def master_groups(store: HostStore, params: Any) -> list[dict[str, Any]]:
@@ -81,7 +124,8 @@ def build_optimizer(
     client_optimizer: Any = None,
     model_parameters: Iterable[Any] | None = None,
 ) -> HostOptimizer:
-    """The engine's optimizer over masters; raises ValueError when none is configured.
+    """The engine's optimizer over masters; over :class:`NoOptimizer` when there is none
+    (``has_optimizer``: a forward-only engine, whose ``store`` then holds no masters).
 
     ``device_kind`` ("cpu" or "cuda": the pool's) sizes CPU Adam's slices (``adam_slice``)."""
     fp16 = cfg.fp16
@@ -121,10 +165,9 @@ def build_optimizer(
     elif cfg.optimizer is not None:
         groups = master_groups(store, source)
         inner, _ = build_inner_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
-    else:
-        raise ValueError(
-            'no optimizer: add an "optimizer" section to the config (e.g. {"type": "AdamW", '
-            '"params": {"lr": 1e-4}}) or pass optimizer= to initialize()'
+    else:  # forward-only (has_optimizer): "per layer" only keeps data parallel's check quiet
+        return HostOptimizer(
+            NoOptimizer(), per_layer=True, scaler=scaler, slice_elems=adam_slice(device_kind)
         )
     # Only DeepSpeed's CPU Adam exposes a kernel that steps a subset of the parameters.
     per_layer = type(inner).__name__ == "DeepSpeedCPUAdam"
@@ -150,8 +193,12 @@ def returned_optimizer(host: HostOptimizer, cfg: DSConfig, *, client_given: bool
     fp16/bf16 it returns a wrapper whose ``.optimizer`` is the basic optimizer. rp_engine's
     wrapper is ``host`` (``host.optimizer`` is the client's object). Without a client
     optimizer, DeepSpeed would return its own basic optimizer (FusedAdam, a torch.optim class);
-    rp_engine returns ``host`` there, as before.
+    rp_engine returns ``host`` there, as before. A forward-only engine returns None, as
+    DeepSpeed does at ZeRO stage 0 (at stage 3 DeepSpeed returns its parameter-offload object,
+    ``DeepSpeedZeRoOffload``, which cannot step either).
     """
+    if host.empty:
+        return None
     wraps = cfg.zero.stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled
     return host.optimizer if client_given and not wraps else host
 
@@ -228,7 +275,10 @@ def _guard_client(opt: Any) -> Any:
 def build_scheduler(
     cfg: DSConfig, optimizer: HostOptimizer, *, client_scheduler: Any = None
 ) -> Any:
-    """A DeepSpeed (``deepspeed.runtime.lr_schedules``) or torch LR scheduler, or None."""
+    """A DeepSpeed (``deepspeed.runtime.lr_schedules``) or torch LR scheduler, or None; None
+    for a forward-only engine, whatever was asked (DeepSpeed builds none without an optimizer)."""
+    if optimizer.empty:
+        return None
     inner = optimizer.optimizer
     if client_scheduler is not None:
         if callable(client_scheduler) and not hasattr(client_scheduler, "step"):

@@ -255,6 +255,12 @@ class HostOptimizer:
         return self.optimizer.state
 
     @property
+    def empty(self) -> bool:
+        """No parameter to step: the forward-only engine's (``initialize`` without an
+        optimizer; optim/build.py's ``NoOptimizer``)."""
+        return not self.optimizer.param_groups
+
+    @property
     def cur_scale(self) -> float:
         return self.loss_scaler.cur_scale
 
