@@ -8,7 +8,8 @@
 #   1. the CUDA tests (-m gpu: test_device_cuda, test_engine_cuda, test_device_grad_norm,
 #      test_host_path);
 #   2. benchmarks.head_to_head on the Qwen3-1.7B shape (bf16, micro-batch 4 x 1,024, GAS 4):
-#      roundpipe, roundpipe_sync, deepspeed, torch; 1 warm-up and 3 timed steps, one repeat,
+#      roundpipe (train_batch), roundpipe_loop (DeepSpeed's own loop on rp_engine),
+#      roundpipe_sync, deepspeed, torch; 1 warm-up and 3 timed steps, one repeat,
 #      each system in its own process (killed after $H2H_TIMEOUT s); the parent appends each
 #      system's JSON line to h2h.jsonl as soon as that system ends, and rewrites the table;
 #   3. a few rp-train steps (--no-wandb: wandb is not on the device image), only if time is left.
@@ -78,7 +79,7 @@ legs() {
     local rc=0
     echo "gpu_check: dry=$dry model=$model devices=$devices out=$out"
     if [[ "$dry" == 1 ]]; then
-        export PYTHONPATH="$PWD"
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
         echo "dry run: no GPU" >"$work/gpu.txt"
     else
         install_wheels || exit 2
@@ -98,7 +99,8 @@ torch.version.cuda, transformers.__version__, deepspeed.__version__)" | tee "$wo
 
     echo "== 2. head-to-head, $model ($SECONDS s)"
     "$py" -m benchmarks.head_to_head --model "$model" --devices "$devices" \
-        --systems roundpipe,roundpipe_sync,deepspeed,torch --repeats 1 --warmup 1 --steps 3 \
+        --systems roundpipe,roundpipe_loop,roundpipe_sync,deepspeed,torch --repeats 1 \
+        --warmup 1 --steps 3 \
         --no-calibrate --timeout "$h2h_timeout" --jsonl "$out/h2h.jsonl" \
         --table "$out/h2h_table.md" --json "$work/h2h.json" --child-log "$work/h2h_children.err"
     local h2h_rc=$?

@@ -44,9 +44,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.host_load import CoreShare
+from rp_engine.optim.jit_cache import with_own_ninja
 
-SYSTEMS = ("deepspeed", "roundpipe", "roundpipe_sync", "mobius", "torch")
-RP_SYSTEMS = ("roundpipe", "roundpipe_sync", "mobius")
+SYSTEMS = (
+    "deepspeed", "roundpipe", "roundpipe_loop", "roundpipe_sync", "mobius", "torch",
+    "hf_trainer", "hf_roundpipe_trainer",
+)  # fmt: skip
+RP_SYSTEMS = ("roundpipe", "roundpipe_loop", "roundpipe_sync", "mobius")
+# transformers' Trainer with ``hf.enable()``: the plain Trainer, and RoundPipeTrainer
+TRAINER_SYSTEMS = ("hf_trainer", "hf_roundpipe_trainer")
 LOSS_RTOL = 1e-3
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -137,6 +143,9 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
     memory is the window's: reset at its start, read at its end."""
     import torch
 
+    if system in TRAINER_SYSTEMS:
+        return _run_trainer(system, preset, args)
+
     cuda = torch.cuda.is_available()
     data = batches(preset, (args.warmup + args.steps) * preset["gas"])
     step_fn, sync, extra, reset_peaks = _SETUP[system](preset, data, cuda, args)
@@ -169,6 +178,79 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
     }
     row.update(extra())
     return row
+
+
+def _run_trainer(system: str, preset: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Hugging Face's Trainer on rp_engine (``hf.enable()``; async optimizer, the same
+    ds_config and data): the plain ``Trainer`` (``hf_trainer``) or ``RoundPipeTrainer``
+    (``hf_roundpipe_trainer``). A callback times the steps after the warm-up between two
+    ``synchronize()`` calls, as ``run_system`` times the other systems; Trainer logs once, at
+    the last step (its default logging is as rare)."""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from rp_engine.integrations import hf
+
+    hf.enable()
+    cuda = torch.cuda.is_available()
+    devices = args.devices or ("cuda" if cuda else "cpu:2")
+    cfg = ds_config(preset, devices=devices, pcie_gbps=None if cuda else args.pcie_gbps)
+    cfg["roundpipe"]["async_optimizer"] = True
+    steps = args.warmup + args.steps
+    rows = [
+        {k: v[i] for k, v in b.items()}
+        for b in batches(preset, steps * preset["gas"])
+        for i in range(preset["mbs"])
+    ]
+    cls = hf.RoundPipeTrainer if system == "hf_roundpipe_trainer" else Trainer
+    window: dict[str, float] = {}
+
+    class Window(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, _args: Any, state: Any, control: Any, **_kw: Any) -> None:
+            if state.global_step in (args.warmup, steps):
+                engine = trainer.model_wrapped.roundpipe_engine
+                engine.synchronize()
+                window[str(state.global_step)] = time.perf_counter()
+                if state.global_step == args.warmup:  # the window's peaks from here
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                    for device in engine.pool.devices:
+                        device.reset_peak()
+
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(
+            output_dir=out, deepspeed=cfg, per_device_train_batch_size=preset["mbs"],
+            gradient_accumulation_steps=preset["gas"], max_steps=steps, learning_rate=1e-4,
+            adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="constant",
+            warmup_steps=0, logging_steps=steps, report_to=[], save_strategy="no",
+            use_cpu=not cuda, disable_tqdm=True, bf16=preset["dtype"] == "bf16",
+            train_sampling_strategy="sequential", seed=0,
+        )  # fmt: skip
+        trainer = cls(model=build_model(preset), args=targs, train_dataset=rows,
+                      callbacks=[Window()])  # fmt: skip
+        with CoreShare() as load:
+            trainer.train()
+    seconds = window[str(steps)] - window[str(args.warmup)]
+    tokens = args.steps * preset["gas"] * preset["mbs"] * preset["seq"]
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    engine = trainer.model_wrapped.roundpipe_engine
+    stats = engine.last_step_stats()
+    pool_peak = max(d.memory_stats().get("peak", 0) for d in engine.pool.devices) / 1e9
+    return {
+        "system": system,
+        "tokens_per_s": tokens / seconds,
+        "s_per_step": seconds / args.steps,
+        "step_losses": losses,
+        "final_loss": losses[-1],
+        "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "peak_device_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else pool_peak,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "bytes_per_step": stats.get("h2d_bytes", 0) + stats.get("d2h_bytes", 0),
+        "external_load": {"threads": load.mean_threads, "sessions": load.mean_sessions},
+        "last_step": stats,
+    }
 
 
 def _nothing() -> None:
@@ -258,7 +340,11 @@ def _deepspeed(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -
     return step, sync, extra, _nothing
 
 
-def _roundpipe(async_optimizer: bool, schedule: str) -> Any:
+def _roundpipe(async_optimizer: bool, schedule: str, *, loop: bool = False) -> Any:
+    """rp_engine's setup: ``train_batch`` per step, or with ``loop`` DeepSpeed's own loop
+    (``engine(batch); engine.backward(loss); engine.step()`` per micro-batch, the loss read
+    only at the window's end, as the DeepSpeed system's)."""
+
     def setup(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
         import rp_engine
 
@@ -281,9 +367,17 @@ def _roundpipe(async_optimizer: bool, schedule: str) -> Any:
                 ]
 
         def step() -> Any:
-            loss = engine.train_batch(it)
+            if loop:
+                total = 0.0
+                for _ in range(preset["gas"]):
+                    loss = engine(**next(it)).loss
+                    engine.backward(loss)
+                    engine.step()
+                    total += loss.detach() / preset["gas"]
+            else:
+                total = engine.train_batch(it)
             note_finished()
-            return loss
+            return total
 
         def extra() -> dict[str, Any]:
             note_finished()  # after the window's synchronize: the last step too
@@ -303,7 +397,8 @@ def _roundpipe(async_optimizer: bool, schedule: str) -> Any:
             if not cuda:  # CUDA: the allocator's own peak (torch) is the device figure
                 out["peak_device_gb"] = max(peaks) / 1e9
             out["timeline"] = [[r.device, r.action, r.start, r.end] for r in engine.last_timeline()]
-            if args.calibrate and not cuda:  # the link model and layer timing are CPU-only
+            # the link model and layer timing are CPU-only; they model train_batch's run
+            if args.calibrate and not cuda and not loop:
                 window = [x for step_spans in spans[-args.steps :] for x in step_spans]
                 out["calibration"] = _calibrate(
                     engine, model, preset, args, async_optimizer, window
@@ -501,6 +596,7 @@ _SETUP = {
     "torch": _torch,
     "deepspeed": _deepspeed,
     "roundpipe": _roundpipe(True, "roundpipe"),
+    "roundpipe_loop": _roundpipe(True, "roundpipe", loop=True),
     "roundpipe_sync": _roundpipe(False, "roundpipe"),
     "mobius": _roundpipe(False, "mobius"),
 }
@@ -510,6 +606,8 @@ _SETUP = {
 def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.head_to_head", "--system", system]
     cmd += ["--model", args.model, "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    if getattr(args, "gas", None):
+        cmd += ["--gas", str(args.gas)]
     if args.devices:
         cmd += ["--devices", args.devices]
     if args.pcie_gbps:
@@ -528,6 +626,9 @@ def child_json(
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        # DeepSpeed's JIT ops are built by this environment's ninja, as make builds them:
+        # another ninja first on PATH would rebuild every op in the shared cache
+        "PATH": with_own_ninja(os.environ.get("PATH", "")),
     }
     # OpenMP threads that spin at barriers are preempted on a shared, oversubscribed machine
     # (DeepSpeed's step went from 0.3 s to 6-10 s here); sleeping waits treat every system alike
@@ -716,6 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pcie-gbps", type=float, help="emulated link, CPU only (--quick: 0.1)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, help="rounds of A B C D E (default 2, --quick 2)")
+    p.add_argument("--gas", type=int, help="gradient accumulation steps (default: the model's)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, help="timed steps per run (default 5, --quick 6)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
@@ -735,7 +837,9 @@ def main(argv: list[str] | None = None) -> int:
         # Two CPU cores against 0.1 GB/s is still ~20x more link per FLOP than an RTX 4090 on
         # PCIe 4.0 (165 TFLOPS / 24 GB/s): conservative towards the offloading baselines
         args.pcie_gbps = 0.1
-    preset = PRESETS[args.model]
+    preset = dict(PRESETS[args.model])
+    if args.gas:
+        preset["gas"] = args.gas
     if args.system:
         row = run_system(args.system, preset, args)
         print("JSON:" + json.dumps(row), flush=True)

@@ -588,6 +588,7 @@ _TOP_LEVEL_SCALARS = (
     "steps_per_print",
     "wall_clock_breakdown",
     "dataloader_drop_last",
+    "managed_gradient_accumulation",
     "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
 )
@@ -687,6 +688,7 @@ def load_config(
         wall_clock_breakdown=top["wall_clock_breakdown"] or flops["enabled"],
         checkpoint=_parse_checkpoint(raw.get("checkpoint")),
         dataloader_drop_last=top["dataloader_drop_last"],
+        managed_gradient_accumulation=top["managed_gradient_accumulation"],
         zero_allow_untested_optimizer=top["zero_allow_untested_optimizer"],
         zero_force_ds_cpu_optimizer=top["zero_force_ds_cpu_optimizer"],
         communication_data_type=comm_type,

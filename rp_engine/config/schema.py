@@ -364,6 +364,8 @@ class DSConfig:
     wall_clock_breakdown: bool = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dataloader_drop_last: bool = False
+    # DeepSpeed 0.19.8: false makes every step() the accumulation boundary (the caller owns it)
+    managed_gradient_accumulation: bool = True
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     communication_data_type: str | None = field(default=None, metadata=_m(custom=True))

@@ -12,8 +12,10 @@ The class is composed of mixins, one job each; the engine wires the parts and ho
   :mod:`rp_engine.checkpoint`).
 - ``boundary.py``: the optimizer boundary (loss scale, LR schedule, the step's fate), applied
   drained or in flight, and undone for a step skipped late.
-- ``loop.py``: DeepSpeed's imperative loop (``engine(batch)``, ``backward``, ``step``), one
-  micro-batch at a time; ``fused_lm_head.py`` builds TRL's fused-LM-head output for it.
+- ``loop.py``: DeepSpeed's imperative loop (``engine(batch)``, ``backward``, ``step``), each
+  accumulation window run as one schedule: ``window.py`` holds the window's micro-batches and
+  their states, ``deferred.py`` the deferred losses ``engine(batch)`` returns (pure torch);
+  ``fused_lm_head.py`` builds TRL's fused-LM-head output for it.
 - ``pipeline.py``: ``train_batch`` with overlapping iterations (issue step t, finish step t-1)
   and the in-flight box that ``destroy()`` and the exit finaliser drain.
 

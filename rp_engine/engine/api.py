@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rp_engine.engine.loop import LoopMisuseError
 from rp_engine.model.host_store import HostStore
 from rp_engine.runtime.counters import StepCounters
 from rp_engine.storage.build import Tiers
@@ -82,6 +83,7 @@ class DeepSpeedAccessors:
     stepper: OptimizerStepper
     training: bool
     _published_step = 0  # global_steps when the newest weights were last published
+    _in_no_sync = False  # inside ``no_sync()``: step() raises there, as DeepSpeed's
     _stale_noted = False
     mp_world_size = 1
     _finalizer: weakref.finalize
@@ -165,9 +167,22 @@ class DeepSpeedAccessors:
 
     # --- counters and the boundary -------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch closes an optimizer step. With
+        ``managed_gradient_accumulation: false`` the caller owns the boundary: only ``step()``
+        is one, so this is False outside it (as DeepSpeed)."""
+        if not self._config.managed_gradient_accumulation:
+            return False
         return self._counters.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary of the next micro-batches (Hugging Face Accelerate sets it
+        before each backward); refused with ``managed_gradient_accumulation: false``."""
+        if not self._config.managed_gradient_accumulation:
+            raise LoopMisuseError(
+                "set_gradient_accumulation_boundary() is not supported with "
+                "managed_gradient_accumulation=false: the caller owns the boundary by calling "
+                "step() (as DeepSpeed)"
+            )
         self._counters.boundary_override = is_boundary
 
     def was_step_applied(self) -> bool:
@@ -227,7 +242,24 @@ class DeepSpeedAccessors:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        yield
+        """DeepSpeed's context without gradient reduction for the backwards inside it: refused
+        with ZeRO stage 2/3 and when nested, and ``step()`` inside it raises, as DeepSpeed's.
+        Within one process there is nothing to reduce; with data parallel the reduction
+        happens when the step closes (distributed.py), outside the context by rule."""
+        stage = self._config.zero.stage
+        if stage >= 2:
+            raise LoopMisuseError(
+                f"no_sync context manager is incompatible with gradient partitioning logic of "
+                f"ZeRO stage {stage} (as DeepSpeed); use zero_optimization.stage 0 or 1, or "
+                "simply leave it out: rp_engine accumulates on the host either way"
+            )
+        if self._in_no_sync:
+            raise LoopMisuseError("no_sync context manager reentry is unsupported")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
 
     # --- what the last step did ------------------------------------------------------------------
     def last_step_stats(self) -> dict[str, Any]:
@@ -283,7 +315,10 @@ class DeepSpeedAccessors:
     def _nvme_stats(self) -> dict[str, Any]:
         """The NVMe tier's traffic between the last two step closes (with the asynchronous
         optimizer that is mostly the previous step's state streaming through), and the bytes
-        written in total (SSD wear). Empty without the tier."""
+        written in total (SSD wear): every write finished when asked, not at the last close,
+        so after ``synchronize()`` all of them (the last step's write-backs, and with the
+        asynchronous optimizer the earlier steps' still in flight at that close, included).
+        Empty without the tier."""
         if not self.tiers:
             return {}
         io = self._nvme_step
@@ -291,7 +326,7 @@ class DeepSpeedAccessors:
             "nvme_read_bytes": io.read_bytes,
             "nvme_write_bytes": io.write_bytes,
             "nvme_busy_s": io.busy_s,
-            "nvme_total_write_bytes": self._nvme_mark.write_bytes,
+            "nvme_total_write_bytes": self.tiers.stats.write_bytes,
         }
 
     # --- checkpoints --------------------------------------------------------------------------------

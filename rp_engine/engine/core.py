@@ -7,11 +7,12 @@ Parts, each owned elsewhere::
     host_optimizer: HostOptimizer (DeepSpeedCPUAdam kernel per layer), LR scheduler, LossScaler
     checkpoint/ (DeepSpeed layout), monitor.py (W&B / CSV)
 
-Two ways to train, with identical gradients:
-- ``loss = engine(batch); engine.backward(loss); engine.step()`` (DeepSpeed's loop; one
-  micro-batch at a time, ``step()`` after every micro-batch, boundary every GAS micro-batches);
+Two ways to train, with identical gradients and the same schedule:
+- ``loss = engine(batch); engine.backward(loss); engine.step()`` (DeepSpeed's loop: ``step()``
+  after every micro-batch, boundary every GAS micro-batches; the window's micro-batches are
+  queued and run as one RoundPipe schedule at the boundary, loop.py);
 - ``loss = engine.train_batch(data_iter)`` (PipelineEngine API; all GAS micro-batches in one
-  RoundPipe schedule: the fast path).
+  call).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from rp_engine.autotune import ProfileCheck
 from rp_engine.config import DSConfig
+from rp_engine.config.errors import _NoOptimizerError
 from rp_engine.data import DataFeed, build_dataloader
 from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
@@ -35,12 +37,18 @@ from rp_engine.engine.api import DeepSpeedAccessors
 from rp_engine.engine.boundary import OptimizerBoundary, boundary_in_flight_ok
 from rp_engine.engine.loop import FORWARD_OPS, ImperativeLoop
 from rp_engine.engine.pipeline import InFlightBox, PipelinedIterations
+from rp_engine.engine.window import ReadyGate, Window
 from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
 from rp_engine.model.module import Layering
 from rp_engine.monitor import Monitor
-from rp_engine.optim.build import build_optimizer, build_scheduler, returned_optimizer
+from rp_engine.optim.build import (
+    build_optimizer,
+    build_scheduler,
+    has_optimizer,
+    returned_optimizer,
+)
 from rp_engine.optim.nonfinite import NonFiniteGuard
 from rp_engine.optim.stepper import OptimizerStepper, StepResult, staleness_compensation
 from rp_engine.plan.actions import Plan
@@ -116,6 +124,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self._counters = StepCounters(cfg.gradient_accumulation_steps, cfg.train_batch_size)
         self._last: StepResult | None = None
         self._timeline: list[TimelineRecord] = []
+        self._window = Window()  # the imperative loop's open accumulation window (loop.py)
         self._stats_open = RunStats()  # runs of the optimizer step in progress
         self._step_stats: RunStats | None = None
         self._nvme_mark = IOStats()  # the NVMe tier's totals at the last step's close
@@ -132,8 +141,12 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self, cfg: DSConfig, model: nn.Module, optimizer: Any, model_parameters: Any,
         lr_scheduler: Any, budget: int | None,
     ) -> None:  # fmt: skip
-        """Compose the parts: layers, host store, optimizer, stepper, planner, executor."""
+        """Compose the parts: layers, host store, optimizer, stepper, planner, executor.
+
+        Without an optimizer (``has_optimizer``) the engine is forward-only, as DeepSpeed's:
+        no masters, gradient buffers, optimizer tier, scheduler or second weight buffer."""
         rp = cfg.roundpipe
+        trains = has_optimizer(cfg, optimizer)
         self.seq: LayerSequence = to_layers(
             model, loss_fn=getattr(model, "loss_fn", None), head_chunk_tokens=rp.head_chunk_tokens,
             split_points=rp.split_points,
@@ -141,12 +154,13 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.layering = self.seq.layering or Layering("shape", f"a {self.seq.kind} model")
         modules = list(self.seq.modules())
         on_cuda = self.pool.kind == "cuda"
-        nvme = wants_optimizer_tier(cfg)
+        nvme = wants_optimizer_tier(cfg) and trains
         self.store = HostStore(
             modules,
             pin=cuda_pin if on_cuda else None,
             alloc=pinned_empty if on_cuda else None,  # uninitialised: written before read
             paged_masters=nvme,  # masters and moments live on NVMe (storage/optimizer_tier.py)
+            trainable=trains,
         )
         self.host_optimizer = build_optimizer(
             cfg, self.store, model=model, client_optimizer=optimizer,
@@ -163,7 +177,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # DeepSpeed's names: the caller's optimizer argument, and the unwrapped optimizer (the
         # client's own object when one was given) that ``self.host_optimizer`` drives
         self.client_optimizer = optimizer
-        self.basic_optimizer = self.host_optimizer.optimizer
+        self.basic_optimizer = self.host_optimizer.optimizer if trains else None
         # what DeepSpeed's engine.optimizer is (and initialize returns): the client's object
         # itself at ZeRO-0 fp32, else the wrapper; the engine itself drives host_optimizer
         self.optimizer = returned_optimizer(
@@ -171,7 +185,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         )
         self.lr_scheduler = build_scheduler(cfg, self.host_optimizer, client_scheduler=lr_scheduler)
         # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
-        async_mode = rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only
+        async_mode = rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only and trains
         dp = data_parallel(self.store)  # None in one process
         self.stepper = OptimizerStepper(
             self.store,
@@ -190,7 +204,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # overlap applies boundaries in flight (boundary.py); async overlap wants two
         # weight versions at once, when host memory allows. Data parallel: collectives assume
         # one open step; the step journal's undo likewise: it goes at the first overlapped
-        # train_batch (the imperative loop keeps it); an explicit "on" wins over overlap
+        # train_batch or loop window; an explicit "on" wins over overlap
         can_skip = cfg.fp16.enabled or self._guard.active  # a step may close skipped, late
         in_flight = boundary_in_flight_ok(self.lr_scheduler, can_skip=can_skip)
         wanted = rp.overlap_iterations is not False
@@ -202,7 +216,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         shared_rng = self.pool.kind == "cpu" and self._dropout
         self._overlap = (
             wanted and in_flight and not shared_rng and self.stepper.dp is None
-            and rp.step_journal != "on"
+            and rp.step_journal != "on" and trains
         )  # fmt: skip
         if self.stepper.dp is not None:
             self.stepper.journal = None
@@ -243,6 +257,9 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # model, re-planning on a disagreement (autotune.py); None when not asked for
         self._autotune = ProfileCheck.for_engine(cfg.raw, model, cfg.train_micro_batch_size_per_gpu)
         self._staging = staging_pools(self.pool.devices)  # shared by every executor made
+        # the loop's prefetched windows hold their gradients here (read the stepper at each
+        # call: tests and data parallel wrap its layer_ready)
+        self._gate = ReadyGate(lambda layer, step: self.stepper.layer_ready(layer, step))
         self._executor = self._make_executor()
         self._batches = BatchAdapter(self.seq, compute_dtype(cfg), pin=self.pool.kind == "cuda")
 
@@ -255,7 +272,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
                 self.store,
                 wait_free=lambda layer, step: self.stepper.wait_grads_free(layer, step),
                 is_free=lambda layer, step: self.stepper.grads_free(layer, step),
-                ready=lambda layer, step: self.stepper.layer_ready(layer, step),
+                ready=self._gate,  # held while a prefetched window's factors are unchecked
             ),
             seed=self._config.roundpipe.seed,
             use_rng=self._dropout,
@@ -279,7 +296,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
                 "(use return_logits=False, compute_loss=True)"
             )
         n = num_micro_batches or self.gradient_accumulation_steps()
-        batches = [self._batch_of((b,), {}) for b in self._feed.take(data_iter, n)]
+        batches = [self._batch_of((b,), {}, fed=True) for b in self._feed.take(data_iter, n)]
         was_training = self._module.training
         self.eval()
         try:
@@ -291,19 +308,33 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         return torch.tensor(self._dp_mean(sum(losses) / len(losses)))  # mean over dp ranks too
 
     # --- internals ------------------------------------------------------------------------------
+    def _need_optimizer(self, call: str) -> None:
+        """Raise unless the engine can train: ``call`` ("backward", "step", "train_batch") of
+        a forward-only engine (``initialize`` without an optimizer) fails first thing, as
+        DeepSpeed's asserts (an AssertionError too), naming the missing section and the fix."""
+        if not self.host_optimizer.empty:
+            return
+        raise _NoOptimizerError(
+            f"engine.{call}() needs an optimizer, and initialize() was given none (no "
+            '"optimizer" section in the config, no optimizer= argument): this engine runs '
+            'forwards only (DeepSpeed: "must provide optimizer during init in order to use '
+            f'{call}"). To train, add an "optimizer" section to the config (e.g. {{"type": '
+            '"AdamW", "params": {"lr": 1e-4}}) or pass optimizer= to initialize()'
+        )
+
     def _run(
         self, plan: Plan, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
     ) -> Any:
         self._drain_pipeline()
         if closes_step:
             self.stepper.open_step(step)
+        kw.setdefault("microbatch_offset", self.micro_steps)
         spec = RunSpec(
             plan=plan,
             batches=batches,
             version=self.stepper.required_version(step),
             step=step,
             closes_step=closes_step,
-            microbatch_offset=self.micro_steps,
             **kw,
         )
         try:
@@ -313,7 +344,8 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             # weights are untouched), so the next call starts clean.
             self._abort_step()
             raise
-        self._guard.observe(result.losses, self.micro_steps, self.gradient_accumulation_steps())
+        gas = self.gradient_accumulation_steps()
+        self._guard.observe(result.losses, spec.microbatch_offset, gas)
         if closes_step:
             self._last = self.stepper.close_step(step=step, skip=self._guard.force_skip())
         self._timeline = result.timeline
@@ -330,7 +362,6 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.stepper.abandon_step()
         self.store.zero_grads()
         self._guard.reset()
-        self._carry = self._carry_batch = None
         log.warning(
             "run failed: gradients accumulated for step %d were discarded", self.global_steps + 1
         )
@@ -345,8 +376,13 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.stepper.synchronize()
         return self._executor.run(spec)
 
-    def _batch_of(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        return self._batches.to_dict(inputs, kwargs)
+    def _batch_of(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, fed: bool = False
+    ) -> dict[str, Any]:
+        """One micro-batch's state: the arguments of ``engine(...)``, or with ``fed`` a
+        micro-batch ``train_batch`` / ``eval_batch`` took from the data iterator (a module
+        model's tuple is then its positional arguments: ``BatchAdapter.to_dict``)."""
+        return self._batches.to_dict(inputs, kwargs, fed=fed)
 
     def destroy(self) -> None:
         """Finish in-flight steps, publish the newest weights, stop workers and devices.
@@ -358,6 +394,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         try:
             self._drain_pipeline()  # the step in flight is applied, as without overlap
         finally:
+            self._discard_window()  # queued micro-batches no step() will close
             self._finalizer()  # InFlightBox.finish logs a late skip no call is left to raise
         self._published_step = self.global_steps
         self._executor.close()

@@ -1,33 +1,60 @@
 """DeepSpeed's imperative loop over RoundPipe: ``loss = engine(batch); engine.backward(loss);
-engine.step()``, one micro-batch at a time.
+engine.step()``, with the accumulation window run as ONE schedule, as ``train_batch`` runs it.
 
-``forward`` runs the forward stages and the fused head of one micro-batch and keeps the head's
-gradients on the device (the ``Carry``); ``backward(loss)`` scales them by d(loss)/d(our loss),
-so whatever the caller did to the loss is honoured, and runs the backward stages; ``step`` closes
-the optimizer step at the accumulation boundary. ``train_batch`` (pipeline.py) is the fast path:
-all GAS micro-batches in one schedule, with identical gradients.
+Running each ``engine(batch)`` and each ``backward`` as its own run would upload every weight per
+micro-batch and per pass: ZeRO-3's traffic. Instead (window.py has the states)::
+
+    engine(b0)      queue b0, return a deferred loss L0 (deferred.py)
+    backward(L0)    factor f0 = d(caller's loss)/d(L0), from the recorded arithmetic
+    step()          not a boundary: counters only
+    ...
+    backward(L3)    the boundary: the window runs now, b0..b3 in one schedule: one weight
+                    upload per slot, the head's d(loss) of micro-batch m scaled by f_m
+                    (train_batch's run, with iterations overlapping); L0..L3 get their values
+    step()          the boundary applied (in flight when the run is, as train_batch does)
+
+- Reading a loss before its window ran (``loss.item()``, ``print``) runs what is queued first,
+  so a value is never a placeholder. A read of a loss whose backward has not come runs that
+  micro-batch alone (a forward run; its backward then runs alone too): correct, as slow as
+  before. A caller's loss not affine in ours (``loss ** 2``) does the same.
+- ``managed_gradient_accumulation: false`` (DeepSpeed 0.19.8): every ``step()`` closes the
+  window, whatever its length; ``backward`` never does.
+- A module model whose forward returns outputs runs its forward at once (the caller's criterion
+  needs them) and queues its backward: the window's backwards run as one schedule.
+- A failure inside the window raises from the call that ran it (the boundary's ``backward``,
+  ``step()`` or a read), drops the step's gradients (the weights are untouched), and the step
+  counts as skipped at its ``step()``; the window's unread losses raise when read.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rp_engine.engine.deferred import DeferredValue, Leaf, derivative
 from rp_engine.engine.fused_lm_head import fused_output
+from rp_engine.engine.window import Entry, FactorModel, Prefetch, ReadyGate, Window
 from rp_engine.model.module import rebuild_outputs
 from rp_engine.plan.actions import Op
+from rp_engine.runtime.run_state import Resume
 
 if TYPE_CHECKING:
+    from rp_engine.config import DSConfig
     from rp_engine.model.batches import BatchAdapter
     from rp_engine.optim.nonfinite import NonFiniteGuard
     from rp_engine.optim.optimizer import HostOptimizer
-    from rp_engine.optim.stepper import OptimizerStepper
+    from rp_engine.optim.stepper import OptimizerStepper, StepResult
     from rp_engine.runtime.counters import StepCounters
-    from rp_engine.runtime.executor import Carry, Executor
+    from rp_engine.runtime.executor import Executor, RunResult
     from rp_engine.runtime.planning import Planner
 
-__all__ = ["ImperativeLoop", "FORWARD_OPS", "BACKWARD_OPS"]
+__all__ = ["ImperativeLoop", "LoopMisuseError", "FORWARD_OPS", "BACKWARD_OPS"]
+
+log = logging.getLogger("rp_engine")
 
 FORWARD_OPS = frozenset({Op.FWD, Op.HEAD})
 BACKWARD_OPS = frozenset({Op.BWD})
@@ -36,11 +63,11 @@ BACKWARD_OPS = frozenset({Op.BWD})
 class ImperativeLoop:
     """``__call__`` / ``forward`` / ``backward`` / ``step`` of ``deepspeed.DeepSpeedEngine``."""
 
-    # the micro-batch between forward() and backward(): its carry, batch and loss leaf
-    _carry: Carry | None = None
-    _carry_batch: dict[str, Any] | None = None
-    _loss_leaf: torch.Tensor | None = None
-    _leaves: dict[str, torch.Tensor] = {}  # noqa: RUF012 - a module model's outputs (replaced)
+    _window: Window  # made by the engine
+    _gate: ReadyGate  # made by the engine: between the executor and the optimizer
+    _prefetch: Prefetch | None = None  # an announced window (expect_micro_batches)
+    _factor_model = FactorModel()  # a prefetched window's predicted factors (window.py)
+    _in_no_sync = False  # api.py's no_sync()
 
     if TYPE_CHECKING:  # provided by RoundPipeEngine
         stepper: OptimizerStepper
@@ -48,31 +75,55 @@ class ImperativeLoop:
         planner: Planner
         host_optimizer: HostOptimizer
         global_steps: int
+        micro_steps: int
+        _config: DSConfig
         _counters: StepCounters
         _guard: NonFiniteGuard
         _batches: BatchAdapter
         _module: torch.nn.Module
         _executor: Executor
+        _overlap: bool
+        _last: StepResult | None
 
-        def _batch_of(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]: ...
+        def _batch_of(
+            self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, fed: bool = False
+        ) -> dict[str, Any]: ...
         def _run(
             self, plan: Any, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
         ) -> Any: ...
         def _eval_run(self, batches: list[Any], **kw: Any) -> Any: ...
         def _apply_boundary(self, lr_kwargs: dict[str, Any] | None) -> bool: ...
+        def _apply_in_flight(self, lr_kwargs: dict[str, Any] | None) -> bool: ...
+        def _uncounted_in_flight(self) -> bool: ...
+        def _after_run(self, result: RunResult, profile: bool) -> None: ...
+        def _drain_pipeline(self) -> None: ...
+        def _abort_pipeline(self, finishing: Any = None) -> None: ...
+
+        _inflight: Any
+        store: Any
+
+        def _issue(
+            self, batches: list[Any], *, unit: float, factors: list[float] | None = None,
+            first_microbatch: int | None = None, microbatches: list[int] | None = None,
+            token_stats: bool = False,
+        ) -> list[float]: ...  # fmt: skip
+        def _need_optimizer(self, call: str) -> None: ...
         def gradient_accumulation_steps(self) -> int: ...
         def is_gradient_accumulation_boundary(self) -> bool: ...
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.forward(*inputs, **kwargs)
 
+    # --- forward --------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the forward stages and the fused head of one micro-batch; returns the loss
-        (a Hugging Face ``CausalLMOutput`` for HF models, else the loss tensor).
+        """One micro-batch's forward; returns the loss (a Hugging Face ``CausalLMOutput`` for
+        HF models, else the loss tensor). In training mode the loss is deferred: its window
+        runs as one schedule later (module docstring); reading it runs what it waits for.
 
         ``fused_lm_head=True`` (TRL's fused LM head) returns TRL's ``FusedCausalLMOutput``
-        instead: per-token log-probs, entropy, top-1 hits, label mask (integrations/
-        fused_lm_head.py)."""
+        instead: per-token log-probs, entropy, top-1 hits, label mask (fused_lm_head.py). TRL
+        reads them at once: from a prefetched window's run (``expect_micro_batches``, which
+        Trainer's patch calls), else that micro-batch runs alone, now."""
         self.stepper.check()
         if self._batches.seq.returns_outputs:
             return self._forward_outputs(inputs, kwargs)
@@ -88,78 +139,31 @@ class ImperativeLoop:
             if fused:
                 return fused_output(loss, result.token_stats[0], leaf=None)
             return self._batches.wrap_loss(loss)
-        self._release_carry()
-        step = self.global_steps + 1
-        result = self._run(
-            self.planner.plan(1, ops=FORWARD_OPS),
-            [batch],
-            step=step,
-            defer_head=True,
-            closes_step=False,
-            token_stats=fused,
-        )
-        self._carry, self._carry_batch = result.carry, batch
-        self._loss_leaf = torch.tensor(result.losses[0], device=self.device, requires_grad=True)
-        # Not the leaf itself: callers scale the loss in place (Trainer's `loss *= ...`), which
-        # autograd refuses on a leaf; backward differentiates through this product.
-        if fused:
-            stats = result.token_stats[0]
-            return fused_output(self._loss_leaf * share, stats, leaf=self._loss_leaf)
-        return self._batches.wrap_loss(self._loss_leaf * share)
-
-    def backward(
-        self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True, **kwargs: Any
-    ) -> torch.Tensor:
-        """Backward of the last forward's micro-batch. Returns the loss scaled by 1/GAS (as
-        DeepSpeed). Whatever the caller did to the loss is honoured: its derivative with respect
-        to the returned loss scales the gradients."""
-        self.stepper.check()
-        outputs = self._batches.seq.returns_outputs
-        if self._carry is None or (self._loss_leaf is None and not outputs):
-            raise RuntimeError("engine.backward() needs a preceding engine.forward() in train mode")
-        loss_t = getattr(loss, "loss", loss)
-        scaled = loss_t / self.gradient_accumulation_steps() if scale_wrt_gas else loss_t
-        run: dict[str, Any] = {}
-        if outputs:  # d(loss)/d(each output) seeds the backward stages (model/module.py)
-            run["output_grads"] = _output_grads(
-                scaled * self.host_optimizer.cur_scale, self._leaves
-            )
-        else:
-            assert self._loss_leaf is not None
-            run["head_factor"] = (
-                _derivative(scaled, self._loss_leaf) * self.host_optimizer.cur_scale
-            )
-        closes = self.is_gradient_accumulation_boundary()
-        carry, batch = self._carry, self._carry_batch
-        self._carry = self._carry_batch = None
-        self._leaves = {}
-        self._run(
-            self.planner.plan(1, ops=BACKWARD_OPS),
-            [batch],  # type: ignore[list-item]
-            step=self.global_steps + 1,
-            closes_step=closes,
-            carry=carry,
-            **run,
-        )
-        return scaled.detach()
+        self._before_new_entry()
+        known = self._from_prefetch(batch, num_items, fused)
+        if known is not None:
+            return known
+        entry = self._window.add(Entry(batch, share, self._next_microbatch(), fused=fused))
+        if fused:  # TRL reads the per-token statistics at once: this micro-batch runs now
+            result = self._run_forward(entry)
+            leaf = torch.tensor(result.losses[0], device=self.device, requires_grad=True)
+            entry.real_leaf = leaf  # TRL's log-probs tie their gradient to it (fused_lm_head.py)
+            return fused_output(leaf * share, entry.stats, leaf=leaf)
+        entry.leaf = Leaf(_resolver(self, entry), _placeholder(self.device))
+        # the caller's loss is what the model returns: the head's mean times the token share
+        return self._batches.wrap_loss(DeferredValue(entry.leaf, entry.leaf.placeholder) * share)
 
     def _forward_outputs(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A module model's forward: its own return value, rebuilt from the head's outputs
         (training: floating tensors on the engine's device that collect the caller's
-        gradient for ``backward``)."""
+        gradient for ``backward``). Runs now: the caller's criterion needs the outputs."""
         batch = self._batch_of(inputs, kwargs)
         if not (self._module.training and torch.is_grad_enabled()):
             outputs = self._eval_run([batch]).outputs[0]
             return rebuild_outputs(outputs, lambda _k, v: _to(v, self.device))
-        self._release_carry()
-        result = self._run(
-            self.planner.plan(1, ops=FORWARD_OPS),
-            [batch],
-            step=self.global_steps + 1,
-            defer_head=True,
-            closes_step=False,
-        )
-        self._carry, self._carry_batch = result.carry, batch
+        self._before_new_entry()
+        entry = self._window.add(Entry(batch, 1.0, self._next_microbatch()))
+        result = self._run_forward(entry)
         leaves: dict[str, torch.Tensor] = {}
 
         def leaf(key: str, value: Any) -> Any:
@@ -169,26 +173,454 @@ class ImperativeLoop:
             return value
 
         out = rebuild_outputs(result.outputs[0], leaf)
-        self._leaves = leaves
+        entry.output_leaves = leaves
         return out
 
-    def _release_carry(self) -> None:
-        """A training-mode forward whose backward never came (a loss logged, say): DeepSpeed
-        allows it; its graph is released here, at the next forward. Nothing of it reached the
-        host's gradients (they land in backward), so dropping it is the whole release."""
-        if self._carry is not None:
-            self._executor.release(self._carry)
-        self._carry = self._carry_batch = self._loss_leaf = None
-        self._leaves = {}
+    def _next_microbatch(self) -> int:
+        """The engine-wide number of the next entry (its dropout seeds): the window's first
+        entry's ``micro_steps``, then one more per entry. DeepSpeed's loop calls step() after
+        every micro-batch, so that is ``micro_steps`` itself, as train_batch numbers them;
+        Accelerate calls it once per window, and the window's micro-batches still differ."""
+        first = self._window.entries[0].micro_step if self._window.entries else self.micro_steps
+        return first + len(self._window.entries)
 
-    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
-        """Called after every micro-batch; applies the optimizer at the accumulation boundary."""
+    def _run_forward(self, entry: Entry) -> Any:
+        """The forward stages and the head of one entry, alone (a forward run): its carry
+        waits for its backward on the device (a module model's: host tensors only)."""
+        try:
+            result = self._run(
+                self.planner.plan(1, ops=FORWARD_OPS), [entry.batch], step=self.global_steps + 1,
+                defer_head=True, closes_step=False, token_stats=entry.fused,
+                microbatch_offset=entry.micro_step,
+            )  # fmt: skip
+        except BaseException as exc:
+            self._window_lost(exc)
+            raise
+        self._window.runs += 1  # its head's gradients may be kept, but they are this step's
+        entry.carry = result.carry
+        if result.token_stats:
+            entry.stats = result.token_stats[0]
+        return result
+
+    def _forward_alone(self, entry: Entry) -> None:
+        """Eager fallback: run the entry's forward now (its value is read, or its caller's loss
+        needs its value for the derivative); its backward will run alone too."""
+        result = self._run_forward(entry)
+        assert entry.leaf is not None
+        entry.leaf.set(torch.tensor(result.losses[0], device=self.device))
+
+    def _before_new_entry(self) -> None:
+        """A training forward: a window lost to a failure whose step() never came (its
+        backward raised) is given up here, without counting a step, as DeepSpeed's counters
+        never saw it (the optimizer is back at the step before: its run reopens that step);
+        then the last entry, if its backward never came, is settled."""
+        if self._window.failed is not None:
+            self._window.close()
+        self._settle_open_entry()
+
+    def _settle_open_entry(self) -> None:
+        """A new forward while the last one's backward never came (a loss logged, say):
+        DeepSpeed allows it and drops that forward's graph. Its value may still be read, so an
+        unrun one is computed first; nothing of it reaches the gradients."""
+        last = self._window.last()
+        if last is None or not last.awaits_backward:
+            return
+        if last.speculative:  # its gradient is in the prefetched run: that run is not the step's
+            self._discard_prefetch()
+        if last.leaf is not None and not last.leaf.resolved:
+            self._forward_alone(last)
+        if last.carry is not None:
+            self._executor.release(last.carry)
+            last.carry = None
+        last.landed = True
+
+    # --- backward ------------------------------------------------------------------------------
+    def backward(
+        self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True, **kwargs: Any
+    ) -> torch.Tensor:
+        """Backward of the last forward's micro-batch. Returns the loss scaled by 1/GAS (as
+        DeepSpeed). Whatever the caller did to the loss is honoured: its derivative with respect
+        to our loss scales the gradients. At the accumulation boundary the window runs."""
+        self._need_optimizer("backward")
         self.stepper.check()
-        if self._counters.is_boundary():
-            self._counters.step(applied=self._apply_boundary(lr_kwargs))
+        entry = self._window.last()
+        if entry is None or not entry.awaits_backward:
+            raise RuntimeError("engine.backward() needs a preceding engine.forward() in train mode")
+        entry.backward_called = True
+        loss_t = getattr(loss, "loss", loss)
+        gas = self.gradient_accumulation_steps()
+        scaled = loss_t / gas if scale_wrt_gas else loss_t
+        divide = gas if scale_wrt_gas else None
+        if self._batches.seq.returns_outputs:  # d(loss)/d(each output) seeds its backward
+            grads = _output_grads(scaled, entry.output_leaves)  # the loss scale: at its run
+            assert entry.carry is not None
+            entry.resume = Resume(entry.carry, 1.0, grads)
+            entry.carry = entry.output_leaves = None  # type: ignore[assignment]
+        elif entry.real_leaf is not None:  # its value known at its forward
+            entry.factor = _derivative(scaled, entry.real_leaf)
+            if entry.carry is not None:  # eager from the start (TRL's fused output)
+                self._backward_alone(entry)
+            else:  # from a prefetched window's run: was its factor the predicted one?
+                self._check_prediction(entry)
         else:
+            assert entry.leaf is not None
+            if entry.carry is None:  # deferred: the derivative without the value, if affine
+                entry.factor = derivative(loss_t, entry.leaf, divide_by=divide)
+                if entry.factor is None:
+                    self._forward_alone(entry)
+            if entry.carry is not None:  # eager: at the value, its backward alone, now
+                entry.factor = derivative(
+                    loss_t, entry.leaf, divide_by=divide, at=entry.leaf.value()
+                )
+                self._backward_alone(entry)
+        if self._managed() and self._counters.is_boundary():
+            self._run_window()
+        return scaled.detach()
+
+    def _backward_alone(self, entry: Entry) -> None:
+        """An eager entry's backward stages, alone (its carried head gradients scaled by its
+        factor). Closes the step when it is the window's last work at the boundary."""
+        assert entry.carry is not None and entry.factor is not None
+        self._drain_pipeline()  # the loss scale of a step in flight's close (fp16), first
+        resume = Resume(entry.carry, entry.factor * self.host_optimizer.cur_scale)
+        entry.carry = None
+        closing = self._managed() and self._counters.is_boundary() and not self._window.pending()
+        self._land(
+            self.planner.plan(1, ops=BACKWARD_OPS), [entry.batch], [entry], closing=closing,
+            resumes=[resume],
+        )  # fmt: skip
+
+    # --- the window's runs ------------------------------------------------------------------------
+    def _run_window(self) -> None:
+        """The boundary: run every queued entry (one schedule) and close the step."""
+        if self._window.failed is not None or self._window.closed:
+            return  # lost (step() counts it as skipped), or closed by its last run already
+        fetched = self._prefetch
+        if fetched is not None and fetched.issued:
+            self._learn_factors(fetched)
+            if fetched.live:
+                self._confirm_prefetch(fetched)
+                return
+        self._run_ready(closing=True)
+
+    def _run_ready(self, *, closing: bool) -> None:
+        """Run the window's queued work: the deferred entries whose backward came (one whole
+        schedule, forward and backward), or a module model's queued backwards (one backward
+        schedule). ``closing``: this run completes the step (at its boundary)."""
+        ready, resumes = self._window.ready(), self._window.resumes()
+        if resumes:
+            self._drain_pipeline()  # the loss scale of a step in flight's close (fp16), first
+            scale = self.host_optimizer.cur_scale
+            self._land(
+                self.planner.plan(len(resumes), ops=BACKWARD_OPS),
+                [e.batch for e in resumes], resumes, closing=closing,
+                resumes=[_scaled(e.resume, scale) for e in resumes if e.resume is not None],
+            )  # fmt: skip
+        elif ready:
+            whole = closing and self._window.runs == 0  # the step's only run, as train_batch's
+            profile = whole and self.planner.profile_left > 0  # the planner's first steps
+            if whole and self._overlap and not profile:
+                self._issue_window(ready)
+                return
+            result = self._land(
+                self.planner.plan(len(ready)), [e.batch for e in ready], ready, closing=closing,
+                factors=_factors(ready), profile=profile,
+            )  # fmt: skip
+            if whole:  # what the planner learns from a whole step (round size, profile)
+                self._after_run(result, profile)
+        elif closing and self._window.runs:  # every contribution already landed: close
+            self._close_now()
+
+    def _land(
+        self, plan: Any, batches: list[Any], entries: list[Entry], *, closing: bool, **kw: Any
+    ) -> RunResult:
+        """One drained run of the open step's work for ``entries``; their losses get values."""
+        self._drain_pipeline()  # first: a step in flight's close may change the loss scale
+        try:
+            result = self._run(
+                plan, batches, step=self.global_steps + 1, closes_step=closing,
+                grad_scale=self.host_optimizer.cur_scale, microbatch_offset=entries[0].micro_step,
+                microbatches=[e.micro_step for e in entries], sole=self._window.runs == 0, **kw,
+            )  # fmt: skip
+        except BaseException as exc:
+            self._window_lost(exc)
+            raise
+        self._landed(entries, result.losses, closing=closing)
+        return result
+
+    def _issue_window(self, ready: list[Entry]) -> None:
+        """The whole window as the step's only run, left in flight (iterations overlap, as
+        train_batch's): its losses are known when this returns; step() applies the boundary."""
+        self.stepper.journal = None  # two open steps from here on, as train_batch's overlap
+        try:
+            losses = self._issue(
+                [e.batch for e in ready], unit=1.0, factors=_factors(ready),
+                first_microbatch=ready[0].micro_step, microbatches=[e.micro_step for e in ready],
+            )  # fmt: skip
+        except BaseException as exc:
+            self._window_lost(exc)
+            raise
+        self._landed(ready, losses, closing=True)
+
+    def _landed(self, entries: list[Entry], losses: list[float], *, closing: bool) -> None:
+        """A run of the open step landed ``entries``' gradients; their deferred losses get the
+        run's values (a backward run reports none: its entries have theirs already)."""
+        self._window.runs += 1
+        self._window.closed = closing
+        values: list[float | None] = list(losses) or [None] * len(entries)
+        for entry, value in zip(entries, values, strict=True):
+            entry.landed = True
+            if value is not None and entry.leaf is not None and not entry.leaf.resolved:
+                entry.leaf.set(torch.tensor(value, device=self.device))
+
+    def _close_now(self) -> None:
+        """Close a step whose contributions all landed through non-closing runs."""
+        step = self.global_steps + 1
+        self.stepper.open_step(step)
+        self._last = self.stepper.close_step(step=step, skip=self._guard.force_skip())
+        self._window.closed = True
+
+    def _skip_lost_step(self) -> None:
+        """The open step's window failed: the optimizer declares it skipped (every layer done
+        at it, no update), as an fp16 overflow's step, so the next step's buffers are free."""
+        step = self.global_steps + 1
+        self.stepper.open_step(step)
+        self.stepper.close_step(step=step, skip=True)
+
+    def _window_lost(self, error: BaseException) -> None:
+        """A run of the open step failed: its gradients were dropped (the weights are untouched).
+        The window's losses that never got a value raise when read; step() counts the step as
+        skipped."""
+        self._gate.drop()  # a prefetched window's held gradients are gone with the rest
+        self._prefetch = None
+        if not self._window.entries:
+            return  # train_batch's failure: no window of the loop was open
+        for entry in self._window.entries:
+            if entry.leaf is not None and not entry.leaf.resolved:
+                entry.leaf.fail(error)
+            entry.landed = True
+            entry.carry = entry.resume = None
+        self._window.failed = error
+
+    def _resolve_entry(self, entry: Entry) -> None:
+        """A deferred loss is read: run what it waits for (the queued entries before it, then
+        it; alone when its backward has not come)."""
+        if self._window.failed is not None or entry not in self._window.entries:
+            raise RuntimeError(
+                "this loss's accumulation window was discarded before it ran (a failed run, or "
+                "the engine was destroyed); its value is unknown"
+            )
+        if entry.ready:
+            self._run_ready(closing=False)
+        else:
+            self._forward_alone(entry)
+
+    # --- a prefetched window (Hugging Face's Trainer) ----------------------------------------------
+    def expect_micro_batches(self, batches: list[Any]) -> None:
+        """A hint: the next training forwards take these micro-batches, in this order (each a
+        dict of keyword arguments, as ``engine(**batch)`` gets it). Their first forward then runs
+        the whole window at once, so every forward returns its real loss with no extra run,
+        also in loops that read each micro-batch's loss before its backward (Hugging Face's
+        Trainer fetches each step's micro-batches up front: ``integrations/hf.py`` passes them
+        here). The gradients are checked against each backward (window.py ``Prefetch``); a
+        forward with another batch cancels the hint, correct either way."""
+        self._cancel_prefetch()
+        if self.stepper.dp is not None or self._batches.seq.returns_outputs:
+            return  # data parallel reduces per layer as it lands; a module model's outputs
+        fetched = [self._batch_of((), dict(b)) for b in batches]
+        self._prefetch = Prefetch(fetched) if fetched else None
+
+    def _from_prefetch(self, batch: dict[str, Any], num_items: Any, fused: bool) -> Any:
+        """The loss of a forward the prefetched window holds (its run issued at the first), or
+        None (no window, or another batch: the hint is cancelled)."""
+        fetched = self._prefetch
+        if fetched is None:
+            return None
+        if fetched.done or not _same_batch(fetched, batch, num_items, fused):
+            self._cancel_prefetch()
+            return None
+        if not fetched.issued:
+            self._issue_prefetch(fetched, batch, num_items, fused)
+        i = fetched.index
+        fetched.index += 1
+        share = self._batches.token_share(batch, num_items)
+        entry = self._window.add(Entry(batch, share, self._next_microbatch(), fused=fused))
+        entry.speculative = True
+        leaf = torch.tensor(fetched.losses[i], device=self.device, requires_grad=True)
+        entry.real_leaf = leaf
+        if fused:
+            return fused_output(leaf * share, fetched.stats[i], leaf=leaf)
+        return self._batches.wrap_loss(leaf * share)
+
+    def _issue_prefetch(
+        self, fetched: Prefetch, first: dict[str, Any], num_items: Any, fused: bool
+    ) -> None:
+        """Run the whole prefetched window now (in flight, as train_batch's), each micro-batch's
+        d(loss) scaled by its predicted factor; hold its gradients from the optimizer."""
+        fetched.keys, fetched.num_items, fetched.fused = frozenset(first), num_items, fused
+        fetched.batches = [{k: b[k] for k in first} for b in fetched.batches]
+        fetched.counts = [self._batches.token_count(b) for b in fetched.batches]
+        fetched.predicted = self._factor_model.predict(fetched.counts, num_items)
+        fetched.step = self.global_steps + 1
+        fetched.issued = fetched.live = True
+        self.stepper.journal = None  # two open steps, as overlapping train_batch calls
+        self._gate.hold(fetched.step)
+        try:
+            fetched.losses = self._issue(
+                fetched.batches, unit=1.0, factors=fetched.predicted,
+                first_microbatch=self._next_microbatch(), token_stats=fused,
+            )  # fmt: skip
+        except BaseException as exc:
+            self._gate.drop()
+            self._prefetch = None
+            self._window_lost(exc)
+            raise
+        if fused:
+            assert self._inflight is not None
+            fetched.stats = self._inflight.executor.token_stats(self._inflight.handle)
+        self._window.runs += 1
+
+    def _check_prediction(self, entry: Entry) -> None:
+        """A prefetched micro-batch's backward: its factor against the one its run used."""
+        fetched = self._prefetch
+        assert entry.factor is not None
+        if fetched is None or not fetched.live:  # discarded: it runs again at the boundary
+            return
+        i = fetched.index - 1
+        predicted = fetched.predicted[i]
+        if not math.isclose(entry.factor, predicted, rel_tol=1e-6, abs_tol=0):
+            log.info(
+                "prefetched window: micro-batch %d's loss factor %.9g is not the predicted "
+                "%.9g; its gradients run again at the boundary", i, entry.factor, predicted,
+            )  # fmt: skip
+            self._discard_prefetch()
+
+    def _learn_factors(self, fetched: Prefetch) -> None:
+        """The next prefetched window's prediction: the model this one's factors followed."""
+        entries = [e for e in self._window.entries if e.backward_called and e.real_leaf is not None]
+        if len(entries) != fetched.index:
+            return  # not the whole window (a forward without backward...): nothing to learn
+        factors = [e.factor for e in entries if e.factor is not None]
+        counts = fetched.counts[: len(factors)]
+        fitted = FactorModel.fit(factors, counts, fetched.num_items)
+        if fitted is not None:
+            self._factor_model = fitted
+
+    def _confirm_prefetch(self, fetched: Prefetch) -> None:
+        """Every backward of the prefetched window matched: its gradients go to the optimizer
+        (its run in flight closes the step; step() applies the boundary)."""
+        fetched.live = False
+        self._gate.release()
+        for entry in self._window.entries:
+            entry.landed = True
+        self._window.closed = True
+        if not self._overlap:  # iterations may not overlap here: finish the run now
+            self._drain_pipeline()
+
+    def _discard_prefetch(self) -> None:
+        """The prefetched run's gradients are not the step's (a factor mispredicted, or the
+        pipeline must be quiet before the boundary): finish it, drop them; the window's
+        values stay, and its gradients run again at the boundary."""
+        fetched = self._prefetch
+        if fetched is None or not fetched.live:
+            return
+        fetched.live = False
+        run = self._inflight
+        if run is not None and run.step == fetched.step:
+            self._inflight = None
+            try:
+                run.executor.finish(run.handle)
+            except BaseException:
+                self._abort_pipeline(run)
+                raise
+            self.stepper.wait_all()  # the previous step's optimizer reads the other buffer
+            self.stepper.abandon_step(fetched.step)
+            self.store.zero_grads()
+        self._gate.drop()
+        self._window.runs = 0
+        for entry in self._window.entries:
+            entry.speculative = False  # ready once its backward came: runs at the boundary
+
+    def _cancel_prefetch(self) -> None:
+        """Forget the hint (its unread values are dropped; their forwards will run again)."""
+        if self._prefetch is not None:
+            self._discard_prefetch()
+            self._prefetch = None
+
+    # --- step -----------------------------------------------------------------------------------
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Called after every micro-batch; applies the optimizer at the accumulation boundary
+        (with ``managed_gradient_accumulation: false``, at every call)."""
+        self._need_optimizer("step")
+        if self._in_no_sync:
+            raise LoopMisuseError(
+                "It is illegal to call engine.step() inside the no_sync context manager "
+                "(as DeepSpeed): leave the `with engine.no_sync():` block first"
+            )
+        self.stepper.check()
+        if not (self._counters.is_boundary() or not self._managed()):
             self._counters.step(applied=None)
+            self._guard.raise_failed()
+            return
+        self._settle_open_entry()  # a forward whose backward never came adds no gradient
+        backwards = sum(1 for e in self._window.entries if e.backward_called)
+        if self._window.failed is None:
+            self._run_window()
+        failed = self._window.failed is not None
+        self._window.close()
+        if self._prefetch is not None and (self._prefetch.done or failed):
+            self._prefetch = None
+        if failed:  # its gradients are gone: skipped (no scheduler step, no scale change)
+            self._skip_lost_step()
+            applied = False
+        elif self._uncounted_in_flight():
+            applied = self._apply_in_flight(lr_kwargs)
+        else:
+            applied = self._apply_boundary(lr_kwargs)
+        if self._managed():
+            self._counters.step(applied=applied)
+        else:
+            self._counters.unmanaged_step(applied=applied, micro_batches=backwards)
         self._guard.raise_failed()  # after the counters: the engine is consistent when it raises
+
+    def _managed(self) -> bool:
+        return self._config.managed_gradient_accumulation
+
+    def _discard_window(self) -> None:
+        """destroy(): queued work that no boundary will run is dropped (as DeepSpeed drops
+        gradients accumulated without a step); its unread losses raise when read."""
+        for entry in self._window.entries:
+            if entry.carry is not None:
+                self._executor.release(entry.carry)
+            if entry.leaf is not None and not entry.leaf.resolved:
+                entry.leaf.fail(
+                    RuntimeError("the engine was destroyed before this loss's window ran")
+                )
+        self._window.close()
+
+
+class LoopMisuseError(RuntimeError, AssertionError):
+    """Misuse of the loop that DeepSpeed asserts against (``step()`` inside ``no_sync()``...):
+    code written against DeepSpeed that catches AssertionError keeps working."""
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """A deferred loss's metadata: fp32 0-dim on the engine's device, requiring grad."""
+    return torch.full((), float("nan"), device=device).requires_grad_(True)
+
+
+def _resolver(loop: ImperativeLoop, entry: Entry) -> Any:
+    """The leaf's resolver, holding the engine weakly: a loss kept by the caller must not keep
+    the engine (its threads, its memory) alive."""
+    ref = weakref.ref(loop)
+
+    def resolve_entry() -> None:
+        engine = ref()
+        if engine is None:
+            raise RuntimeError("the engine was collected before this loss's window ran")
+        engine._resolve_entry(entry)
+
+    return resolve_entry
 
 
 def _fused_request(flag: Any, head: Any) -> bool:
@@ -207,8 +639,8 @@ def _to(value: Any, device: torch.device) -> Any:
 
 
 def _output_grads(scaled: Any, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """d(scaled)/d(each output leaf), on the host (the backward run uploads them); outputs the
-    loss does not depend on get none (nothing flows back from them)."""
+    """d(scaled)/d(each output leaf of a forward), on the host (the backward run uploads
+    them); outputs the loss does not depend on get none (nothing flows back)."""
     if not isinstance(scaled, torch.Tensor) or not scaled.requires_grad or not leaves:
         return {}
     keys = list(leaves)
@@ -216,9 +648,45 @@ def _output_grads(scaled: Any, leaves: dict[str, torch.Tensor]) -> dict[str, tor
     return {k: g.detach().cpu() for k, g in zip(keys, grads, strict=True) if g is not None}
 
 
+def _scaled(resume: Resume, scale: float) -> Resume:
+    """A module model's queued backward with the loss scale its run is issued with."""
+    grads = resume.output_grads or {}
+    return Resume(resume.carry, resume.head_factor, {k: g * scale for k, g in grads.items()})
+
+
+def _factors(entries: list[Entry]) -> list[float]:
+    """The ready entries' factors (every ready entry has one)."""
+    return [e.factor for e in entries if e.factor is not None]
+
+
 def _derivative(scaled: Any, leaf: torch.Tensor) -> float:
-    """d(scaled)/d(leaf); 0 when the caller's loss does not depend on ours."""
+    """d(scaled)/d(leaf) through autograd; 0 when the caller's loss does not depend on ours."""
     if not isinstance(scaled, torch.Tensor) or not scaled.requires_grad:
         return 0.0
     (grad,) = torch.autograd.grad(scaled, leaf, allow_unused=True)
     return 0.0 if grad is None else float(grad)
+
+
+def _same_batch(fetched: Prefetch, batch: dict[str, Any], num_items: Any, fused: bool) -> bool:
+    """Whether a forward's micro-batch is the prefetched window's next one: the same tensors
+    (the same objects, or equal), and, once its run is issued, the same keys, token count and
+    fused-head request as the first forward's."""
+    want = fetched.batches[fetched.index]
+    if fetched.issued:
+        if (frozenset(batch), num_items, fused) != (fetched.keys, fetched.num_items, fetched.fused):
+            return False
+    elif not set(batch) <= set(want):
+        return False
+    return all(_same_tensor(want[k], v) for k, v in batch.items())
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return bool(a == b)
+    if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return bool(torch.equal(a, b))

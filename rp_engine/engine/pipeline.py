@@ -24,8 +24,9 @@ What stays exact:
   without waiting, labelled with its step (rp-train's W&B rows and HF Trainer's fast path
   read it that way: api.py, integrations/hf.py).
 - Everything that reads weights or needs a quiet pipeline drains first (finishes the run in
-  flight): ``synchronize()``, ``engine.module``, checkpoints, eval, the imperative
-  forward/backward/step loop and ``destroy()``.
+  flight): ``synchronize()``, ``engine.module``, checkpoints, eval, a loss of the loop read
+  before its window's boundary, and ``destroy()``. The imperative loop's window is issued the
+  same way (``_issue``), at its boundary's ``backward``; its ``step()`` applies the boundary.
 
 - Non-finite steps (``roundpipe.on_nonfinite`` "raise", the default, or "skip"): the boundary
   is applied in flight
@@ -89,6 +90,7 @@ class _InFlight:
     executor: Executor
     handle: RunHandle
     step: int
+    unit: float  # the run's grad_scale per unit of loss scale (1/GAS for train_batch)
     counted: bool = False
     skip: bool = False
     before: BoundaryState | None = None
@@ -146,8 +148,6 @@ class PipelinedIterations:
         def _close_nvme_window(self) -> None: ...
 
         _timeline: list[TimelineRecord]
-        _carry: Any
-        _carry_batch: Any
         global_steps: int
         global_samples: int
         micro_steps: int
@@ -157,7 +157,10 @@ class PipelinedIterations:
         stepper: OptimizerStepper
         _autotune: ProfileCheck | None
 
-        def _batch_of(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]: ...
+        def _batch_of(
+            self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, fed: bool = False
+        ) -> dict[str, Any]: ...
+        def _need_optimizer(self, call: str) -> None: ...
         def _run(
             self, plan: Any, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
         ) -> RunResult: ...
@@ -169,6 +172,11 @@ class PipelinedIterations:
         def _make_executor(self) -> Executor: ...
         def _stats_dict(self) -> dict[str, Any]: ...
         def _dp_mean(self, value: float) -> float: ...
+        def _window_lost(self, error: BaseException) -> None: ...
+        def _discard_prefetch(self) -> None: ...
+
+        _prefetch: Any
+
         def gradient_accumulation_steps(self) -> int: ...
         def train(self, mode: bool = True) -> Any: ...
 
@@ -177,14 +185,15 @@ class PipelinedIterations:
 
         With overlap on (see the module docstring) it returns once this step's losses are
         known, with the step's backward tail and optimizer still running."""
+        self._need_optimizer("train_batch")
         self.stepper.check()
         self.train()
         gas = self.gradient_accumulation_steps()
-        batches = [self._batch_of((b,), {}) for b in self._feed.take(data_iter, gas)]
+        batches = [self._batch_of((b,), {}, fed=True) for b in self._feed.take(data_iter, gas)]
         profile = self.planner.profile_left > 0
         if self._overlap and not profile:
             # two open steps from here on, which the step journal's undo does not cover (it was
-            # not asked for explicitly: core.py); the imperative loop alone keeps it
+            # not asked for explicitly: core.py); the loop's overlapped window drops it too
             self.stepper.journal = None
             losses = self._issue_step(batches, gas)
         else:
@@ -204,12 +213,28 @@ class PipelinedIterations:
     # --- the overlapped step --------------------------------------------------------------------
     def _issue_step(self, batches: list[Any], gas: int) -> list[float]:
         """Issue run t, finish run t-1, wait for run t's losses, advance the counters."""
+        losses = self._issue(batches, unit=1 / gas)
+        self._counters.whole_step(applied=self._apply_in_flight(None))
+        self._guard.raise_failed()  # this step's losses, or the previous step's late skip
+        return losses
+
+    def _issue(
+        self, batches: list[Any], *, unit: float, factors: list[float] | None = None,
+        first_microbatch: int | None = None, microbatches: list[int] | None = None,
+        token_stats: bool = False,
+    ) -> list[float]:  # fmt: skip
+        """Issue run t (one whole step: it closes it), finish run t-1, wait for run t's losses
+        (and the head's per-token statistics, ``token_stats``). The run's grad_scale is the loss
+        scale times ``unit``; ``factors`` multiply it per micro-batch (the imperative loop's
+        window). The boundary is applied by the caller (``_apply_in_flight``)."""
         step = self.global_steps + 1
+        first = self.micro_steps if first_microbatch is None else first_microbatch
         self.stepper.open_step(step)
         spec = RunSpec(
-            plan=self.planner.plan(gas), batches=batches,
+            plan=self.planner.plan(len(batches)), batches=batches,
             version=self.stepper.required_version(step), step=step, closes_step=True,
-            grad_scale=self.host_optimizer.cur_scale / gas, microbatch_offset=self.micro_steps,
+            grad_scale=self.host_optimizer.cur_scale * unit, factors=factors,
+            microbatch_offset=first, microbatches=microbatches, token_stats=token_stats,
         )  # fmt: skip
         executor = self._executor
         previous = self._inflight
@@ -218,30 +243,41 @@ class PipelinedIterations:
         except BaseException:
             self._abort_pipeline()
             raise
-        current = self._inflight = _InFlight(executor, handle, step)
+        current = self._inflight = _InFlight(executor, handle, step, unit)
         if previous is not None:
             try:
                 self._complete(previous)  # run t-1 (its failure aborts run t as well)
             except BaseException:
                 self._abort_pipeline()
                 raise
-            if spec.grad_scale != self.host_optimizer.cur_scale / gas:  # step t-1 overflowed (fp16)
+            if spec.grad_scale != self.host_optimizer.cur_scale * unit:  # t-1 overflowed (fp16)
                 self._reissue(current, spec)
         try:
             losses = executor.losses(current.handle)  # (a reissued run has a new handle)
         except BaseException:
             self._abort_pipeline()
             raise
-        # DeepSpeed's counters and LR schedule at the boundary, applied in flight: the step
-        # closes when its run is finished, by the next call (boundary.py)
-        self._guard.observe(losses, self.micro_steps, gas)
+        self._guard.observe(losses, first, self.gradient_accumulation_steps())
         current.skip = self._guard.force_skip()
+        return losses
+
+    def _apply_in_flight(self, lr_kwargs: dict[str, Any] | None) -> bool:
+        """DeepSpeed's counters and LR schedule at the boundary of the run in flight, applied
+        before its step closes: the next call finishes it (boundary.py). Returns whether the
+        step counts as applied; the caller advances the counters."""
+        current = self._inflight
+        assert current is not None and not current.counted, "no issued step to count"
         if (self._guard.active or self.stepper.fp16) and not current.skip:
             current.before = self._boundary_state()  # its close may still skip it
-        self._counters.whole_step(applied=self._apply_boundary(None, in_flight=current.skip))
+        applied = self._apply_boundary(lr_kwargs, in_flight=current.skip)
         current.counted = True
-        self._guard.raise_failed()  # this step's losses, or the previous step's late skip
-        return losses
+        return applied
+
+    def _uncounted_in_flight(self) -> bool:
+        """Whether the run in flight is the open step's, its boundary not applied yet (the
+        imperative loop issued its window at the boundary's backward; step() applies it)."""
+        run = self._inflight
+        return run is not None and not run.counted and run.step == self.global_steps + 1
 
     def _reissue(self, current: _InFlight, spec: RunSpec) -> None:
         """fp16: run t was issued with the loss scale of before step t-1's overflow, found when
@@ -254,9 +290,7 @@ class PipelinedIterations:
             self.stepper.store.zero_grads()
             self.stepper.restart(spec.step - 1)  # declared at t-1, masters published
             self.stepper.open_step(spec.step)
-            again = replace(
-                spec, grad_scale=self.host_optimizer.cur_scale / self.gradient_accumulation_steps()
-            )
+            again = replace(spec, grad_scale=self.host_optimizer.cur_scale * current.unit)
             current.handle = current.executor.start(again)
         except BaseException:
             self._abort_pipeline()
@@ -298,8 +332,15 @@ class PipelinedIterations:
     def _drain_pipeline(self) -> None:
         """Finish the run in flight, if any (before anything that needs a quiet pipeline)."""
         inflight = self._inflight
-        if inflight is not None:
-            self._complete(inflight)
+        if inflight is None:
+            return
+        fetched = self._prefetch
+        if fetched is not None and fetched.live and inflight.step == fetched.step:
+            # a prefetched window's run whose factors are not all checked yet (loop.py): its
+            # gradients cannot close the step; they run again at the window's boundary
+            self._discard_prefetch()
+            return
+        self._complete(inflight)
 
     def _abort_pipeline(self, finishing: _InFlight | None = None) -> None:
         """A run failed with iterations in flight: stop everything, discard every open step's
@@ -325,4 +366,4 @@ class PipelinedIterations:
         self._counters.skipped_steps += sum(r.counted and not r.skip for r in runs.values())
         self.stepper.restart(self.global_steps)
         self._guard.reset()
-        self._carry = self._carry_batch = None
+        self._window_lost(reason)

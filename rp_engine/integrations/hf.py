@@ -20,7 +20,13 @@ Those libraries build the DeepSpeed engine themselves: Accelerate's ``_prepare_d
   ``torch.distributed`` when DeepSpeed is on);
 - makes ``Trainer`` evaluate through the engine (devices + fused head) instead of the
   host-resident module; calls that need logits still get the host module
-  (:func:`_patch_trainer_eval`).
+  (:func:`_patch_trainer_eval`);
+- makes ``Trainer`` (and every subclass: TRL's ``SFTTrainer``) train fast: each optimizer
+  step's micro-batches, which Trainer fetches up front (``get_batch_samples``), are announced to
+  the engine (``expect_micro_batches``), so the step's first forward runs the whole step as one
+  RoundPipe schedule and every later forward and backward only reads its results; the gradient
+  norm is read when Trainer logs, not after every step (which would wait for the step in
+  flight) (:func:`_patch_trainer_window`).
 
 TRL's ``SFTTrainer`` calls the engine with ``fused_lm_head=True``: the engine returns TRL's
 ``FusedCausalLMOutput`` computed by its own chunked head (``engine/fused_lm_head.py``).
@@ -31,8 +37,9 @@ every attribute is served by the RoundPipe engine; DeepSpeed's own engine code n
 ``adapter.module`` is the Hugging Face model with the newest weights (in-flight optimizer steps
 drained). ``disable()`` restores everything ``enable()`` changed.
 
-``RoundPipeTrainer`` (a ``transformers.Trainer``) additionally runs each optimizer step's
-micro-batches as one ``train_batch`` schedule, the fast path.
+``RoundPipeTrainer`` (a ``transformers.Trainer``) runs each optimizer step's micro-batches as
+one ``train_batch`` call instead (the plain Trainer is as fast now; it is kept for code that
+uses it).
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ def enable(**roundpipe: Any) -> None:
     hf_ds.unset_hf_deepspeed_config()
     _owned_group = _ensure_process_group()
     _patch_trainer_eval()
+    _patch_trainer_window()
 
 
 def disable() -> None:
@@ -90,8 +98,8 @@ def disable() -> None:
     hf_ds.set_hf_deepspeed_config = _originals.pop("set_hf_deepspeed_config")
     from transformers import Trainer
 
-    Trainer._wrap_model = _originals.pop("Trainer._wrap_model")  # type: ignore[method-assign]
-    Trainer.prediction_step = _originals.pop("Trainer.prediction_step")  # type: ignore[method-assign]
+    for name in [k for k in _originals if k.startswith("Trainer.")]:
+        setattr(Trainer, name.split(".", 1)[1], _originals.pop(name))
     _roundpipe.clear()
     if _owned_group and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -162,6 +170,85 @@ def _patch_trainer_eval() -> None:
 
     Trainer._wrap_model = _wrap_model  # type: ignore[method-assign]
     Trainer.prediction_step = prediction_step  # type: ignore[method-assign]
+
+
+def _patch_trainer_window() -> None:
+    """Trainer's training loop on the engine's fast path, while enabled, for a Trainer whose
+    model is a RoundPipe engine (any other Trainer is left as it was):
+
+    - ``get_batch_samples`` keeps the step's micro-batches; ``training_step`` of the step's
+      first one prepares them all and announces them (``engine.expect_micro_batches``), then
+      hands each micro-batch on as prepared, so the engine recognises it (the same tensors)
+      and Trainer's own loss code (``compute_loss``, TRL's metrics) runs as it always does;
+    - ``_clip_grad_norm`` / ``_get_grad_norm`` (called after every step) return None instead
+      of reading the norm, which would wait for the step in flight; ``_maybe_log_save_evaluate``
+      reads it when Trainer logs (the exact norm of the step just taken)."""
+    from transformers import Trainer
+
+    originals = {
+        name: getattr(Trainer, name)
+        for name in ("get_batch_samples", "training_step", "_clip_grad_norm", "_get_grad_norm",
+                     "_maybe_log_save_evaluate")
+    }  # fmt: skip
+    for name, fn in originals.items():
+        _originals[f"Trainer.{name}"] = fn
+
+    def get_batch_samples(self: Any, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        batches, num_items = originals["get_batch_samples"](
+            self, epoch_iterator, num_batches, device
+        )
+        self._rp_window = [batches, None]  # the step's micro-batches; prepared at the first
+        return batches, num_items
+
+    def training_step(
+        self: Any, model: Any, inputs: Any, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        engine = _engine_of(model)
+        window = getattr(self, "_rp_window", None)
+        index = _position(window[0], inputs) if engine is not None and window else None
+        if index is None:
+            return originals["training_step"](self, model, inputs, num_items_in_batch)  # type: ignore[no-any-return]
+        assert window is not None
+        if window[1] is None:  # the step's first micro-batch: announce the whole step
+            window[1] = [self._prepare_inputs(b) for b in window[0]]
+            engine.expect_micro_batches(window[1])
+        return originals["training_step"](self, model, window[1][index], num_items_in_batch)  # type: ignore[no-any-return]
+
+    def _clip_grad_norm(self: Any, model: Any) -> Any:
+        if _engine_of(model) is not None:
+            return None  # read when logging (below): reading it now waits for the step
+        return originals["_clip_grad_norm"](self, model)
+
+    def _get_grad_norm(self: Any, model: Any, grad_norm: Any = None) -> Any:
+        if _engine_of(model) is not None:
+            return grad_norm
+        return originals["_get_grad_norm"](self, model, grad_norm=grad_norm)
+
+    def _maybe_log_save_evaluate(
+        self: Any, tr_loss: Any, grad_norm: Any, model: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        engine = _engine_of(model)
+        if engine is not None and grad_norm is None and self.control.should_log:
+            grad_norm = engine.get_global_grad_norm()  # this step's: finishes it
+        originals["_maybe_log_save_evaluate"](self, tr_loss, grad_norm, model, *args, **kwargs)
+
+    Trainer.get_batch_samples = get_batch_samples  # type: ignore[method-assign]
+    Trainer.training_step = training_step  # type: ignore[method-assign]
+    Trainer._clip_grad_norm = _clip_grad_norm  # type: ignore[method-assign]
+    Trainer._get_grad_norm = _get_grad_norm  # type: ignore[method-assign]
+    Trainer._maybe_log_save_evaluate = _maybe_log_save_evaluate  # type: ignore[method-assign]
+
+
+def _engine_of(model: Any) -> Any:
+    """The RoundPipe engine behind Trainer's model, or None (not rp_engine's)."""
+    if isinstance(model, DeepSpeedEngineAdapter):
+        return model.roundpipe_engine
+    return None
+
+
+def _position(batches: list[Any], inputs: Any) -> int | None:
+    """Where ``inputs`` (the very object) sits in the step's micro-batches, or None."""
+    return next((i for i, b in enumerate(batches) if b is inputs), None)
 
 
 def _no_zero3_weakref(_config: Any) -> None:

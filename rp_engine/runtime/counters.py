@@ -45,6 +45,16 @@ class StepCounters:
             self.global_samples += self.samples_per_step
         self.micro_steps += 1
 
+    def unmanaged_step(self, *, applied: bool, micro_batches: int) -> None:
+        """``step()`` with ``managed_gradient_accumulation: false``: every call is a boundary,
+        closing the ``micro_batches`` backward passes since the last one; samples are counted
+        per micro-batch (DeepSpeed 0.19.8's ``_unmanaged_backward_count``)."""
+        self.step_applied = applied
+        self.skipped_steps += 0 if applied else 1
+        self.global_steps += 1
+        self.global_samples += self.samples_per_step // self.gas * micro_batches
+        self.micro_steps += 1
+
     def whole_step(self, *, applied: bool) -> None:
         """``train_batch``: GAS micro-batches, the last of them a boundary."""
         self.micro_steps += self.gas - 1

@@ -90,6 +90,7 @@ __all__ = [
     "TimelineRecord",
     "GradSink",
     "Carry",
+    "Resume",
     "layer_seed",
 ]
 
@@ -97,6 +98,7 @@ __all__ = [
 from rp_engine.runtime.run_state import (
     Carry,
     GradSink,
+    Resume,
     RunHandle,
     RunResult,
     RunSpec,
@@ -198,8 +200,8 @@ class Executor:
             # once every stage using the weight has landed its part
             due: dict[int, int] = {}
             slots = [a.stage for a in plan.actions if a.op is Op.DOWNLOAD]
-            if spec.carry is not None:  # the head's carried gradients come down too
-                slots.append(plan.num_fwd_stages)
+            # each resumed micro-batch's carried head gradients come down too
+            slots += [plan.num_fwd_stages] * len(spec.resumes)
             for slot in slots:
                 for layer in self._touched(self._slot_layers(plan, slot)):
                     due[layer] = due.get(layer, 0) + 1
@@ -213,8 +215,8 @@ class Executor:
         # resets them at its start), and a reset here would keep only the newest run's peak.
         for device in self.devices:
             ctx.base[device.index] = device.timer()
-        if spec.carry is not None:
-            self._resume_from(ctx, spec.carry)
+        for microbatch, resume in enumerate(spec.resumes):
+            self._resume_from(ctx, resume, microbatch)
         self._follow_previous(ctx)
         for action in plan.actions:
             self._handlers[action.op](ctx, action)
@@ -248,6 +250,12 @@ class Executor:
             self.finish(handle)  # raises the first DeviceError (the caller resets)
             raise
         return [float(v) for _, v in sorted(handle.ctx.losses.items())]
+
+    def token_stats(self, handle: RunHandle) -> list[dict[str, torch.Tensor]]:
+        """The run's per-micro-batch head statistics (``RunSpec.token_stats``), host copies;
+        call after ``losses`` (the HEAD actions that fill them are done)."""
+        stats = handle.ctx.token_stats
+        return [{k: v.cpu() for k, v in stats[m].items()} for m in sorted(stats)]
 
     def finish(self, handle: RunHandle) -> RunResult:
         """Wait for the run's own work (its end events, not every stream's later work), then
@@ -335,12 +343,14 @@ class Executor:
             return self.stages.fwd[slot]
         return self.stages.bwd[slot - plan.num_fwd_stages]
 
-    def _resume_from(self, ctx: _Ctx, carry: Carry) -> None:
-        """Start a backward run from a forward run's carry: scale the head's gradients by the
-        factor the user's loss implies, queue their download, hand grad_in to stage 1."""
+    def _resume_from(self, ctx: _Ctx, resume: Resume, microbatch: int) -> None:
+        """Start micro-batch ``microbatch`` of a backward run from a forward run's carry: scale
+        the head's gradients by the factor the user's loss implies, queue their download, hand
+        grad_in to stage 1. The carry's own micro-batch number (its forward run's) is renamed."""
+        carry = resume.carry
         device = self.devices[carry.head_device]
         compute = device.stream(StreamRole.COMPUTE)
-        factor = ctx.spec.head_factor
+        factor = resume.head_factor
 
         def scale() -> None:
             for g in carry.head_grads.values():
@@ -350,11 +360,11 @@ class Executor:
 
         compute.submit(scale, label="H.scale")
         done = compute.record()
-        ctx.saved.update(carry.saved)
-        for saved in carry.saved:
-            ctx.saved_ev[saved] = None  # already on the host
-        key = _Grad(1, carry.microbatch)
-        grads_of_outputs = ctx.spec.output_grads
+        for (stage, _), state in carry.saved.items():
+            ctx.saved[(stage, microbatch)] = state
+            ctx.saved_ev[(stage, microbatch)] = None  # already on the host
+        key = _Grad(1, microbatch)
+        grads_of_outputs = resume.output_grads
         if grads_of_outputs is not None:  # a module model: the user's loss seeds the backward
             self._put_host(ctx, key, functools.partial(dict, grads_of_outputs))
         elif carry.grad_in is not None:
@@ -363,7 +373,7 @@ class Executor:
         head_layers = self.stages.bwd[0]  # their downloads are due (``start``)
         grads = carry.head_grads
         num_fwd = len(self.stages.fwd)
-        action = Action(Op.DOWNLOAD, num_fwd, carry.microbatch, carry.head_device)
+        action = Action(Op.DOWNLOAD, num_fwd, microbatch, carry.head_device)
         self._download_grads(ctx, device, lambda: grads, head_layers, done, action=action)
 
     def release(self, carry: Carry) -> None:
@@ -576,7 +586,7 @@ class Executor:
                 y = self._call(ctx, device, layer, y, m, weights)
             loss, grad = head_module.forward_backward(
                 _detached_grad_keys(y),
-                grad_scale=1.0 if spec.defer_head else spec.grad_scale,
+                grad_scale=1.0 if spec.defer_head else spec.head_scale(m),
                 **_stats_kw(ctx, m),
             )
             grad_in = grad if isinstance(grad, dict) else {"hidden": grad}
@@ -743,7 +753,7 @@ class Executor:
         replica = self._load(device, layer, weights)
         timer = device.timer() if ctx.spec.profile else None
         if self.use_rng:
-            mb = ctx.spec.microbatch_offset + microbatch
+            mb = ctx.spec.global_microbatch(microbatch)
             with device.rng_scope(layer_seed(self.seed, ctx.spec.step, mb, layer)):
                 out = replica.module(state)
         else:

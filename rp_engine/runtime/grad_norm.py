@@ -12,7 +12,7 @@ whose owned parameters receive contributions from exactly one DOWNLOAD action of
 resident holding covering every micro-batch on one device, or a single round). A parameter
 shared with a layer of another slot (tied embeddings) makes its owner's gradient a sum of two
 downloads, so that owner keeps the host pass, as do runs that are not a whole step (the
-imperative loop) and data parallel (the norm is of the reduced gradient): see
+imperative loop's runs when a read split its window) and data parallel (the norm is of the reduced gradient): see
 ``RunSpec.whole_step`` and ``OptimizerStepper._layer_ready``.
 
 The device norm is of exactly the values the host accumulates: the downloaded tensor,

@@ -26,6 +26,7 @@ from rp_engine.transfer import State, WeightUpload
 __all__ = [
     "Carry",
     "Countdown",
+    "Resume",
     "GradSink",
     "RunHandle",
     "RunResult",
@@ -85,26 +86,43 @@ class RunSpec:
     version: int  # compute-weight version every upload must see
     step: int  # boundary step these gradients belong to (RNG seeds, bookkeeping)
     train: bool = True
-    grad_scale: float = 1.0  # multiplies d(loss) in the fused head backward
+    grad_scale: float = 1.0  # multiplies d(loss) in the fused head backward (the loss scale)
+    # per micro-batch, d(caller's loss)/d(the head's loss) (the imperative loop's window: 1/GAS
+    # for DeepSpeed's loop, a token share for Trainer's); multiplies grad_scale. None: 1
+    factors: Sequence[float] | None = None
     closes_step: bool = False  # report layers ready to the optimizer when their grads land
     defer_head: bool = False  # keep the head's gradients on the device (imperative loop)
     microbatch_offset: int = 0  # global micro-batch number of batches[0] (RNG seeds)
+    # or each micro-batch's own global number (the loop's window, where an entry run alone
+    # before leaves a gap); default offset + index
+    microbatches: Sequence[int] | None = None
     profile: bool = False
-    carry: Carry | None = None  # from the forward run of the imperative loop
-    head_factor: float = 1.0  # d(user loss)/d(our loss), applied to the carried head gradients
-    # a module model's backward run (model/module.py's OutputHead): d(user loss)/d(each output),
-    # host tensors keyed as the outputs were; they seed the backward stages instead of a head
-    output_grads: State | None = None
+    # backward runs of the imperative loop: micro-batch m resumes from resumes[m], the carry of
+    # its forward run (the plan holds backward actions only)
+    resumes: Sequence[Resume] = ()
     token_stats: bool = False  # the head also reports per-token statistics (RunResult)
+    sole: bool = True  # no other run lands gradients of this step (False: the loop's earlier ones)
 
     @property
     def whole_step(self) -> bool:
         """Whether this run makes every gradient contribution of its step: a training run that
-        closes its step without a forward run's carry (``train_batch``'s one run per step). The
-        imperative loop's closing run carries its forward's head and follows the step's earlier
-        micro-batches' runs. Only then may a download's device-side norm stand for the layer's
+        closes its step, resumes no forward run and follows no other run of the step
+        (``train_batch``'s one run per step, the imperative loop's window run when it is the
+        step's only one). Only then may a download's device-side norm stand for the layer's
         whole gradient (runtime/grad_norm.py)."""
-        return self.train and self.closes_step and self.carry is None
+        return self.train and self.closes_step and not self.resumes and self.sole
+
+    def global_microbatch(self, microbatch: int) -> int:
+        """The engine-wide number of this run's micro-batch ``microbatch`` (dropout seeds)."""
+        if self.microbatches is not None:
+            return self.microbatches[microbatch]
+        return self.microbatch_offset + microbatch
+
+    def head_scale(self, microbatch: int) -> float:
+        """What d(loss) of micro-batch ``microbatch`` is multiplied by in the head's backward."""
+        if self.factors is None:
+            return self.grad_scale
+        return self.grad_scale * self.factors[microbatch]
 
 
 @dataclass
@@ -118,6 +136,18 @@ class Carry:
     head_grads: dict[int, torch.Tensor]
     grad_in: State | None  # d(our loss)/d(each gradient-carrying key of the head's input)
     microbatch: int
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A backward run's micro-batch that resumes from a forward run's carry: ``head_factor``
+    (d(caller's loss)/d(the head's loss), times the loss scale) scales the carried head
+    gradients; a module model's ``output_grads`` (d(caller's loss)/d(each output), host tensors
+    keyed as the outputs were) seed the backward stages instead of a head."""
+
+    carry: Carry
+    head_factor: float = 1.0
+    output_grads: State | None = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SYSTEMS = {"roundpipe", "roundpipe_sync", "deepspeed", "torch"}
+SYSTEMS = {"roundpipe", "roundpipe_loop", "roundpipe_sync", "deepspeed", "torch"}
 MAX_FILES = 8  # what one device call brings back from $OUT
 
 
@@ -27,6 +27,8 @@ def test_dry_gpu_check_leaves_its_four_files_and_a_json_line_per_system(tmp_path
         "GPU_CHECK_DRY": "1",
         "OUT": str(out),
         "PYTHON": sys.executable,
+        # tests/support: its sitecustomize hands the children the suite's CPU probe
+        "PYTHONPATH": str(ROOT / "tests" / "support"),
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     }
     script = ROOT / "benchmarks" / "gpu_check.sh"

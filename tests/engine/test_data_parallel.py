@@ -142,6 +142,9 @@ def test_the_imperative_loop_matches_one_process(tmp_path: Path) -> None:
     one = _run({**spec, "out": str(tmp_path / "one")}, 1)
     two = _run({**spec, "out": str(tmp_path / "two")}, 2)
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-5)
+    # the global norm of the reduced gradient, as the one process's (a 1/GAS or a reduction
+    # mean applied twice would scale it)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
     _assert_same_weights(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
 
 

@@ -50,7 +50,9 @@ WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr":
 # finite losses (the skip is found when the step closes: late under overlap) and a micro-batch
 # whose labels are all -100 (loss 0/0 = NaN: known when train_batch returns; its gradients
 # are finite, so fp16 and "ignore" apply that step).
-# "imperative" is DeepSpeed's forward/backward/step loop over GAS micro-batches (it drains).
+# "imperative" is DeepSpeed's forward/backward/step loop over GAS micro-batches, each loss read
+# at once (it drains); every other train op runs DeepSpeed's loop instead of train_batch, its
+# losses read after the window (one schedule, in flight as train_batch's).
 OPS = {
     "train": 10, "train_inf_grad": 3, "train_nan_loss": 2, "eval": 2, "module": 2,
     "grad_norm": 2, "step_report": 2, "checkpoint": 1, "synchronize": 1, "imperative": 1,
@@ -234,8 +236,13 @@ class Soak:
             self.nan_loss.add(step)
         self.trace[-1] += f"@{step}"
         profiling = ov.planner.profile_left > 0  # a profiled iteration drains (none here)
-        d_loss, d_err = _train(dr, batches)
-        o_loss, o_err = _train(ov, batches)
+        # every other step through DeepSpeed's loop, its losses read after the window: the
+        # window runs as train_batch's one schedule, in flight on the overlapped engine
+        via = _loop_train if step % 2 == 0 else _train
+        if via is _loop_train:
+            self.trace[-1] += "(loop)"
+        d_loss, d_err = via(dr, batches)
+        o_loss, o_err = via(ov, batches)
         if not dr.was_step_applied():
             self.dr_skipped.add(step)
             self.trace[-1] += "(skipped)"
@@ -356,6 +363,23 @@ def _train(engine: Any, batches: list[Any]) -> tuple[float | None, NonFiniteErro
         return float(engine.train_batch(iter(batches))), None
     except NonFiniteError as exc:
         return None, exc
+
+
+def _loop_train(engine: Any, batches: list[Any]) -> tuple[float | None, NonFiniteError | None]:
+    """One step of DeepSpeed's loop, the losses read after its boundary ``step()`` (which
+    raises the step's NonFiniteError, as ``train_batch`` would)."""
+    held, error = [], None
+    for b in batches:
+        loss = engine(**b).loss
+        engine.backward(loss)
+        held.append(loss)
+        try:
+            engine.step()
+        except NonFiniteError as exc:
+            error = exc
+    if error is not None:
+        return None, error
+    return sum(float(x.detach()) for x in held) / len(held), None
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -353,8 +353,9 @@ def test_kill_9_during_save_leaves_the_previous_checkpoint_loadable(
 
 def test_the_journal_gives_way_to_overlap_unless_asked_for() -> None:
     """Overlapping iterations keep two steps open, which the journal's undo does not cover: with
-    the default the journal goes at the first overlapped train_batch (the imperative loop keeps
-    it); an explicit "on" keeps the journal and turns the overlap off instead."""
+    the default the journal goes at the first overlapped train_batch (or imperative loop
+    window: it overlaps as train_batch does); an explicit "on" keeps the journal and turns the
+    overlap off instead."""
     default = _engine(
         async_optimizer=True, step_journal="if_memory_allows", overlap_iterations=True
     )
@@ -368,17 +369,23 @@ def test_the_journal_gives_way_to_overlap_unless_asked_for() -> None:
     finally:
         default.destroy()
         forced.destroy()
+    loop = _engine(async_optimizer=True, step_journal="if_memory_allows", overlap_iterations=True)
+    try:
+        for b in _batches(GAS):  # DeepSpeed's loop: its window overlaps as train_batch's
+            loop.backward(loop(**b))
+            loop.step()
+        assert loop._inflight is not None and loop.stepper.journal is None
+    finally:
+        loop.destroy()
 
 
-def test_the_imperative_loop_keeps_the_default_journal() -> None:
-    """An engine that overlaps train_batch keeps the default journal for an imperative loop,
-    which never has two steps open: its failed step is still undone (HF Trainer's loop)."""
-    engine = _engine(
-        async_optimizer=False, step_journal="if_memory_allows", overlap_iterations=True
-    )
+def test_the_imperative_loop_keeps_an_explicit_journal() -> None:
+    """With step_journal "on" the imperative loop drains its windows and keeps the journal:
+    its failed step is undone (HF Trainer's loop), training goes on."""
+    engine = _engine(async_optimizer=False, step_journal="on", overlap_iterations=True)
     batches = _batches(3 * GAS)
     try:
-        assert engine._overlap
+        assert not engine._overlap and engine.stepper.journal is not None
 
         def step_of(start: int) -> None:
             for b in batches[start : start + GAS]:

@@ -94,6 +94,9 @@ def test_trainer_matches_deepspeed(deepspeed_run: dict, rp_run: dict, root: Path
     # enable() keeps zero.Init away: the model was built whole although TrainingArguments
     # (with a ZeRO-3 config) existed first.
     assert rp_run["partitioned_at_load"] is False
+    # the plain Trainer's fast path: each optimizer step's micro-batches ran as ONE schedule
+    # (announced up front from get_batch_samples), not one run per micro-batch and pass
+    assert rp_run["training_runs"] == list(range(1, STEPS + 1))
 
 
 def test_save_model_same_files_and_weights(deepspeed_run: dict, rp_run: dict, root: Path) -> None:

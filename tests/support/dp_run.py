@@ -72,8 +72,10 @@ def main(spec: dict) -> None:
                     loss = engine(**batch).loss
                     engine.backward(loss)
                     engine.step()
-                    step_losses.append(float(loss))
-                losses.append(engine._dp_mean(sum(step_losses) / len(step_losses)))
+                    step_losses.append(loss)  # read after the window: it runs as one schedule
+                mean = sum(float(x) for x in step_losses) / len(step_losses)
+                losses.append(engine._dp_mean(mean))
+                result.setdefault("grad_norms", []).append(engine.get_global_grad_norm())
             else:
                 losses.append(float(engine.train_batch(batches)))  # (averaged over the ranks)
             seconds.append(time.perf_counter() - t0)

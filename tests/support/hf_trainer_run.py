@@ -34,7 +34,7 @@ class TokenData(torch.utils.data.Dataset):
 def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from subprocess_helpers import select_backend
+    from subprocess_helpers import count_training_runs, select_backend
 
     select_backend(spec)
     from models import tiny_qwen3
@@ -84,6 +84,8 @@ def main() -> None:
                 return super().training_step(model, inputs, num_items)
 
         trainer_cls = ObservedTrainer
+    # the step of every training run the engine issued
+    training_runs = count_training_runs() if spec["backend"] == "rp_engine" else []
     trainer = trainer_cls(
         model=model,
         args=args,
@@ -100,6 +102,7 @@ def main() -> None:
         "partitioned_at_load": partitioned,
         "fast_path_steps": getattr(trainer, "fast_path_steps", None),
         "in_flight_at_start": in_flight_at_start,
+        "training_runs": training_runs,
         "train_runtime": trainer.state.log_history[-1].get("train_runtime"),
     }
     if spec.get("evaluate"):

@@ -48,7 +48,7 @@ def arithmetic(n: int, offset: int = 0) -> Any:
 def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from subprocess_helpers import select_backend
+    from subprocess_helpers import count_training_runs, select_backend
 
     select_backend(spec)
     from models import tiny_qwen3
@@ -79,6 +79,8 @@ def main() -> None:
     )
     if model is None:
         model = tiny_qwen3(0, **shape)
+    # the step of every training run the engine issued
+    training_runs = count_training_runs() if spec["backend"] == "rp_engine" else []
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -95,6 +97,7 @@ def main() -> None:
             if "loss" in row
         ],
         "train_runtime": trainer.state.log_history[-1].get("train_runtime"),
+        "training_runs": training_runs,
     }
     engine = getattr(trainer.model_wrapped, "roundpipe_engine", None)
     engine_calls: list[int] = []
