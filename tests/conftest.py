@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 from typing import Any
 
 from rp_engine.optim.jit_cache import with_own_ninja
@@ -27,6 +28,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # DeepSpeed reference runs and the child processes build and check the same cached ops as the
 # engine (rp_engine/optim/jit_cache.py; another ninja rebuilds each of them, the aio op minutes).
 os.environ["PATH"] = with_own_ninja(os.environ.get("PATH", ""))
+# Ctrl-C as a terminal delivers it, even when the suite was started in the background of a
+# non-interactive shell (`make test &`, nohup, CI runners): POSIX has such a shell start its
+# background jobs with SIGINT ignored, Python then installs no KeyboardInterrupt handler, and the
+# ignore is inherited through exec by every child. The Ctrl-C fault tests (in process and in child
+# processes) would see no interrupt at all. Installing Python's handler here also gives the
+# children the default disposition (exec resets handled signals, not ignored ones).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _probe_the_cpu_once() -> None:
