@@ -11,6 +11,8 @@
     python benchmarks/engine_bench.py residency     # weights kept on the device across rounds
     python benchmarks/engine_bench.py overlap       # overlapping iterations on vs off
                                                     # [--on-nonfinite raise|ignore|skip]
+    python benchmarks/engine_bench.py gil --hidden 512  # GIL wait per step: CPU Adam's binding
+                                                    # vs the GIL-free call (release_gil)
 
 Every figure is a ratio of runs interleaved in one process (A B A B ...), so machine noise
 hits both sides alike. Results are printed as JSON lines; RESULTS.md quotes them with the command.
@@ -23,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +42,14 @@ os.environ.setdefault(
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import rp_engine  # noqa: E402
+from rp_engine.optim.affinity import (  # noqa: E402
+    available_cores,
+    pin_optimizer_thread,
+    split_cores,
+)
 from rp_engine.optim.jit_cache import with_own_ninja  # noqa: E402
+from rp_engine.optim.loss_scaler import LossScaler  # noqa: E402
+from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer  # noqa: E402
 
 # DeepSpeed's own CPU Adam builds in the engine's cache with the engine's ninja (jit_cache.py)
 os.environ["PATH"] = with_own_ninja(os.environ.get("PATH", ""))
@@ -521,6 +531,133 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _issue_proxy(release_gil: bool, *, params: int, layers: int, repeats: int) -> dict[str, Any]:
+    """Kernel issue while the host optimizer steps, measured on CPU.
+
+    On a GPU machine a device thread issues kernels and copies: tiny Python calls that need the
+    GIL and a core, not the core's arithmetic. Here an "issuer" thread makes such calls (an
+    in-place add on 16 floats: Python plus torch's dispatcher, microseconds) on its own core
+    while the optimizer thread steps ``layers`` layers of ``params`` fp32 parameters through the
+    engine's per-layer CPU Adam on the other core(s) (the split of optim/affinity.py). Reported:
+    the issuer's calls per second during the step over its rate alone, and its longest gap
+    between two calls (the longest time it could not issue)."""
+    cores = available_cores()
+    split = split_cores(max(1, len(cores) - 1), cores=cores, device_kind="cpu", num_devices=1)
+    masters = [torch.nn.Parameter(torch.zeros(params)) for _ in range(layers)]
+    inner, _ = build_inner_optimizer("adamw", {"lr": 1e-3}, [{"params": masters}])
+    host = HostOptimizer(inner, per_layer=True, scaler=LossScaler(),
+                         release_gil=release_gil)  # fmt: skip
+    assert host.releases_gil == release_gil
+    for p in masters:
+        p.grad = torch.randn(params)
+    groups = host.snapshot()
+
+    def issue(stop: threading.Event, gaps: list[float], count: list[int]) -> None:
+        pin_process_thread(split.pipeline)
+        x = torch.zeros(16)
+        last = time.perf_counter()
+        worst = 0.0
+        while not stop.is_set():
+            x.add_(1.0)
+            now = time.perf_counter()
+            worst = max(worst, now - last)
+            last = now
+            count[0] += 1
+        gaps.append(worst)
+
+    def measured(work: Callable[[], None]) -> tuple[float, float]:
+        stop, gaps, count = threading.Event(), [], [0]
+        issuer = threading.Thread(target=issue, args=(stop, gaps, count))
+        issuer.start()
+        start = time.perf_counter()
+        work()
+        elapsed = time.perf_counter() - start
+        stop.set()
+        issuer.join()
+        return count[0] / elapsed, gaps[0]
+
+    def step() -> None:
+        for p in masters:  # layer by layer, as the stepper does
+            host.step_params([p], groups=groups, grad_coef=1.0)
+
+    def on_optimizer_thread() -> tuple[float, float]:
+        """``measured(step)`` on a thread pinned as the stepper's worker pins itself."""
+        box: list[tuple[float, float]] = []
+
+        def run() -> None:
+            pin_optimizer_thread(split)
+            box.append(measured(step))
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+        return box[0]
+
+    result: dict[str, list[float]] = {"rate_share": [], "longest_gap_ms": []}
+    for _ in range(repeats):
+        alone, _ = measured(lambda: time.sleep(0.2))
+        rate, gap = on_optimizer_thread()
+        result["rate_share"].append(rate / alone)
+        result["longest_gap_ms"].append(1e3 * gap)
+    return {
+        "issue_rate_during_step_over_alone": statistics.median(result["rate_share"]),
+        "longest_issue_gap_ms": statistics.median(result["longest_gap_ms"]),
+    }
+
+
+def pin_process_thread(cores: tuple[int, ...]) -> None:
+    """Pin the calling thread to ``cores`` (no-op with none)."""
+    if cores:
+        os.sched_setaffinity(threading.get_native_id(), cores)
+
+
+def gil(args: argparse.Namespace) -> dict[str, Any]:
+    """The host optimizer and the GIL: DeepSpeed's GIL-holding CPU Adam binding against the
+    GIL-free call (``roundpipe.release_gil``), side by side in one run.
+
+    1. ``issue``: the CPU proxy for kernel issue (``_issue_proxy``): how much of its rate an
+       issuing thread keeps while the optimizer steps, and its longest stall.
+    2. ``engine``: two engines interleaved (the same cores, data and fixed cuts), 2 CPU devices,
+       emulated PCIe, async optimizer: tokens/s. CPU devices compute on the host cores, so a
+       stall there idles no accelerator: this checks the change costs nothing end to end."""
+    out: dict[str, Any] = {"bench": "gil"}
+    proxy_params = args.gil_params
+    for mode in ("holds_gil", "releases_gil"):
+        out[f"issue_{mode}"] = _issue_proxy(
+            mode == "releases_gil", params=proxy_params, layers=4, repeats=args.repeats
+        )
+    out["issue_model"] = f"4 layers x {proxy_params / 1e6:.0f}M fp32 params, AdamW"
+    out["longest_gap_ratio_hold_over_release"] = (
+        out["issue_holds_gil"]["longest_issue_gap_ms"]
+        / out["issue_releases_gil"]["longest_issue_gap_ms"]
+    )
+    seq, gas, mbs, window = args.seq_len, 4, 2, 3
+    data = list(_take(batches(stdlib_corpus(), seq_len=seq, micro_batch=mbs), gas * 400))
+    engines = {}
+    for mode in ("holds_gil", "releases_gil"):
+        engines[mode], _, _, _ = rp_engine.initialize(
+            model=build_tiny_model(layers=args.layers, hidden=args.hidden),
+            config=_cfg("cpu:2", gas=gas, mbs=mbs, async_optimizer=True,
+                        pcie_gbps=args.pcie_gbps, fwd_cuts=[2] * (args.layers // 2),
+                        bwd_cuts=[0] + [1] * args.layers,
+                        release_gil=mode == "releases_gil"),
+        )  # fmt: skip
+        assert engines[mode].host_optimizer.releases_gil == (mode == "releases_gil")
+    tokens = _engine_windows(
+        engines, data, window=window, tokens=gas * mbs * seq, repeats=args.repeats
+    )
+    for e in engines.values():
+        e.destroy()
+    med = {k: statistics.median(v) for k, v in tokens.items()}
+    out["engine_model"] = (
+        f"qwen3 L{args.layers} H{args.hidden} seq{seq} mbs{mbs} gas{gas} fp32, cpu:2, "
+        f"pcie {args.pcie_gbps} GB/s, async optimizer"
+    )
+    out["engine_tokens_per_s"] = med
+    out["engine_tokens_ratio_release_over_hold"] = med["releases_gil"] / med["holds_gil"]
+    return out
+
+
 def _take(it: Any, n: int) -> Any:
     for _ in range(n):
         yield next(it)
@@ -537,6 +674,7 @@ BENCHES = {
     "rounds": rounds,
     "residency": residency,
     "overlap": overlap,
+    "gil": gil,
 }
 
 
@@ -560,6 +698,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="compensation_cost: the compute weights' dtype")  # fmt: skip
     p.add_argument("--pcie-gbps", type=float, default=1.0)
     p.add_argument("--adam-params", type=int, default=50_000_000)
+    p.add_argument("--gil-params", type=int, default=8_000_000, help="gil: params per layer")
     p.add_argument(
         "--on-nonfinite",
         choices=("raise", "ignore", "skip"),

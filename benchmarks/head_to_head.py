@@ -15,8 +15,14 @@ offloaded to CPU); DeepSpeed ignores its "roundpipe" section:
   ``benchmarks.emulated_link`` (bytes per layer fetch and gradient offload, the ZeRO-Infinity
   rule); on a GPU it moves real bytes.
 - ``roundpipe`` / ``roundpipe_sync``: rp_engine, asynchronous / synchronous CPU optimizer.
+- ``roundpipe_auto``: ``roundpipe`` with ``"staleness_compensation": "auto"`` (rp-train's
+  default), beside plain async for the compensation's cost end to end (issue 43).
 - ``mobius``: rp_engine with ``"roundpipe": {"schedule": "mobius"}`` (blocks bound to devices).
 - ``torch``: plain PyTorch, everything on the device (the ceiling; no recomputation).
+- ``roundpipe_lib``: the RoundPipe library itself (PyPI ``roundpipe``), GPU only: its arguments
+  come from the same ds_config, its differences are listed in its row and under the table
+  (``benchmarks.roundpipe_lib``); on CPU it is a ``skipped`` row. Its per-step losses are
+  compared with rp_engine async's (``lib_loss_agreement``).
 
 Each system runs in its own process; the systems alternate (A B C D E, ``--repeats`` times) so
 drift hits all alike; each process warms up, then times one window of steps synchronised only at
@@ -43,17 +49,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import roundpipe_lib
 from benchmarks.host_load import CoreShare
 from rp_engine.optim.jit_cache import with_own_ninja
 
 SYSTEMS = (
-    "deepspeed", "roundpipe", "roundpipe_loop", "roundpipe_sync", "mobius", "torch",
-    "hf_trainer", "hf_roundpipe_trainer",
+    "deepspeed", "roundpipe", "roundpipe_auto", "roundpipe_loop", "roundpipe_sync", "mobius",
+    "torch",
+    "hf_trainer", "hf_roundpipe_trainer", "roundpipe_lib",
 )  # fmt: skip
-RP_SYSTEMS = ("roundpipe", "roundpipe_loop", "roundpipe_sync", "mobius")
+RP_SYSTEMS = ("roundpipe", "roundpipe_auto", "roundpipe_loop", "roundpipe_sync", "mobius")
 # transformers' Trainer with ``hf.enable()``: the plain Trainer, and RoundPipeTrainer
 TRAINER_SYSTEMS = ("hf_trainer", "hf_roundpipe_trainer")
+# systems that need CUDA, and why: a CPU run reports them as skipped rows, not failures
+GPU_ONLY = {roundpipe_lib.SYSTEM: roundpipe_lib.SKIP_REASON}
 LOSS_RTOL = 1e-3
+# roundpipe_lib vs rp_engine async in bf16: two implementations round differently, so only a
+# sanity bound (a mis-scaled loss or a wrong data order is off by far more)
+LIB_LOSS_RTOL_BF16 = 2e-2
+MIN_CHILD_S = 30.0  # with --time-budget: no system's process starts with less time left
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen3-1.7B (public config), random weights: 1.72 B parameters; the GPU configuration
@@ -147,6 +161,8 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
         return _run_trainer(system, preset, args)
 
     cuda = torch.cuda.is_available()
+    if system in GPU_ONLY and not cuda:
+        return skipped_row(system, GPU_ONLY[system], preset)
     data = batches(preset, (args.warmup + args.steps) * preset["gas"])
     step_fn, sync, extra, reset_peaks = _SETUP[system](preset, data, cuda, args)
     losses = []
@@ -340,10 +356,13 @@ def _deepspeed(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -
     return step, sync, extra, _nothing
 
 
-def _roundpipe(async_optimizer: bool, schedule: str, *, loop: bool = False) -> Any:
+def _roundpipe(
+    async_optimizer: bool, schedule: str, *, loop: bool = False, compensation: str | None = None
+) -> Any:
     """rp_engine's setup: ``train_batch`` per step, or with ``loop`` DeepSpeed's own loop
     (``engine(batch); engine.backward(loss); engine.step()`` per micro-batch, the loss read
-    only at the window's end, as the DeepSpeed system's)."""
+    only at the window's end, as the DeepSpeed system's). ``compensation``: the config's
+    ``roundpipe.staleness_compensation`` (None: the default; such a run is not calibrated)."""
 
     def setup(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
         import rp_engine
@@ -352,6 +371,11 @@ def _roundpipe(async_optimizer: bool, schedule: str, *, loop: bool = False) -> A
         cfg = ds_config(preset, devices=devices, pcie_gbps=None if cuda else args.pcie_gbps)
         cfg["roundpipe"]["async_optimizer"] = async_optimizer
         cfg["roundpipe"]["schedule"] = schedule
+        if compensation is not None:
+            cfg["roundpipe"]["staleness_compensation"] = compensation
+        if getattr(args, "cuts", None) and schedule != "mobius":  # Mobius binds its own blocks
+            fwd, bwd = (list(map(int, part.split(","))) for part in args.cuts.split("/"))
+            cfg["roundpipe"].update(fwd_cuts=fwd, bwd_cuts=bwd)
         model = build_model(preset)
         engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
         it = iter(data)
@@ -398,7 +422,7 @@ def _roundpipe(async_optimizer: bool, schedule: str, *, loop: bool = False) -> A
                 out["peak_device_gb"] = max(peaks) / 1e9
             out["timeline"] = [[r.device, r.action, r.start, r.end] for r in engine.last_timeline()]
             # the link model and layer timing are CPU-only; they model train_batch's run
-            if args.calibrate and not cuda and not loop:
+            if args.calibrate and not cuda and not loop and compensation is None:
                 window = [x for step_spans in spans[-args.steps :] for x in step_spans]
                 out["calibration"] = _calibrate(
                     engine, model, preset, args, async_optimizer, window
@@ -592,18 +616,52 @@ def _overhead_run(
     return costs, rate, ms, load
 
 
+def _roundpipe_lib(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
+    """``roundpipe_lib``'s setup with this benchmark's ds_config and model (benchmarks/
+    roundpipe_lib.py imports nothing of this module)."""
+    ds = ds_config(preset, devices=None, pcie_gbps=None)
+    return roundpipe_lib.setup(preset, data, cuda, args, ds=ds, build_model=build_model)
+
+
 _SETUP = {
     "torch": _torch,
     "deepspeed": _deepspeed,
     "roundpipe": _roundpipe(True, "roundpipe"),
+    "roundpipe_auto": _roundpipe(True, "roundpipe", compensation="auto"),
     "roundpipe_loop": _roundpipe(True, "roundpipe", loop=True),
     "roundpipe_sync": _roundpipe(False, "roundpipe"),
     "mobius": _roundpipe(False, "mobius"),
+    roundpipe_lib.SYSTEM: _roundpipe_lib,
 }
+
+
+def skipped_row(system: str, reason: str, preset: dict[str, Any]) -> dict[str, Any]:
+    """A system that did not run, and why (no CUDA, no time left): reported, not a failure.
+    ``roundpipe_lib``'s row still lists its differences (they come from the config alone)."""
+    row: dict[str, Any] = {"system": system, "skipped": reason}
+    if system == roundpipe_lib.SYSTEM:
+        ds = ds_config(preset, devices=None, pcie_gbps=None)
+        row["differences"] = roundpipe_lib.differences(preset, ds)
+    return row
 
 
 # ---- the parent: alternate systems, aggregate, report ----------------------------------------
 def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One system's process; a GPU-only system on explicit non-CUDA ``--devices`` is skipped
+    here, without one. ``args.deadline`` (monotonic seconds, or None): no system starts with
+    less than ``args.min_child_s`` (default ``MIN_CHILD_S``) left, and each is killed at the
+    deadline at the latest."""
+    preset = {**PRESETS[args.model], **({"gas": args.gas} if getattr(args, "gas", None) else {})}
+    if system in GPU_ONLY and args.devices and not args.devices.startswith("cuda"):
+        return skipped_row(system, GPU_ONLY[system], preset)
+    timeout = args.timeout
+    deadline = getattr(args, "deadline", None)
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left < getattr(args, "min_child_s", MIN_CHILD_S):
+            why = f"no time left: {max(0.0, left):.0f} s of the time budget"
+            return skipped_row(system, why, preset)
+        timeout = left if timeout is None else min(timeout, left)
     cmd = [sys.executable, "-m", "benchmarks.head_to_head", "--system", system]
     cmd += ["--model", args.model, "--warmup", str(args.warmup), "--steps", str(args.steps)]
     if getattr(args, "gas", None):
@@ -612,9 +670,11 @@ def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--devices", args.devices]
     if args.pcie_gbps:
         cmd += ["--pcie-gbps", str(args.pcie_gbps)]
+    if getattr(args, "cuts", None):
+        cmd += ["--cuts", args.cuts]
     if not args.calibrate:
         cmd += ["--no-calibrate"]
-    return child_json(cmd, system, timeout=args.timeout, child_log=args.child_log)
+    return child_json(cmd, system, timeout=timeout, child_log=args.child_log)
 
 
 def child_json(
@@ -639,6 +699,10 @@ def child_json(
         )
     except subprocess.TimeoutExpired as exc:  # killed: the next system still gets its turn
         _log_child(child_log, system, _text(exc.stderr))
+        # a row printed before the process hung (in a library's exit handlers, say) stands
+        done = [ln for ln in _text(exc.stdout).splitlines() if ln.startswith("JSON:")]
+        if done:
+            return {**json.loads(done[-1][5:]), "killed_after_row": f"{timeout:g} s"}
         return {"system": system, "error": [f"timed out after {timeout:g} s"]}
     _log_child(child_log, system, proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
@@ -682,12 +746,14 @@ _PREDICTIONS = (
 def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per system: the median tokens/s over repeats, every repeat's figure, peaks (max), the
     last repeat's losses and bytes; calibration: the median of each prediction over repeats
-    against the median step, each repeat's own error, the last repeat's other figures."""
+    against the median step, each repeat's own error, the last repeat's other figures. A
+    system with no finished run: its last row's ``error`` or ``skipped`` (and differences)."""
     systems: dict[str, Any] = {}
     for name, rows in runs.items():
-        ok = [r for r in rows if "error" not in r]
+        ok = [r for r in rows if "error" not in r and "skipped" not in r]
         if not ok:
-            systems[name] = {"error": rows[-1].get("error")}
+            keep = ("error", "skipped", "differences")
+            systems[name] = {k: v for k, v in rows[-1].items() if k in keep}
             continue
         last = dict(ok[-1])
         last.pop("timeline", None)
@@ -736,6 +802,21 @@ def loss_agreement(systems: dict[str, Any], *, fp32: bool = True) -> dict[str, A
     return {"checked": True, "max_rel": max(rel), "rtol": LOSS_RTOL, "ok": max(rel) <= LOSS_RTOL}
 
 
+def lib_loss_agreement(systems: dict[str, Any], *, fp32: bool = True) -> dict[str, Any]:
+    """Per-step relative difference of the RoundPipe library's losses (``roundpipe_lib``) and
+    rp_engine async's (``roundpipe``): the same model, data, micro-batches and AdamW, both
+    asynchronous with staleness 1. Judged at ``LOSS_RTOL`` in fp32, at the sanity bound
+    ``LIB_LOSS_RTOL_BF16`` in bf16 (two implementations' rounding differ)."""
+    a = systems.get("roundpipe", {}).get("step_losses")
+    b = systems.get(roundpipe_lib.SYSTEM, {}).get("step_losses")
+    if not a or not b:
+        return {"checked": False, "against": "roundpipe"}
+    rel = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b, strict=True)]
+    rtol = LOSS_RTOL if fp32 else LIB_LOSS_RTOL_BF16
+    return {"checked": True, "against": "roundpipe", "rel": rel, "max_rel": max(rel),
+            "rtol": rtol, "ok": max(rel) <= rtol}  # fmt: skip
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
@@ -763,11 +844,15 @@ def format_table(result: dict[str, Any]) -> str:
         if "error" in s:
             rows.append(f"| {name} | failed: {' / '.join(s['error'] or [])[-200:]} |")
             continue
+        if "skipped" in s:
+            rows.append(f"| {name} | skipped: {s['skipped']} |")
+            continue
         ratio = result["ratios"].get(name)
         dev = s.get("peak_device_gb")
         cal = s.get("calibration")
-        mb = s.get("bytes_per_step", 0) / 1e6
-        mb_text = f"{mb:,.1f}" + (" (model)" if s.get("bytes_modelled") else "")
+        moved = s.get("bytes_per_step", 0)
+        mb_text = "n/a" if moved is None else f"{moved / 1e6:,.1f}"  # None: not counted
+        mb_text += " (model)" if s.get("bytes_modelled") else ""
         pred_text = f"{cal['predicted_ms']:.0f}" if cal else ""
         err_text = f"{100 * cal['error']:+.0f} %" if cal else ""
         iso_text = f"{100 * cal['error_in_run']:+.0f} %" if cal else ""
@@ -778,7 +863,24 @@ def format_table(result: dict[str, Any]) -> str:
             f"{'(host)' if dev is None else f'{dev:.3f}'} | {mb_text} | "
             f"{pred_text} | {err_text} | {iso_text} |"
         )
-    return head + "\n".join(rows) + "\n"
+    notes = [  # one bullet per system, one sub-bullet per difference
+        f"- {name}:\n" + "\n".join(f"  - {d}" for d in s["differences"])
+        for name in SYSTEMS
+        if (s := result["systems"].get(name)) and s.get("differences")
+    ]
+    auto, plain = (result["systems"].get(k) or {} for k in ("roundpipe_auto", "roundpipe"))
+    if auto.get("s_per_step") and plain.get("s_per_step"):  # issue 43: the cost end to end
+        notes.append(
+            f'- roundpipe_auto vs roundpipe (async + staleness_compensation "auto" vs plain '
+            f"async): {auto['s_per_step'] / plain['s_per_step']:.3f}x the time per step"
+        )
+    lib = result.get("lib_loss_agreement") or {}
+    if lib.get("checked"):
+        notes.append(
+            f"- roundpipe_lib vs roundpipe losses: max relative difference {lib['max_rel']:.2e} "
+            f"(bound {lib['rtol']:g}: {'ok' if lib['ok'] else 'EXCEEDED'})"
+        )
+    return head + "\n".join(rows) + "\n" + ("\nNotes:\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def _result(
@@ -802,6 +904,7 @@ def _result(
         "systems": systems,
         "ratios": ratios,
         "loss_agreement": loss_agreement(systems, fp32=preset["dtype"] == "fp32"),
+        "lib_loss_agreement": lib_loss_agreement(systems, fp32=preset["dtype"] == "fp32"),
         "config": config,
         "machine": machine,
     }
@@ -818,6 +921,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, help="rounds of A B C D E (default 2, --quick 2)")
     p.add_argument("--gas", type=int, help="gradient accumulation steps (default: the model's)")
+    p.add_argument(
+        "--cuts", help="rp_engine's plan fixed, FWD/BWD (e.g. 6/3,3: roundpipe.fwd_cuts and "
+        "bwd_cuts): systems that differ in one setting then run the same plan",
+    )  # fmt: skip
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, help="timed steps per run (default 5, --quick 6)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
@@ -825,9 +932,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jsonl", help="append one JSON line per finished system run here")
     p.add_argument("--table", help="rewrite the Markdown table here after every system")
     p.add_argument("--timeout", type=float, help="seconds per system's process, then killed")
+    p.add_argument(
+        "--time-budget", type=float,
+        help="seconds for the whole run: later systems are skipped rows once it is spent",
+    )  # fmt: skip
+    p.add_argument("--min-child-s", type=float, default=MIN_CHILD_S,
+                   help="with --time-budget: no system starts with less time left")  # fmt: skip
     p.add_argument("--child-log", help="append every system process's stderr here")
     p.add_argument("--system", help=argparse.SUPPRESS)  # the child process's one system
     args = p.parse_args(argv)
+    args.deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
     args.model = args.model or ("cpu-small" if args.quick else "qwen3-1.7b")
     # --quick: 6 steps, not 4: on a shared 2-core machine a 4-step window of one repeat moved
     # by 15 % against the other; a longer window averages the neighbours' load
@@ -858,7 +972,8 @@ def main(argv: list[str] | None = None) -> int:
                 _append_jsonl(args.jsonl, args.model, rep, row)
             if "timeline" in row:
                 timelines[system] = row["timeline"]
-            brief = {k: row.get(k) for k in ("tokens_per_s", "s_per_step", "final_loss", "error")}
+            keys = ("tokens_per_s", "s_per_step", "final_loss", "error", "skipped")
+            brief = {k: row[k] for k in keys if k in row}
             print(f"[{rep + 1}/{args.repeats}] {system}: {json.dumps(brief)}", file=sys.stderr)
             if args.table:  # what ran so far, should the run be cut short (no machine_info:
                 # it would open a CUDA context in this process while the next system runs)
@@ -866,12 +981,14 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.table).write_text(format_table(_result(ran, args, preset, {})))
     result = _result(runs, args, preset, machine_info())
     print(format_table(result))
-    agreement = result["loss_agreement"]
-    print(json.dumps({"ratios_to_deepspeed": result["ratios"], "loss_agreement": agreement}))
+    agreement, lib = result["loss_agreement"], result["lib_loss_agreement"]
+    print(json.dumps({"ratios_to_deepspeed": result["ratios"], "loss_agreement": agreement,
+                      "lib_loss_agreement": lib}))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({**result, "timelines": timelines}, indent=1))
     failed = any("error" in s for s in result["systems"].values())
-    return 1 if failed or result["loss_agreement"].get("ok") is False else 0
+    disagree = agreement.get("ok") is False or lib.get("ok") is False
+    return 1 if failed or disagree else 0
 
 
 if __name__ == "__main__":

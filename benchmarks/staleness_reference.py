@@ -158,14 +158,15 @@ def _engine_dc(grads: list[torch.Tensor], params: list[torch.Tensor], reads: lis
         g.mul_(coef)
         st, rms = opt.state.get(p), seen.get(id(p))
         seen[id(p)] = _rms(p)
-        if not st or rms is None:
+        if not st or not rms:  # no moments yet, or no scale (unmeasured, or all zeros)
             continue
         v_hat = st["exp_avg_sq"] / (1 - b2 ** int(st["step"]))
         fix = coef * (v_hat.sqrt() + eps) / (rho * rms) * (p - w_read)
         flat_g, flat_c = g.view(-1), (g + fix).view(-1)
         for lo in range(0, flat_g.numel(), DC_BLOCK):
             gb, cb = flat_g[lo : lo + DC_BLOCK], flat_c[lo : lo + DC_BLOCK]
-            gb.copy_(cb * (gb.norm() / cb.norm()))
+            den = cb.norm()  # a block with g + f = 0 is left as it is, as the engine's
+            gb.copy_(cb * (gb.norm() / den) if den > 0 else cb)
 
 
 def train(

@@ -161,11 +161,12 @@ def cpu_adam_rate(num_params: int = 1 << 20, reps: int = 3) -> float:
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
+    from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir, op_load_guard
 
     p = torch.nn.Parameter(torch.zeros(max(num_params, 1)))
     p.grad = torch.full_like(p, 1e-3)
-    with extensions_dir(cpu_adam_cache_dir()):  # the engine's build, not a second one
+    cache = cpu_adam_cache_dir()
+    with extensions_dir(cache), op_load_guard("cpu_adam", cache):  # the engine's build
         opt = DeepSpeedCPUAdam([p], lr=1e-4)
     opt.step()  # warm-up
     times = []

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-# roundpipe.staleness_compensation: "auto" resolves to "lookahead_dc" where it applies
+# roundpipe.staleness_compensation: "auto" resolves to "lookahead" where it applies
 STALENESS_COMPENSATIONS = ("none", "auto", "predict", "lookahead", "lookahead_dc")
 
 
@@ -324,6 +324,14 @@ class RoundPipeConfig:
     )
     # initialize refuses a model whose host state would not fit in available memory
     host_preflight: bool = True
+    # DeepSpeed's CPU Adam kernel called without the GIL, so the pipeline threads issue work
+    # while it runs (bit-identical; optim/nogil_adam.py); false: through DeepSpeed's binding,
+    # which holds the GIL for each slice
+    release_gil: bool = True
+    # cores for the optimizer's thread and its OpenMP team, the rest for the pipeline threads
+    # (optim/affinity.py): null = derived from the core and device counts (no split on CPU
+    # virtual devices, which compute on the same cores), 0 = no split, N = N cores
+    optimizer_cores: int | None = field(default=None, metadata=_m(ge=0))
     # the NVMe tier's I/O: DeepSpeed's aio op when built ("auto"), or the built-in O_DIRECT threads
     nvme_io_engine: str = field(default="auto", metadata=_m(choices=("auto", "aio", "threads")))
     # the asynchronous optimizer's stale weights (iteration t reads w_{t-2}): "none" reads them
@@ -331,8 +339,8 @@ class RoundPipeConfig:
     # step ahead, along the moments at hand or along the next moments if the last gradient
     # repeated (optim/stepper.py; the masters stay Adam's); "lookahead_dc" also moves each
     # gradient from the weights it was taken at to the masters it is applied at (optim/
-    # delay_compensation.py); "auto": "lookahead_dc" where it applies (async CPU Adam/AdamW,
-    # one process), else "none"
+    # delay_compensation.py); "auto": "lookahead" where it applies (async CPU Adam/AdamW, one
+    # process), else "none" (chosen by its worst case over benchmarks/compensation_suite.py)
     staleness_compensation: str = field(
         default="none", metadata=_m(choices=STALENESS_COMPENSATIONS)
     )

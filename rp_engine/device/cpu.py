@@ -6,6 +6,9 @@ the CPU backend proper (``CPUDevice``, ``CPUPool``). Virtual devices behave like
 runtime can tell: work is ordered FIFO per stream and only events order streams, copies can be
 slowed to an emulated PCIe bandwidth (``time.sleep`` drops the GIL, so a copy overlaps compute
 as on a GPU copy engine), and an emulated memory capacity turns overuse into ``DeviceError``.
+The capacity counts the tensors the runtime tracks (weights, gradients, boundary states); with
+``CPUDevice.meter_compute`` it also counts every storage the compute stream's closures create
+(activations autograd keeps, temporaries, the LM head's logits), as a GPU's allocator would.
 
 Two streams and an event: the D2H worker blocks in its wait task until compute reaches e::
 
@@ -15,6 +18,7 @@ Two streams and an event: the D2H worker blocks in its wait task until compute r
 
 from __future__ import annotations
 
+import functools
 import queue
 import signal
 import threading
@@ -27,6 +31,8 @@ from types import FrameType
 from typing import NoReturn
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .base import ComputeTimer, DeviceError, Event, StreamRole
 
@@ -190,6 +196,8 @@ class ThreadStream:
         self._abandoned: DeviceError | None = None  # written by reset()/close()
         self._closed = False
         self._on_start = on_start
+        # entered around each closure when set (CPUDevice.meter_compute); read by the worker
+        self.meter: Callable[[], TorchDispatchMode] | None = None
         self.thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
         self.thread.start()
 
@@ -211,7 +219,12 @@ class ThreadStream:
     # -- hooks for the CUDA backend ---------------------------------------------------------
 
     def _run(self, fn: Callable[[], object]) -> None:
-        fn()
+        meter = self.meter
+        if meter is None:
+            fn()
+            return
+        with meter():
+            fn()
 
     def _new_event(self) -> CPUEvent:
         return CPUEvent()
@@ -319,7 +332,7 @@ class ThreadStream:
 class _Tracked:
     storage: weakref.ref[torch.UntypedStorage]
     nbytes: int
-    refs: int
+    refs: int  # track() calls not yet freed; 0: only created under a meter (track_created)
 
 
 class MemoryLedger:
@@ -329,6 +342,10 @@ class MemoryLedger:
     bytes count once. ``free`` of an untracked tensor is a no-op. Storages are held by weak
     reference: one that died without ``free`` (its memory is gone) stops counting, and its
     address, reused by a new tensor, is not mistaken for the old one.
+
+    ``track_created`` counts a storage an op created under a meter (``meter_compute``) until
+    the storage dies (a weak-reference callback: at once, so the peak is exact); a later
+    ``track`` of it counts the same bytes, once, until its ``free``.
     """
 
     def __init__(self, device_index: int, capacity_bytes: int | None) -> None:
@@ -336,7 +353,8 @@ class MemoryLedger:
             raise ValueError(f"capacity_bytes must be positive or None, got {capacity_bytes}")
         self.device_index = device_index
         self.capacity = capacity_bytes or 0
-        self._lock = threading.Lock()
+        # reentrant: a created storage's death callback may run inside a locked section
+        self._lock = threading.RLock()
         self._storages: dict[int, _Tracked] = {}  # storage data_ptr -> entry
         self._allocated = 0
         self._peak = 0
@@ -376,6 +394,43 @@ class MemoryLedger:
             self._storages[ptr] = _Tracked(weakref.ref(storage), nbytes, 1)
             self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)
+
+    def track_created(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage, just created by an op on a metered stream, until it dies
+        (a no-op for one already counted). Over the capacity: ``DeviceError``, as ``track``."""
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
+            return
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0:
+            return
+        with self._lock:
+            entry = self._storages.get(ptr)
+            if entry is not None and entry.storage() is storage:
+                return
+            if entry is not None:
+                self._drop(ptr)  # a dead storage whose address was reused
+            if self.capacity and self._allocated + nbytes > self.capacity:
+                self._prune()
+            if self.capacity and self._allocated + nbytes > self.capacity:
+                raise DeviceError(
+                    f"device {self.device_index} out of memory: an op needs "
+                    f"{nbytes / _MIB:.1f} MiB, capacity {self.capacity / _MIB:.1f} MiB with "
+                    f"{self._allocated / _MIB:.1f} MiB already allocated (use smaller stages "
+                    "or micro-batches, or raise roundpipe.device_memory_gb)",
+                    device=self.device_index,
+                )
+            ref = weakref.ref(storage, functools.partial(self._died, ptr))
+            self._storages[ptr] = _Tracked(ref, nbytes, 0)
+            self._allocated += nbytes
+            self._peak = max(self._peak, self._allocated)
+
+    def _died(self, ptr: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        with self._lock:
+            entry = self._storages.get(ptr)
+            if entry is not None and entry.storage is ref:
+                self._drop(ptr)
 
     def free(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -596,6 +651,18 @@ class CPUDevice(ThreadedDevice):
             for role in StreamRole
         }
 
+    def meter_compute(self, on: bool = True) -> None:
+        """Count every storage the compute stream's closures create (``on``) or only the
+        tensors the runtime tracks (off, the default) against this device's capacity and
+        peak: with it, the peak is what a GPU's allocator would have held (activations kept
+        for the backward, temporaries, the LM head's logits), and a capacity overrun by any
+        of them is an out-of-memory ``DeviceError``. Costs a Python call per op: for tests
+        and measurements. Set it while the device is idle."""
+        ledger = self._ledger
+        self._streams[StreamRole.COMPUTE].meter = (
+            functools.partial(_AllocationMeter, ledger) if on else None
+        )
+
     def _emulate_link(self, nbytes: int, link: threading.Lock) -> None:
         if self.pcie_gbps is None or nbytes == 0:
             return
@@ -646,6 +713,31 @@ class CPUDevice(ThreadedDevice):
                 yield
             finally:
                 gen.set_state(state)
+
+
+class _AllocationMeter(TorchDispatchMode):
+    """While entered on a thread: every storage an op there creates counts in ``ledger``
+    (``MemoryLedger.track_created``). Ops whose results alias an input (views, in-place and
+    ``out=`` ops: their schema says so) create nothing. Autograd's backward on CPU tensors
+    runs on the calling thread, so a backward started inside is counted too."""
+
+    def __init__(self, ledger: MemoryLedger) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    self.ledger.track_created(t)
+        return out
 
 
 class CPUPool:

@@ -33,6 +33,7 @@ What the runtime must do itself (CUDA's caching allocator tracks tensors per str
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 import threading
 import weakref
@@ -50,11 +51,14 @@ __all__ = [
     "CUDAEvent",
     "CUDAStream",
     "CUDATimer",
+    "cap_allocator",
     "is_pinned",
     "pin",
     "pinned_empty",
     "stream_priorities",
 ]
+
+log = logging.getLogger("rp_engine.device")
 
 _PAGE = mmap.PAGESIZE
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context
@@ -130,6 +134,37 @@ def _unregister(addr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(addr)
     except Exception:  # noqa: BLE001 - never raise from a finaliser
         pass
+
+
+def cap_allocator(device_index: int, capacity_bytes: int) -> float:
+    """Cap torch's caching allocator on GPU ``device_index`` at ``capacity_bytes`` for this
+    process (``torch.cuda.set_per_process_memory_fraction``) and return the fraction set.
+
+    The budget (``roundpipe.device_memory_gb``) is a limit, not a hint: the planner fits its
+    plans under it, and an allocation that would take the allocator past it raises
+    ``torch.OutOfMemoryError`` (after the allocator has returned its cached free blocks), as a
+    GPU of that size would. The cap counts what the allocator reserves (its segments), which
+    is at least what ``max_memory_allocated`` reports; the CUDA context and anything allocated
+    outside torch (NCCL's buffers) are not in it. A budget above the GPU's memory caps nothing
+    (fraction 1) and is logged as a warning: the plan then assumes memory the GPU lacks.
+    """
+    total = torch.cuda.get_device_properties(device_index).total_memory
+    fraction = min(1.0, capacity_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device_index)
+    gib = 2**30
+    if capacity_bytes > total:
+        log.warning(
+            "cuda:%d: roundpipe.device_memory_gb (%.2f GiB) exceeds the GPU's %.2f GiB; the "
+            "allocator is not capped below the GPU",
+            device_index, capacity_bytes / gib, total / gib,
+        )  # fmt: skip
+    else:
+        log.info(
+            "cuda:%d: caching allocator capped at %.2f GiB (roundpipe.device_memory_gb; "
+            "fraction %.4f of %.2f GiB)",
+            device_index, capacity_bytes / gib, fraction, total / gib,
+        )  # fmt: skip
+    return fraction
 
 
 def stream_priorities(device_index: int) -> dict[StreamRole, int]:
@@ -247,13 +282,24 @@ class CUDADevice(ThreadedDevice):
     """One GPU: four prioritised streams with host threads, budget accounting, its own RNG.
 
     ``capacity_bytes`` (None = unlimited) is a budget over tracked tensors, checked like the CPU
-    emulation; the real allocator figures are in ``memory_stats`` as "cuda_allocated"/"cuda_peak".
+    emulation, and a hard cap on the process's caching allocator on this GPU (``cap_allocator``:
+    every allocation counts, activations and temporaries included); ``close`` restores the
+    fraction found before. The real allocator figures are in ``memory_stats`` as
+    "cuda_allocated"/"cuda_peak"/"cuda_reserved_peak" and the cap as "cuda_cap".
     """
 
     def __init__(self, index: int, *, capacity_bytes: int | None = None) -> None:
         super().__init__(index, capacity_bytes=capacity_bytes)
         torch.cuda.init()  # fills torch.cuda.default_generators
         self.torch_device = torch.device("cuda", index)
+        self._fraction_before: float | None = None
+        self.cap_bytes = 0  # 0: the allocator is not capped by this device
+        if capacity_bytes is not None:
+            # torch < 2.9 cannot read the fraction back: 1.0 is the allocator's default
+            read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            self._fraction_before = read(index) if read is not None else 1.0
+            cap_allocator(index, capacity_bytes)
+            self.cap_bytes = capacity_bytes
         priorities = stream_priorities(index)
         with torch.cuda.device(index):
             self._streams = {
@@ -325,7 +371,21 @@ class CUDADevice(ThreadedDevice):
         stats = super().memory_stats()
         stats["cuda_allocated"] = torch.cuda.memory_allocated(self.index)
         stats["cuda_peak"] = torch.cuda.max_memory_allocated(self.index)
+        # what the cap limits: the allocator's segments, not only the live tensors in them
+        stats["cuda_reserved_peak"] = torch.cuda.max_memory_reserved(self.index)
+        stats["cuda_cap"] = self.cap_bytes
         return stats
+
+    def close(self) -> None:
+        """Stop the worker threads (``ThreadedDevice.close``) and give the allocator back the
+        memory fraction it had before this device capped it. Idempotent."""
+        super().close()
+        before, self._fraction_before = self._fraction_before, None
+        if before is not None:
+            try:
+                torch.cuda.set_per_process_memory_fraction(before, self.index)
+            except RuntimeError:  # CUDA torn down at exit: nothing left to cap
+                pass
 
     def reset_peak(self) -> None:
         super().reset_peak()

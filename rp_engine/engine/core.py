@@ -43,6 +43,7 @@ from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
 from rp_engine.model.module import Layering
 from rp_engine.monitor import Monitor
+from rp_engine.optim.affinity import available_cores, pin_pipeline, pin_process, split_cores
 from rp_engine.optim.build import (
     build_optimizer,
     build_scheduler,
@@ -187,6 +188,14 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
         async_mode = rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only and trains
         dp = data_parallel(self.store)  # None in one process
+        self.cores = split_cores(
+            rp.optimizer_cores, cores=available_cores(), device_kind=self.pool.kind,
+            num_devices=len(self.pool), processes=dp_world(),
+        )  # fmt: skip
+        if self.cores.active:
+            self._cores_before = available_cores()  # given back by destroy
+            log.info("host cores: %s (roundpipe.optimizer_cores)", self.cores.describe())
+            pin_pipeline(self.cores)  # before the optimizer thread takes its own cores
         self.stepper = OptimizerStepper(
             self.store,
             self.host_optimizer,
@@ -199,6 +208,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
                 rp.staleness_compensation, async_mode=async_mode,
                 can_predict=self.host_optimizer.can_predict, data_parallel=dp is not None,
             ),
+            cores=self.cores,
         )  # fmt: skip
         self._guard = NonFiniteGuard(rp.on_nonfinite, fp16=cfg.fp16.enabled)
         # overlap applies boundaries in flight (boundary.py); async overlap wants two
@@ -252,6 +262,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             # every upload reads its weights from NVMe first (a layer max_in_cpu keeps in RAM
             # has nothing to read: its READ is a no-op)
             nvme_slots=self.param_tier is not None,
+            cuda=on_cuda,  # workspaces and allocator slack count on GPUs
         )
         # DeepSpeed's autotuning block: the first steps' profile against the advisor's cost
         # model, re-planning on a disagreement (autotune.py); None when not asked for
@@ -382,7 +393,20 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         """One micro-batch's state: the arguments of ``engine(...)``, or with ``fed`` a
         micro-batch ``train_batch`` / ``eval_batch`` took from the data iterator (a module
         model's tuple is then its positional arguments: ``BatchAdapter.to_dict``)."""
-        return self._batches.to_dict(inputs, kwargs, fed=fed)
+        batch = self._batches.to_dict(inputs, kwargs, fed=fed)
+        if self.planner.tokens is None:
+            self._fit_tokens(batch)
+        return batch
+
+    def _fit_tokens(self, batch: dict[str, Any]) -> None:
+        """The first micro-batch's size completes the memory rule (activations, attention,
+        the LM head: ``Planner.fit_tokens``) before any plan of it is issued; new cuts get a
+        new executor (nothing is in flight yet)."""
+        ids = next((batch[k] for k in ("input_ids", "input", "inputs_embeds") if k in batch), None)
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+            return
+        if self.planner.fit_tokens(int(ids.shape[0]), int(ids.shape[1])):
+            self._executor = self._make_executor()
 
     def destroy(self) -> None:
         """Finish in-flight steps, publish the newest weights, stop workers and devices.
@@ -399,6 +423,9 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self._published_step = self.global_steps
         self._executor.close()
         self.monitor.close()
+        before = self.__dict__.pop("_cores_before", None)
+        if before is not None:  # the cores the split took from the caller's threads
+            pin_process(before)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: fall through to the wrapped module, as DeepSpeed

@@ -176,9 +176,10 @@ def build_optimizer(
             "optimizer %s steps all layers at once (only Adam/AdamW step layer by layer)",
             type(inner).__name__,
         )
+    release_gil = cfg.roundpipe.release_gil
     host = HostOptimizer(
-        inner, per_layer=per_layer, scaler=scaler, slice_elems=adam_slice(device_kind),
-        step_fn=step_fn,
+        inner, per_layer=per_layer, scaler=scaler, step_fn=step_fn, release_gil=release_gil,
+        slice_elems=adam_slice(device_kind, release_gil=release_gil),
     )  # fmt: skip
     host.journal = build_journal(cfg.roundpipe.step_journal, host)
     return host

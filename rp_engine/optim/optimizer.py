@@ -12,10 +12,11 @@ cannot step a subset of their parameters, so they step all layers at once (``per
 
 DeepSpeed 0.19.8 binds ``adam_update`` without releasing the GIL: one call on a large tensor
 would freeze every Python thread of the pipeline (compute, uploads, downloads) for its whole
-duration. Each parameter is therefore stepped in bounded slices (``adam_slice``: elements per
-call by the kind of devices trained on), bit-identical to one call: the kernel is elementwise, a
-slice boundary that is a multiple
-of its SIMD span (at most 16 lanes x 8) splits its vector and scalar parts exactly as the whole
+duration. So the same C++ function is called without the GIL (optim/nogil_adam.py,
+``roundpipe.release_gil``, on by default), and each parameter is stepped in bounded slices
+(``adam_slice``: elements per call by the kind of devices trained on, smaller on GPUs where the
+binding holds the GIL), bit-identical to one call: the kernel is elementwise, a slice boundary
+that is a multiple of its SIMD span (at most 16 lanes x 8) splits its vector and scalar parts exactly as the whole
 tensor does, and calls with the same step number leave its beta^t state untouched. The
 unscale x clip coefficient multiplies each slice of the gradient right before its Adam call,
 while the slice is in cache (one pass over the gradient, not two). Likewise the compute weights
@@ -45,8 +46,9 @@ from typing import Any
 import torch
 
 from rp_engine.optim.delay_compensation import BLOCK, DelayCompensation
-from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
+from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir, op_load_guard
 from rp_engine.optim.loss_scaler import LossScaler
+from rp_engine.optim.nogil_adam import gil_free_adam
 from rp_engine.optim.publish_kernel import (
     AdamTerms,
     adam_step,
@@ -76,8 +78,12 @@ CUDA_ADAM_SLICE = 1 << 19  # GPUs: a quarter of the GIL hold, between kernel lau
 _SIMD_SPAN = 128
 
 
-def adam_slice(device_kind: str) -> int:
+def adam_slice(device_kind: str, *, release_gil: bool = False) -> int:
     """Elements per CPU Adam call when the engine trains on ``device_kind`` ("cpu", "cuda").
+
+    ``release_gil``: the kernel runs without the GIL (``roundpipe.release_gil``, optim/
+    nogil_adam.py), so a call stalls no other thread and GPUs take ``ADAM_SLICE`` too (its
+    size then only keeps a slice's publish reading from cache). Otherwise:
 
     On GPUs the device threads launch every kernel and copy from Python, so each call that
     holds the GIL stalls all launches for its length and the GPU can run dry behind it:
@@ -87,7 +93,7 @@ def adam_slice(device_kind: str) -> int:
     virtual devices compute on the host cores themselves, in torch ops that drop the GIL: a
     stall there idles no accelerator, so they keep ``ADAM_SLICE`` (fewer calls)."""
     if device_kind == "cuda":
-        return CUDA_ADAM_SLICE
+        return ADAM_SLICE if release_gil else CUDA_ADAM_SLICE
     if device_kind == "cpu":
         return ADAM_SLICE
     raise ValueError(f"device_kind {device_kind!r}: expected 'cpu' or 'cuda'")
@@ -147,7 +153,8 @@ def _cpu_adam(
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except ImportError as exc:  # pragma: no cover - deepspeed is a dependency
         raise RuntimeError("deepspeed is required for Adam/AdamW (DeepSpeedCPUAdam)") from exc
-    with extensions_dir(cache):
+    # the guard: a build lock left by a killed loader never wedges this load (jit_cache.py)
+    with extensions_dir(cache), op_load_guard("cpu_adam", cache):
         if _is_cpu_adam_built(cache):
             return DeepSpeedCPUAdam(groups, adamw_mode=adamw_mode, **kwargs)
         log.warning("building DeepSpeed's CPU Adam once (about 1-2 minutes; cached in %s)", cache)
@@ -198,10 +205,15 @@ class HostOptimizer:
         scaler: LossScaler,
         slice_elems: int = ADAM_SLICE,
         step_fn: Callable[[], Any] | None = None,
+        release_gil: bool = True,
     ) -> None:
         """``step_fn``: what steps ``inner`` (all groups at once) when it is not per-layer;
         default ``inner.step``. A client's optimizer passes its original ``step``: user code
-        calling ``inner.step()`` gets a no-op guard instead (rp_engine.optim.build)."""
+        calling ``inner.step()`` gets a no-op guard instead (rp_engine.optim.build).
+
+        ``release_gil`` (``roundpipe.release_gil``): DeepSpeed's CPU Adam kernel is called
+        without the GIL (optim/nogil_adam.py; bit-identical); False: through DeepSpeed's own
+        binding, which holds it for each slice."""
         if slice_elems <= 0 or slice_elems % _SIMD_SPAN:
             raise ValueError(
                 f"slice_elems={slice_elems}: must be a positive multiple of {_SIMD_SPAN} (the CPU "
@@ -209,6 +221,9 @@ class HostOptimizer:
             )
         self.slice_elems = slice_elems
         self.optimizer = inner
+        kernel = getattr(inner, "ds_opt_adam", None)
+        self._nogil = gil_free_adam(kernel) if release_gil and kernel is not None else None
+        self.releases_gil = self._nogil is not None
         self._step_fn = step_fn
         self.per_layer = per_layer
         self.loss_scaler = scaler
@@ -401,9 +416,12 @@ class HostOptimizer:
                         publish=None if terms is None else "lookahead", terms=terms,
                     )[2]  # fmt: skip
                     continue
-                # DeepSpeed's own C++ kernel, exactly as DeepSpeedCPUAdam.step calls it. The GIL
-                # is held for one slice only: other threads run between two calls.
-                inner.ds_opt_adam.adam_update(
+                # DeepSpeed's own C++ kernel, with DeepSpeedCPUAdam.step's arguments: without
+                # the GIL (nogil_adam.py), or through its binding, holding the GIL for one slice
+                update = (
+                    inner.ds_opt_adam.adam_update if self._nogil is None else self._nogil.update
+                )
+                update(
                     inner.opt_id, state["step"], g["lr"], beta1, beta2, g["eps"],
                     g["weight_decay"], g["bias_correction"], param, grad, exp_avg, exp_avg_sq,
                 )  # fmt: skip

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rp_engine.model.host_store import HostParam, HostStore
+from rp_engine.optim.affinity import CoreSplit, pin_optimizer_thread
 from rp_engine.optim.delay_compensation import DelayCompensation
 from rp_engine.optim.optimizer import PREDICTIONS, HostOptimizer
 from rp_engine.optim.step_journal import StepJournal
@@ -70,10 +71,13 @@ from rp_engine.optim.step_journal import StepJournal
 if TYPE_CHECKING:
     from rp_engine.distributed import DataParallel
 
-__all__ = ["COMPENSATIONS", "OptimizerStepper", "StepResult", "staleness_compensation"]
+__all__ = ["AUTO", "COMPENSATIONS", "OptimizerStepper", "StepResult", "staleness_compensation"]
 
 # ``roundpipe.staleness_compensation`` resolved: the methods (weight predictions) it can run
 COMPENSATIONS = ("none", *(p for p in PREDICTIONS if p is not None))
+# what "auto" runs where it applies: the method whose worst case over the compensation suite
+# (benchmarks/compensation_suite.py) is no worse than plain async (``staleness_compensation``)
+AUTO = "lookahead"
 
 log = logging.getLogger("rp_engine.optim")
 
@@ -118,9 +122,11 @@ class OptimizerStepper:
         dp: DataParallel | None = None,
         journal: StepJournal | None = None,
         compensation: str = "none",
+        cores: CoreSplit | None = None,
     ) -> None:
         """``compensation``: ``roundpipe.staleness_compensation`` resolved (one of
-        ``COMPENSATIONS``; module docstring)."""
+        ``COMPENSATIONS``; module docstring). ``cores``: the optimizer's share of the host
+        cores (optim/affinity.py), taken by the worker thread before its first step."""
         if compensation not in COMPENSATIONS:
             raise ValueError(f"compensation {compensation!r}: expected one of {COMPENSATIONS}")
         if compensation != "none" and async_mode and not optimizer.can_predict:
@@ -160,6 +166,7 @@ class OptimizerStepper:
         dc = self.predicts and compensation == "lookahead_dc"
         self.delay = DelayCompensation() if dc else None
         self._undelayed_warned = False
+        self._cores = cores if cores is not None else CoreSplit()
         self._thread = threading.Thread(target=self._run, name="rp-optimizer", daemon=True)
         self._thread.start()
         # Data parallel (distributed.py): gradients reduced onto each layer's owner rank, which
@@ -647,6 +654,7 @@ class OptimizerStepper:
         self._tasks.put(guarded)
 
     def _run(self) -> None:
+        pin_optimizer_thread(self._cores)
         while True:
             task = self._tasks.get()
             if task is None:
@@ -663,15 +671,19 @@ def staleness_compensation(
 ) -> str:
     """``roundpipe.staleness_compensation`` resolved for this engine: one of ``COMPENSATIONS``.
 
-    "auto" is "lookahead_dc" (the method benchmarks/RESULTS.md found best) where it applies (the
-    asynchronous optimizer on DeepSpeed's CPU Adam, one process) and "none" elsewhere. An
-    explicit method where it cannot run raises (ValueError); with the synchronous optimizer
-    nothing is stale, so it resolves to "none"."""
+    "auto" is ``AUTO`` ("lookahead") where it applies (the asynchronous optimizer on DeepSpeed's
+    CPU Adam, one process) and "none" elsewhere. It was chosen by its worst case over the tasks
+    of benchmarks/compensation_suite.py (issue 43; benchmarks/RESULTS.md): on every task no
+    worse than plain async, closing 66 % of its gap to sync on average. "lookahead_dc", the
+    previous "auto", was far worse than plain async on a task without binding clipping (+8 % of
+    the loss); delay compensation only on the steps where clipping binds met the criteria with a
+    worse worst case. An explicit method where it cannot run raises (ValueError); with the
+    synchronous optimizer nothing is stale, so it resolves to "none"."""
     if wanted == "none" or not async_mode:
         return "none"
     fits = can_predict and not data_parallel
     if wanted == "auto":
-        return "lookahead_dc" if fits else "none"
+        return AUTO if fits else "none"
     if not fits:
         why = (
             "data parallel (the weights are stepped on one rank and broadcast)"

@@ -576,8 +576,10 @@ def _context(
 
 
 def _context_bytes(machine: Machine) -> float:
-    """What a device holds before any plan: the CUDA context and allocator slack on a GPU;
-    nothing on CPU virtual devices (``Machine.host_cores``: they compute on the host)."""
+    """What a device holds outside any plan: the CUDA context on a GPU (outside torch's
+    caching allocator; the allocator's slack and kernel workspaces are the memory rule's
+    terms now, ``shapes.memory_terms``); nothing on CPU virtual devices
+    (``Machine.host_cores``: they compute on the host)."""
     return 0.0 if machine.host_cores else CONTEXT_BYTES
 
 

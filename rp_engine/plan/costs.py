@@ -6,10 +6,19 @@ holds on a device while it computes (its weights, its gradient buffers when it i
 slot, and its working set). The partitioner's memory check, ``StageCosts`` and through it the
 device walks of ``memory.py`` (validate, the simulator) all count a slot with this one rule.
 No timing model here: see simulate/.
+
+The rule is data: ``SlotMemory`` names every item it counts (weights, gradient accumulators,
+saved activations, the micro-batch's own gradients before they are folded, attention
+temporaries, the LM head's chunk temporaries, boundary states, kernel workspaces, the caching
+allocator's slack), so reports and tests can read each one; the byte sizes come from
+``LayerCosts`` (``shapes.memory_terms`` derives them for a decoder shape; a COSTS.json may give
+them). Each later term's field defaults to leaving it out, which is the rule as it was before
+them (weights, gradients, activations, boundaries, the head's activations).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -47,9 +56,11 @@ class StageCosts:
     post_ms: tuple[float, ...]
     param_bytes: tuple[int, ...]
     grad_bytes: tuple[int, ...]
-    work_bytes: tuple[int, ...]  # working set while the slot computes (activations)
+    work_bytes: tuple[int, ...]  # working set while the slot computes (SlotMemory.work)
     boundary_bytes: int  # one hidden state crossing a stage boundary (per micro-batch)
     layer_param_bytes: tuple[int, ...]  # per layer, then the head (index L): optimizer work
+    # per slot, every item the rule counts (``slot_memory``): what reports and tests read
+    memory: tuple[SlotMemory, ...] = ()
 
     def busy_ms(self, slot: int) -> float:
         return self.pre_ms[slot] + self.post_ms[slot]
@@ -62,6 +73,19 @@ class LayerCosts:
     ``recompute_ms`` defaults to ``fwd_ms``; byte lists default to zeros. ``comm_ms`` is the
     fixed delay of a cross-device edge in the simulation conventions (no machine model);
     ``boundary_bytes`` the size of one hidden state crossing a stage boundary.
+
+    Memory terms (``slot_memory`` says how a slot counts them; all bytes per micro-batch):
+    ``act_bytes`` a layer's activations autograd keeps for its backward; ``attn_bytes`` its
+    attention temporaries (transient: the S x S scores of eager attention, a fused kernel's
+    backward accumulators); ``head_act_bytes`` the LM head's temporaries (one chunk's logits
+    and their gradients, the hidden-state gradient); ``workspace_bytes`` kernel workspaces a
+    device keeps (cuBLAS, per stream); ``allocator_slack`` the caching allocator's rounding and
+    fragmentation, a fraction of the bytes counted; ``grad_dtype_ratio`` gradient-accumulator
+    bytes per weight byte (2 where a half-precision model's gradients add up in fp32 over a
+    round: ``transfer.fold_grads``); ``fold_grads`` whether a micro-batch's gradients exist
+    beside the accumulators until the action folds them in (the engine's executor: True;
+    False leaves the term out); ``trainable_fraction`` the part of the weight bytes that has
+    gradients (LoRA: the adapters'), which scales both gradient terms.
     """
 
     fwd_ms: tuple[float, ...]
@@ -81,6 +105,13 @@ class LayerCosts:
     boundary_grad_bytes: int = 0
     # the prefix (embeddings, rotary): uploaded with forward slot 0 and the last backward slot
     prefix_param_bytes: int = 0
+    # the memory rule's further terms (class docstring); 0 leaves each out
+    attn_bytes: tuple[int, ...] = ()
+    workspace_bytes: int = 0
+    allocator_slack: float = 0.0
+    grad_dtype_ratio: float = 1.0
+    fold_grads: bool = False  # count ``SlotMemory.step_grads`` (the engine's executor has them)
+    trainable_fraction: float = 1.0  # of the weight bytes that have gradients (LoRA: adapters)
 
     def __post_init__(self) -> None:
         n = len(self.fwd_ms)
@@ -90,6 +121,7 @@ class LayerCosts:
             "recompute_ms": tuple(float(v) for v in (self.recompute_ms or self.fwd_ms)),
             "param_bytes": tuple(int(v) for v in (self.param_bytes or (0,) * n)),
             "act_bytes": tuple(int(v) for v in (self.act_bytes or (0,) * n)),
+            "attn_bytes": tuple(int(v) for v in (self.attn_bytes or (0,) * n)),
         }
         for name, values in norm.items():
             if len(values) != n:
@@ -99,6 +131,15 @@ class LayerCosts:
             object.__setattr__(self, name, values)
         if n < 1:
             raise ValueError("LayerCosts needs at least one decoder layer")
+        if (
+            self.allocator_slack < 0 or self.grad_dtype_ratio <= 0 or self.workspace_bytes < 0
+            or not 0 <= self.trainable_fraction <= 1
+        ):  # fmt: skip
+            raise ValueError(
+                "LayerCosts: allocator_slack and workspace_bytes must be >= 0, grad_dtype_ratio "
+                f"> 0 and trainable_fraction in [0, 1], got {self.allocator_slack}, "
+                f"{self.workspace_bytes}, {self.grad_dtype_ratio}, {self.trainable_fraction}"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -109,7 +150,7 @@ class LayerCosts:
         """Same cost for every layer; scalar byte sizes are repeated too."""
         lists: dict[str, Any] = {
             k: (kw.pop(k),) * num_layers
-            for k in ("recompute_ms", "param_bytes", "act_bytes")
+            for k in ("recompute_ms", "param_bytes", "act_bytes", "attn_bytes")
             if k in kw
         }
         return cls(fwd_ms=(fwd_ms,) * num_layers, bwd_ms=(bwd_ms,) * num_layers, **lists, **kw)
@@ -134,6 +175,12 @@ class LayerCosts:
             "boundary_grad_bytes",
             "comm_ms",
             "prefix_param_bytes",
+            "attn_bytes",
+            "workspace_bytes",
+            "allocator_slack",
+            "grad_dtype_ratio",
+            "fold_grads",
+            "trainable_fraction",
         }
         unknown = sorted(set(data) - known - _DESCRIPTIVE_KEYS)
         if unknown:
@@ -166,6 +213,12 @@ class LayerCosts:
             batch_bytes=int(data.get("batch_bytes", 0)),
             boundary_grad_bytes=int(data.get("boundary_grad_bytes", 0)),
             prefix_param_bytes=int(data.get("prefix_param_bytes", 0)),
+            attn_bytes=per_layer("attn_bytes"),
+            workspace_bytes=int(data.get("workspace_bytes", 0)),
+            allocator_slack=float(data.get("allocator_slack", 0.0)),
+            grad_dtype_ratio=float(data.get("grad_dtype_ratio", 1.0)),
+            fold_grads=bool(data.get("fold_grads", False)),
+            trainable_fraction=float(data.get("trainable_fraction", 1.0)),
         )
 
     def stages(
@@ -186,6 +239,7 @@ class LayerCosts:
             raise ValueError(f"cuts {list(fwd_cuts)} / {list(bwd_cuts)} must each sum to L={L}")
         head_first = L - bwd_cuts[0] if fused_head else L
         pre, post, params, grads, work = [], [], [], [], []
+        memory: list[SlotMemory] = []
         start = 0
         for s, n in enumerate(fwd_cuts):
             layers = range(start, min(start + n, head_first))
@@ -196,6 +250,7 @@ class LayerCosts:
             params.append(held.weights)
             grads.append(held.grads)
             work.append(held.work)
+            memory.append(held)
             start += n
         end = L
         for j, n in enumerate(bwd_cuts):
@@ -211,6 +266,7 @@ class LayerCosts:
             params.append(held.weights)
             grads.append(held.grads)
             work.append(held.work)
+            memory.append(held)
             end -= n
         return StageCosts(
             pre_ms=tuple(pre),
@@ -220,6 +276,7 @@ class LayerCosts:
             work_bytes=tuple(work),
             boundary_bytes=self.boundary_bytes,
             layer_param_bytes=self.param_bytes + (self.head_param_bytes,),
+            memory=tuple(memory),
         )
 
 
@@ -232,15 +289,35 @@ def _fold(
 
 @dataclass(frozen=True)
 class SlotMemory:
-    """What a slot holds on a device while it computes, in bytes."""
+    """What a slot holds on a device while it computes, in bytes, item by item (the memory
+    rule; ``slot_memory`` says how each is counted). ``weights`` and ``grads`` stay for the
+    slot's whole group on the device; the rest, ``work``, only while one of its actions runs."""
 
     weights: int  # its layers' weights (and the head's, and the prefix's where it rides along)
-    grads: int  # weight-gradient buffers: a backward slot accumulates its round's gradients
-    work: int  # working set: activations while computing, boundary hidden states in and out
+    grads: int  # weight-gradient accumulators: a backward slot adds up its round's gradients
+    activations: int = 0  # saved for the backward (a backward slot), else one layer's
+    step_grads: int = 0  # this micro-batch's own gradients, before they are folded in
+    attention: int = 0  # one layer's attention temporaries
+    head: int = 0  # the LM head's chunk temporaries and the hidden-state gradient
+    boundary: int = 0  # the hidden states in and out
+    workspace: int = 0  # kernel workspaces (cuBLAS)
+    slack: int = 0  # the caching allocator's rounding and fragmentation
+
+    @property
+    def work(self) -> int:
+        """The working set: every item but the weights and gradient accumulators."""
+        return (
+            self.activations + self.step_grads + self.attention + self.head
+            + self.boundary + self.workspace + self.slack
+        )  # fmt: skip
 
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.work
+
+    def items(self) -> dict[str, int]:
+        """Every item by name (the fields), for reports."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def slot_memory(
@@ -248,21 +325,58 @@ def slot_memory(
 ) -> SlotMemory:
     """The memory rule: bytes a slot over ``layers`` holds on its device while it computes.
 
-    Weights of the layers (plus the head's with ``head``, the prefix's with ``prefix``); a
-    backward slot also holds gradient buffers of the same size and keeps every layer's
-    activations for the backward (a forward slot, running without autograd, one layer's at a
-    time); the head's activations with ``head``; two boundary hidden states (in and out).
+    - weights: of the layers, plus the head's with ``head`` and the prefix's with ``prefix``;
+    - grads: a backward slot's accumulators, ``grad_dtype_ratio`` x its trainable weights
+      (``trainable_fraction`` of them);
+    - activations: a backward slot recomputes its layers with autograd and keeps every
+      layer's ``act_bytes`` until its backward reaches it; a forward slot runs without
+      autograd, one layer's at a time (the largest);
+    - step_grads (with ``fold_grads``): the micro-batch's own gradients exist until the action
+      folds them into the accumulators. The backward runs the head first, then the layers
+      last to first: while layer l runs, the activations of layers ..l and the gradients of
+      the head and of layers l.. are held. The largest such sum, less the activations
+      (counted above). A layer's other backward temporaries (the gradients of its
+      activations) are not a term: they live while part of its activations is freed already
+      and the earlier layers' gradients do not exist yet, and measured on CPU devices they
+      never took a slot past this bound (tests/plan/test_memory_rule.py);
+    - attention: one layer's at a time (the largest over the layers);
+    - head: the head's ``head_act_bytes`` with ``head``. Counted beside the layers'
+      attention temporaries although the two never overlap in time: a bound, by the smaller;
+    - boundary: the hidden states in and out (two ``boundary_bytes``);
+    - workspace: ``workspace_bytes``, once per slot;
+    - slack: ``allocator_slack`` x the sum of all the above.
     """
     lo, hi = layers.start, layers.stop
     weights = sum(costs.param_bytes[lo:hi]) + (costs.head_param_bytes if head else 0)
     weights += costs.prefix_param_bytes if prefix else 0
     acts = costs.act_bytes[lo:hi]
-    work = (sum(acts) if backward else max(acts, default=0)) + 2 * costs.boundary_bytes
-    return SlotMemory(
+    step_grads = 0
+    if backward:
+        activations = sum(acts)
+    else:
+        activations = max(acts, default=0)
+    if backward and costs.fold_grads:
+        f = costs.trainable_fraction
+        held = fresh = f * costs.head_param_bytes if head else 0.0  # the head's backward first
+        freed = 0  # activations of the layers already back-propagated
+        for i in range(hi - 1, lo - 1, -1):  # then layer i, with layers lo..i still saved
+            fresh += f * costs.param_bytes[i]
+            held = max(held, fresh - freed)
+            freed += costs.act_bytes[i]
+        if prefix:  # the prefix's backward comes last, every activation freed by then
+            held = max(held, fresh + f * costs.prefix_param_bytes - activations)
+        step_grads = max(int(held), 0)
+    body = SlotMemory(
         weights=weights,
-        grads=weights if backward else 0,
-        work=work + (costs.head_act_bytes if head else 0),
+        grads=int(weights * costs.trainable_fraction * costs.grad_dtype_ratio) if backward else 0,
+        activations=activations,
+        step_grads=step_grads,
+        attention=max(costs.attn_bytes[lo:hi], default=0),
+        head=costs.head_act_bytes if head else 0,
+        boundary=2 * costs.boundary_bytes,
+        workspace=costs.workspace_bytes,
     )
+    return dataclasses.replace(body, slack=int(costs.allocator_slack * body.total))
 
 
 def _list_len(value: object) -> int:

@@ -15,15 +15,25 @@ backward keeps the measured 15.83 / 7.43 ratio (LoRA: half of it, no weight grad
 scales with vocabulary x hidden x tokens. ``Machine.compute_scale`` scales it all to another GPU.
 
 Memory model (bytes one GPU needs for ``s`` tokens in flight per micro-batch, bf16): activation
-checkpoints of s x h x 2 bytes per layer boundary, the working set of one layer s x (18 h + 4
-I_active) (flash attention: no s^2 term), the LM head: RoundPipe computes it in 1,024-token
-chunks (fp32 logits and gradient of one chunk), DeepSpeed and Mobius run the HF head unchunked
-(10 bytes x vocabulary per token); weights: RoundPipe one 1-layer backward stage double
-buffered plus its gradient, Mobius its block double buffered plus gradients, ZeRO two gathered
-layers plus 1 GB of reduce bucket; ZeRO keeps all L checkpoints of its micro-batch, Mobius the
-checkpoints of its block for its N in-flight micro-batches, RoundPipe those of one stage (the
-rest live on the host). ``CONTEXT_BYTES`` (1.5 GB) per GPU for the CUDA context and allocator
-slack.
+checkpoints of s x h x 2 bytes per layer boundary, the working set of one layer (its saved
+activations and attention temporaries: ``memory_terms``), the LM head: RoundPipe
+computes it in 1,024-token chunks (``memory_terms``' head term), DeepSpeed and Mobius run the
+HF head unchunked (10 bytes x vocabulary per token); weights: RoundPipe one 1-layer backward
+stage double buffered plus its gradient, Mobius its block double buffered plus gradients, ZeRO
+two gathered layers plus 1 GB of reduce bucket; ZeRO keeps all L checkpoints of its
+micro-batch, Mobius the checkpoints of its block for its N in-flight micro-batches, RoundPipe
+those of one stage (the rest live on the host); kernel workspaces and the caching allocator's
+slack (``WORKSPACE_BYTES``, ``ALLOCATOR_SLACK``). ``CONTEXT_BYTES`` (1.5 GB) per GPU for the
+CUDA context, outside the caching allocator (and so outside the engine's
+``roundpipe.device_memory_gb`` cap, which limits the allocator).
+
+``memory_terms`` is the plan's memory rule per item (``costs.slot_memory`` counts a slot with
+them) for a decoder trained by the engine (Hugging Face layers, SDPA or eager attention, the
+fused chunked LM head). Its per-token activation coefficients were measured, not guessed: the
+bytes autograd keeps for one Qwen3 decoder layer (q/k norms, SDPA, GQA without repeated
+key/values: what transformers runs on CUDA without a padding mask), counted per storage on
+CPU virtual devices (tests/plan/test_memory_rule.py measures them again); the attention,
+head, workspace and slack terms are derived in their functions' docstrings.
 """
 
 from __future__ import annotations
@@ -42,6 +52,10 @@ __all__ = [
     "REF_MICRO_BATCH",
     "REF_SEQ_LEN",
     "CONTEXT_BYTES",
+    "WORKSPACE_BYTES",
+    "ALLOCATOR_SLACK",
+    "MemoryTerms",
+    "memory_terms",
     "effective_flops_per_ms",
     "layer_costs",
     "mem_bytes",
@@ -51,8 +65,19 @@ __all__ = [
 # published per-layer costs, Qwen3-1.7B on one RTX 4090, 4 x 2048 tokens per micro-batch
 REF_FWD_MS, REF_BWD_MS, REF_HEAD_FWD_MS, REF_HEAD_BWD_MS = 7.43, 15.83, 22.07, 43.71
 REF_MICRO_BATCH, REF_SEQ_LEN = 4, 2048
-CONTEXT_BYTES = 1.5e9  # CUDA context and allocator slack per GPU
+CONTEXT_BYTES = 1.5e9  # the CUDA context per GPU (outside the caching allocator and its cap)
 HEAD_CHUNK_TOKENS = 1024  # RoundPipe's LM-head chunk (roundpipe.head_chunk_tokens)
+# cuBLAS keeps one workspace per (handle, stream), allocated through torch's caching allocator
+# (so inside max_memory_allocated and the cap): torch's default CUBLAS_WORKSPACE_CONFIG is
+# ":4096:8" (32 MiB) on Hopper, ":4096:2:16:8" (8.1 MiB) before it; cuBLASLt gets a workspace
+# of the same size. The engine's matmuls run on one stream per device (its COMPUTE stream), and
+# torch's current stream outside it takes the same again: 2 streams x 2 x 32 MiB.
+WORKSPACE_BYTES = 2 * 2 * 32 * 2**20
+# torch's caching allocator rounds each block to 512 B and carves blocks under 10 MiB out of
+# 20 MiB segments; a segment with any live block cannot be returned, so what it reserves (what
+# the cap limits) exceeds what is allocated by this fraction of the bytes in use. An estimate,
+# not a measurement: the H200 run reported only max_memory_allocated (benchmarks/RESULTS.md).
+ALLOCATOR_SLACK = 0.05
 
 
 @dataclass(frozen=True)
@@ -168,6 +193,123 @@ SHAPES: dict[str, Shape] = {
 }  # fmt: skip
 
 
+# Bytes per token one decoder layer keeps for its backward, by (compute dtype's element size,
+# attention), as coefficients of (h, I, q, kv, H, K, 1, H x S): hidden size, active MLP width,
+# q and kv projection widths, query and kv heads, a constant, and heads x sequence length (the
+# probabilities eager attention keeps). Measured on the engine's HF Qwen3 layer (q/k norms,
+# GQA without repeated key/values), least squares over 9 shapes and 4 sequence lengths, exact
+# to the byte on all of them (tests/plan/test_memory_rule.py measures them again on others).
+# Half precision: each RMSNorm keeps an fp32 copy of its input, so fp32 is not 2x bf16.
+_ACT_PER_TOKEN: dict[tuple[int, str], tuple[int, int, int, int, int, int, int, int]] = {
+    (2, "sdpa"): (16, 8, 10, 10, 8, 4, 8, 0),
+    (4, "sdpa"): (20, 16, 16, 16, 8, 4, 8, 0),
+    (2, "eager"): (16, 8, 14, 6, 4, 4, 8, 6),  # + the fp32 softmax output and its bf16 cast
+    (4, "eager"): (20, 16, 24, 8, 4, 4, 8, 4),
+}
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """The memory rule's terms for one micro-batch of a decoder shape (``memory_terms``), in
+    bytes: the inputs of ``costs.LayerCosts``' memory fields, one name each."""
+
+    act_bytes: int  # one layer's activations kept for its backward
+    attn_bytes: int  # one layer's attention temporaries
+    head_act_bytes: int  # the LM head's temporaries (one chunk's logits and gradients)
+    boundary_bytes: int  # one hidden state
+    workspace_bytes: int  # kernel workspaces per device
+    allocator_slack: float  # fraction of the counted bytes
+    grad_dtype_ratio: float  # gradient-accumulator bytes per weight byte
+
+    def layer_costs_fields(self) -> dict[str, Any]:
+        """The ``LayerCosts`` keyword arguments these terms give (per-layer ones as scalars:
+        ``LayerCosts.uniform`` repeats them; ``layer_costs`` builds the tuples)."""
+        return {
+            "head_act_bytes": self.head_act_bytes,
+            "boundary_bytes": self.boundary_bytes,
+            "workspace_bytes": self.workspace_bytes,
+            "allocator_slack": self.allocator_slack,
+            "grad_dtype_ratio": self.grad_dtype_ratio,
+            "fold_grads": True,
+        }
+
+
+def memory_terms(
+    shape: Shape,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+    attention: str = "sdpa",
+    head_chunk_tokens: int = HEAD_CHUNK_TOKENS,
+    cuda: bool = True,
+    round_size: int = 2,
+    token_stats: bool = False,
+) -> MemoryTerms:
+    """The memory rule's terms for ``micro_batch`` sequences of ``seq_len`` tokens of ``shape``
+    trained by the engine in a compute dtype of ``dtype_bytes`` (2: bf16/fp16, 4: fp32).
+
+    With T = micro_batch x seq_len tokens, e = dtype_bytes, h hidden, I the active MLP width,
+    q = heads x head_dim, kv = kv_heads x head_dim, H heads, K kv heads, V vocabulary, C =
+    min(head_chunk_tokens, T):
+
+    - act_bytes = T (c_h h + c_I I + c_q q + c_kv kv + c_H H + c_K K + c_1 + c_S H seq_len),
+      the coefficients of ``_ACT_PER_TOKEN`` (measured; bf16 SDPA: 16 h + 8 I + 10 (q + kv)
+      + 8 H + 4 K + 8; eager attention also keeps its probabilities, c_S = e + 4 in half
+      precision: the fp32 softmax output and its cast, 4 in fp32); a mixture of experts adds
+      its router's fp32 probabilities, T x experts x 8 (not measured);
+    - attn_bytes: eager, micro_batch x H x seq_len^2 x (e + 8) (the scores, the fp32 softmax
+      input and its gradient in the backward); SDPA (flash or memory-efficient kernels), T x
+      (4 q + 2 e q + 4 H): the backward's fp32 dq accumulator, dk and dv expanded to every
+      query head before GQA sums them, the per-head softmax statistics;
+    - head_act_bytes = C V (8 + 2 e) + T h e + C h (4 + 4 e): one chunk's fp32 log-softmax
+      output, the NLL's and log-softmax's fp32 gradients and the cast's gradient (e), the
+      (T, h) hidden gradient the head writes, the chunk's final norm (fp32 input, its casts
+      and gradients); ``token_stats`` (TRL's fused head) + 8 C V (its log-softmax and exp in
+      the forward);
+    - boundary_bytes = T h e;
+    - workspace_bytes = ``WORKSPACE_BYTES`` and allocator_slack = ``ALLOCATOR_SLACK`` on a
+      GPU (``cuda``), 0 on CPU virtual devices;
+    - grad_dtype_ratio = 2 where half-precision gradients add up in fp32 (e = 2 and rounds of
+      ``round_size`` > 1 micro-batches), else 1.
+
+    Raises ValueError for an unknown ``attention`` ("sdpa", "flash", "eager") or dtype size.
+    """
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
+    if attention not in ("sdpa", "flash", "eager"):
+        raise ValueError(f"attention must be 'sdpa', 'flash' or 'eager', got {attention!r}")
+    e, h, i_act = dtype_bytes, shape.hidden, shape.active_intermediate
+    t = micro_batch * seq_len
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    eager = attention == "eager"
+    c_h, c_i, c_q, c_kv, c_hd, c_k, c_1, c_s = _ACT_PER_TOKEN[e, "eager" if eager else "sdpa"]
+    heads, kv_heads = shape.heads, shape.kv_heads
+    act = t * (
+        c_h * h + c_i * i_act + c_q * q + c_kv * kv + c_hd * heads + c_k * kv_heads + c_1
+        + c_s * heads * seq_len
+    )  # fmt: skip
+    act += t * shape.experts * 8 if shape.experts else 0
+    if eager:
+        attn = micro_batch * heads * seq_len**2 * (e + 8)
+    else:
+        attn = t * (4 * q + 2 * e * q + 4 * heads)
+    chunk = min(head_chunk_tokens, t)
+    head = chunk * shape.vocab * (8 + 2 * e + (8 if token_stats else 0))
+    head += t * h * e + chunk * h * (4 + 4 * e)
+    return MemoryTerms(
+        act_bytes=act,
+        attn_bytes=attn,
+        head_act_bytes=head,
+        boundary_bytes=t * h * e,
+        workspace_bytes=WORKSPACE_BYTES if cuda else 0,
+        allocator_slack=ALLOCATOR_SLACK if cuda else 0.0,
+        grad_dtype_ratio=2.0 if e < 4 and round_size > 1 else 1.0,
+    )
+
+
 def effective_flops_per_ms() -> float:
     """The RTX 4090's rate implied by the published Qwen3-1.7B layer forward."""
     return SHAPES["qwen3-1.7b"].fwd_flops(REF_SEQ_LEN, REF_MICRO_BATCH) / REF_FWD_MS
@@ -195,17 +337,20 @@ def layer_costs(
         * (tokens / (REF_MICRO_BATCH * REF_SEQ_LEN))
     )  # fmt: skip
     n = shape.layers
+    mem = memory_terms(shape, micro_batch=micro_batch, seq_len=seq_len, cuda=not machine.host_cores)
     return LayerCosts(
         fwd_ms=(fwd,) * n,
         bwd_ms=(bwd,) * n,
         param_bytes=(2 * shape.layer_params,) * n,
-        act_bytes=(tokens * (18 * shape.hidden + 4 * shape.active_intermediate),) * n,
+        act_bytes=(mem.act_bytes,) * n,
+        attn_bytes=(mem.attn_bytes,) * n,
         head_fwd_ms=REF_HEAD_FWD_MS * head_scale,
         head_bwd_ms=REF_HEAD_BWD_MS * head_scale,
         head_param_bytes=2 * shape.head_params,
-        head_act_bytes=int(HEAD_CHUNK_TOKENS * shape.vocab * 8),
-        boundary_bytes=tokens * shape.hidden * 2,
         prefix_param_bytes=0 if shape.tied else 2 * shape.head_params,
+        # LoRA: only the adapters have gradients (of the weights the slots upload)
+        trainable_fraction=shape.trainable_params / shape.total_params if shape.lora else 1.0,
+        **mem.layer_costs_fields(),
     )
 
 
@@ -214,21 +359,30 @@ def mem_bytes(system: str, shape: Shape, s: int, n: int, block: int = 1) -> floa
     memory model); ``system`` "roundpipe", "mobius" (blocks of ``block`` layers; default 1,
     the most favourable to it) or "zero_infinity"; ``n`` devices."""
     h, layer_b = shape.hidden, 2 * shape.layer_params
+    mem = memory_terms(shape, micro_batch=1, seq_len=s)
     grad_b = 0 if shape.lora else layer_b
+    # RoundPipe's: fp32 accumulators for a bf16 model (its rounds), and the micro-batch's own
+    # gradient until it is folded in (costs.slot_memory's grads and step_grads)
+    rp_grad_b = 0 if shape.lora else int(layer_b * mem.grad_dtype_ratio) + layer_b
     ckpt = s * h * 2
-    work = s * (18 * h + 4 * shape.active_intermediate)
-    chunked_head = HEAD_CHUNK_TOKENS * shape.vocab * 8 + s * h * 4
+    # one layer's working set (the memory rule's items for one layer: memory_terms)
+    work = mem.act_bytes + mem.attn_bytes + mem.workspace_bytes
+    chunked_head = mem.head_act_bytes
     hf_head = s * shape.vocab * 10
+
+    def slack(nbytes: float) -> float:  # the caching allocator's, then the CUDA context
+        return nbytes * (1 + mem.allocator_slack) + CONTEXT_BYTES
+
     if system == "roundpipe":
-        return 2 * layer_b + grad_b + ckpt + work + chunked_head + CONTEXT_BYTES
+        return slack(2 * layer_b + rp_grad_b + ckpt + work + chunked_head)
     if system == "mobius":
         # its block double buffered with its gradients, the head bound to one GPU, and the
         # checkpoints of all its L/N layers for the N micro-batches in flight (GPipe order)
         head_b = 2 * shape.head_params * (1 if shape.lora else 2)
         weights = 2 * block * layer_b + block * grad_b + head_b
-        return weights + n * math.ceil(shape.layers / n) * ckpt + work + hf_head + CONTEXT_BYTES
+        return slack(weights + n * math.ceil(shape.layers / n) * ckpt + work + hf_head)
     if system == "zero_infinity":
-        return 2 * layer_b + 1e9 + shape.layers * ckpt + work + hf_head + CONTEXT_BYTES
+        return slack(2 * layer_b + 1e9 + shape.layers * ckpt + work + hf_head)
     raise ValueError(f"unknown system {system!r}: roundpipe, mobius or zero_infinity")
 
 

@@ -17,11 +17,18 @@ import logging
 import statistics
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rp_engine.plan import schedules
-from rp_engine.plan.actions import Op, Plan, compute_groups, format_grid
+from rp_engine.plan.actions import Op, Plan, compute_groups, format_bytes, format_grid
 from rp_engine.plan.partition import CutsError, LayerCosts, Partition, partition
+from rp_engine.plan.shapes import (
+    ALLOCATOR_SLACK,
+    WORKSPACE_BYTES,
+    MemoryTerms,
+    Shape,
+    memory_terms,
+)
 from rp_engine.runtime.stages import StageMap
 
 if TYPE_CHECKING:
@@ -45,6 +52,14 @@ class ModelShape:
     # the head stage holds no block: a module model's head hands its outputs to the caller,
     # whose loss arrives only at engine.backward (model/module.py)
     head_alone: bool = False
+    # a decoder's shape (a Hugging Face model's config), its compute dtype's element size,
+    # attention implementation and LM-head chunk: what the memory rule's activation, attention
+    # and head terms need (plan/shapes.py ``memory_terms``). None: only weights, gradients,
+    # boundary states and the device's workspace and slack are counted
+    arch: Shape | None = None
+    dtype_bytes: int = 4
+    attention: str = "sdpa"
+    head_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -62,7 +77,45 @@ class ModelShape:
             head_param_bytes=layers[-1].param_bytes,
             prefix_param_bytes=layers[0].param_bytes if p else 0,
             head_alone=seq.returns_outputs,
+            **_decoder_of(seq),
         )
+
+    def memory_terms(self, micro_batch: int, seq_len: int, *, cuda: bool) -> MemoryTerms | None:
+        """The memory rule's terms for micro-batches of ``micro_batch`` x ``seq_len`` tokens
+        (``plan.shapes.memory_terms``); None without a decoder shape or for a dtype the rule
+        has no coefficients for."""
+        if self.arch is None or self.dtype_bytes not in (2, 4):
+            return None
+        return memory_terms(
+            self.arch,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            dtype_bytes=self.dtype_bytes,
+            attention="eager" if self.attention == "eager" else "sdpa",
+            head_chunk_tokens=self.head_chunk_tokens,
+            cuda=cuda,
+        )
+
+
+def _decoder_of(seq: LayerSequence) -> dict[str, Any]:
+    """``ModelShape``'s decoder fields of a layer sequence: the blocks' element size, and for a
+    Hugging Face causal LM its config's shape, attention implementation and the head's chunk
+    (other models' activations are not modelled)."""
+    param = next((p for b in seq.blocks for p in b.parameters()), None)
+    out: dict[str, Any] = {"dtype_bytes": param.element_size()} if param is not None else {}
+    config = getattr(seq.root, "config", None)
+    if not seq.kind.startswith("hf:") or config is None:
+        return out
+    try:
+        arch = Shape.from_hf_config(config.to_dict(), name=seq.kind)
+    except (ValueError, TypeError, AttributeError):
+        return out
+    return {
+        **out,
+        "arch": arch,
+        "attention": str(getattr(config, "_attn_implementation", None) or "sdpa"),
+        "head_chunk_tokens": int(getattr(seq.head, "chunk_tokens", 1024)),
+    }
 
 
 class Planner:
@@ -85,12 +138,18 @@ class Planner:
         overlap_iterations: bool = False,
         nvme_slots: bool | Collection[int] = False,
         nvme_read_ahead: int = 2,
+        cuda: bool = False,
     ) -> None:
         """``nvme_slots``: True, or the slots (of the cuts in use), whose weights the parameter
         tier keeps on NVMe: the lowered plans read them into host staging buffers before each
         UPLOAD (``Op.READ``, ``nvme_read_ahead`` uploads ahead; ``schedules.lower``). Default
-        none: the plans are as without the tier."""
+        none: the plans are as without the tier. ``cuda``: the devices are GPUs, so the memory
+        rule counts kernel workspaces and the caching allocator's slack (plan/shapes.py)."""
         self.shape = shape
+        self.cuda = cuda
+        # the micro-batch's (sequences, tokens per sequence), once ``fit_tokens`` saw a batch:
+        # the memory rule's activation terms need it
+        self.tokens: tuple[int, int] | None = None
         # the parameter tier: set before the first lowering (set_cuts validates a plan)
         self.nvme_slots: bool | tuple[int, ...] = (
             True if nvme_slots is True else tuple(sorted(nvme_slots or ()))
@@ -285,10 +344,86 @@ class Planner:
 
     def _estimate(self) -> LayerCosts:
         """Costs before any measurement: time proportional to parameter bytes (a dense layer's
-        FLOPs per token are ~2x its parameters), backward = 2x forward, recompute = forward."""
+        FLOPs per token are ~2x its parameters), backward = 2x forward, recompute = forward;
+        bytes by the memory rule (``_memory``)."""
         unit = 1e-6
         fwd = [max(b, 1) * unit for b in self.shape.block_param_bytes]
-        return _costs(self.shape, fwd, [2 * f for f in fwd], self.shape.head_param_bytes * unit)
+        head = self.shape.head_param_bytes * unit
+        return _costs(self.shape, fwd, [2 * f for f in fwd], head, self._memory())
+
+    def _memory(self) -> dict[str, Any]:
+        """The memory rule's ``LayerCosts`` fields beyond weights: with a decoder shape and a
+        batch seen (``fit_tokens``), every term of ``plan.shapes.memory_terms``; before that,
+        or for other models, what needs no activation sizes: the gradient accumulators' fp32
+        size for a half-precision model, the micro-batch's gradients before they are folded
+        in, and on GPUs the kernel workspaces and the allocator's slack."""
+        mem = None
+        if self.tokens is not None:
+            mem = self.shape.memory_terms(*self.tokens, cuda=self.cuda)
+        if mem is not None:
+            n = self.shape.num_blocks
+            return {
+                "act_bytes": (mem.act_bytes,) * n,
+                "attn_bytes": (mem.attn_bytes,) * n,
+                **mem.layer_costs_fields(),
+            }
+        return {
+            "workspace_bytes": WORKSPACE_BYTES if self.cuda else 0,
+            "allocator_slack": ALLOCATOR_SLACK if self.cuda else 0.0,
+            "grad_dtype_ratio": 2.0 if self.shape.dtype_bytes < 4 else 1.0,
+            "fold_grads": True,
+        }
+
+    def fit_tokens(self, micro_batch: int, seq_len: int) -> bool:
+        """Count the memory rule's activation, attention and head terms for micro-batches of
+        ``micro_batch`` sequences of ``seq_len`` tokens (the engine calls it with its first
+        batch, before the first plan is issued). With a memory budget and a decoder shape,
+        the cuts are checked again: automatic ones searched again when they no longer fit
+        (returns True when they changed: the executor must be rebuilt), given ones
+        (``roundpipe.fwd_cuts``/``bwd_cuts``) that do not fit raise ValueError naming them;
+        then the prefetch depth and residency are chosen again. Only the first call counts:
+        a later batch of more tokens is not planned for (on a GPU the allocator's cap then
+        fails it with an out-of-memory error)."""
+        if self.tokens is not None:
+            return False
+        self.tokens = (micro_batch, seq_len)
+        if (
+            self.memory_budget_bytes is None
+            or self.shape.memory_terms(micro_batch, seq_len, cuda=self.cuda) is None
+        ):
+            return False
+        cuts = (tuple(self.fwd_cuts), tuple(self.bwd_cuts))
+        if self.fixed:
+            try:
+                self._search(self._estimate(), cuts=cuts)
+            except CutsError as e:
+                if not self.user_cuts:
+                    raise ValueError(
+                        f"roundpipe.schedule {self.schedule!r}: {e}; raise "
+                        "roundpipe.device_memory_gb or shrink the micro-batch"
+                    ) from None
+                raise ValueError(
+                    f"roundpipe.{e} (micro-batches of {micro_batch} x {seq_len} tokens); choose "
+                    "smaller stages, raise roundpipe.device_memory_gb, or remove "
+                    "roundpipe.fwd_cuts and roundpipe.bwd_cuts to let the planner choose"
+                ) from None
+            changed = False
+        else:
+            best = self._search(self._estimate())
+            changed = best != cuts
+            if changed:
+                self.set_cuts(*best)
+        if not changed:
+            self.prefetch_depth, self.resident = self._choose_lowering()
+        peak = self.validated_peak()
+        log.info(
+            "memory rule: micro-batches of %d x %d tokens, largest device peak %s of the "
+            "budget's %s", micro_batch, seq_len, format_bytes(peak),
+            format_bytes(self.memory_budget_bytes),
+        )  # fmt: skip
+        if changed:
+            self._log_plan(f"re-planned for micro-batches of {micro_batch} x {seq_len} tokens")
+        return changed
 
     def _search(
         self, costs: LayerCosts, *, cuts: tuple[tuple[int, ...], tuple[int, ...]] | None = None
@@ -526,7 +661,7 @@ class Planner:
             head_total = max(statistics.median(head_stage) - own, 0.0)
         else:
             head_total = 3 * head
-        return _costs(self.shape, fwd, bwd, head_total / 3)
+        return _costs(self.shape, fwd, bwd, head_total / 3, self._memory())
 
 
 def _engine_schedule(name: str) -> schedules.ScheduleSpec:
@@ -558,7 +693,13 @@ def _even_split(n: int, parts: int) -> tuple[int, ...]:
     return tuple(n // parts + (1 if i < n % parts else 0) for i in range(parts))
 
 
-def _costs(shape: ModelShape, fwd: list[float], bwd: list[float], head_fwd: float) -> LayerCosts:
+def _costs(
+    shape: ModelShape,
+    fwd: list[float],
+    bwd: list[float],
+    head_fwd: float,
+    memory: dict[str, Any],
+) -> LayerCosts:
     # The prefix always shares stages with block 0 (forward stage 0, the last backward stage;
     # never the head stage), so its weights count there, for the memory checks and the bytes
     # a plan uploads alike.
@@ -569,8 +710,8 @@ def _costs(shape: ModelShape, fwd: list[float], bwd: list[float], head_fwd: floa
         bwd_ms=tuple(bwd),
         recompute_ms=tuple(fwd),
         param_bytes=tuple(params),
-        act_bytes=tuple(0 for _ in fwd),
         head_fwd_ms=head_fwd,
         head_bwd_ms=2 * head_fwd,
         head_param_bytes=shape.head_param_bytes,
+        **memory,
     )

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
+from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir, op_load_guard
 from rp_engine.storage.aligned import ALIGN, aligned_empty, round_up
 
 __all__ = ["AioEngine", "IOEngine", "IOStats", "ThreadEngine", "aio_op_built", "make_io_engine"]
@@ -298,13 +298,16 @@ def load_aio_op() -> Any:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     builder = AsyncIOBuilder()
-    with extensions_dir(cpu_adam_cache_dir()):
+    cache = cpu_adam_cache_dir()
+    with extensions_dir(cache):
         if not builder.is_compatible(verbose=False):
             raise RuntimeError(
                 "DeepSpeed's aio op cannot build here: install libaio-dev (apt-get install "
                 "libaio-dev) and run `python -m rp_engine.storage.build_aio`"
             )
-        return builder.load(verbose=False)
+        # a build lock left by a killed loader never wedges this load (optim/jit_cache.py)
+        with op_load_guard(builder.name, cache):
+            return builder.load(verbose=False)
 
 
 def make_io_engine(choice: str, aio: Any) -> IOEngine:

@@ -210,12 +210,45 @@ def test_errors_surface_and_reset_recovers(pool: DevicePool) -> None:
 
 
 def test_capacity_budget() -> None:
+    # the ledger's check or, first, the allocator's cap (a 4 KiB cap holds no 2 MiB segment)
     with make_devices("cuda:0", capacity_bytes=4096) as p:
         dev = p[0]
         s = dev.stream(H2D_PARAM)
         s.submit(lambda: dev.to_device(pin(torch.zeros(2048))), label="U3.0")
-        with pytest.raises(DeviceError, match="U3.0.*device 0 out of memory"):
+        with pytest.raises(DeviceError, match="U3.0.*out of memory"):
             sync(s.record())
+
+
+def test_the_budget_caps_the_caching_allocator() -> None:
+    """``capacity_bytes`` (``roundpipe.device_memory_gb``) is a limit on every allocation, not
+    only on the tensors the ledger tracks: the process's allocator fraction is the budget over
+    the GPU's memory, an untracked allocation past it raises out of memory (as a GPU of that
+    size would), one under it succeeds, and closing the pool restores the fraction."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    # torch < 2.9 cannot read the fraction back (1.0 is the default): the behaviour is checked
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _i: 1.0)
+    before = fraction(0)
+    mib = 2**20
+    torch.cuda.empty_cache()  # the cap counts reserved segments: none cached, only live ones
+    held = torch.cuda.memory_reserved(0)  # earlier tests' live blocks (cuBLAS workspaces)
+    budget = held + 256 * mib
+    with make_devices("cuda:0", capacity_bytes=budget) as p:
+        dev = p[0]
+        assert isinstance(dev, CUDADevice)
+        if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            assert fraction(0) == pytest.approx(budget / total)
+        stats = dev.memory_stats()
+        assert stats["cuda_cap"] == budget and stats["cuda_reserved_peak"] >= 0
+        fits = torch.empty(64 * mib, dtype=torch.uint8, device="cuda")  # untracked
+        with pytest.raises(torch.OutOfMemoryError):  # held + 64 + 256 MiB > held + 256 MiB
+            torch.empty(256 * mib, dtype=torch.uint8, device="cuda")
+        del fits
+        assert dev.memory_stats()["allocated"] == 0  # the ledger never saw either
+    assert fraction(0) == pytest.approx(before)
+    # restored: what the cap refused now fits
+    torch.cuda.empty_cache()
+    assert torch.empty(budget, dtype=torch.uint8, device="cuda").numel() == budget
+    torch.cuda.empty_cache()
 
 
 def test_rng_scope_depends_only_on_the_seed(pool: DevicePool) -> None:
