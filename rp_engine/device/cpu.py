@@ -381,19 +381,24 @@ class MemoryLedger:
                     entry.refs += 1
                     return
                 self._drop(ptr)  # a dead storage whose address was reused
-            if self.capacity and self._allocated + nbytes > self.capacity:
-                self._prune()
-            if self.capacity and self._allocated + nbytes > self.capacity:
-                raise DeviceError(
-                    f"device {self.device_index} out of memory: need {nbytes / _MIB:.1f} MiB, "
-                    f"capacity {self.capacity / _MIB:.1f} MiB with "
-                    f"{self._allocated / _MIB:.1f} MiB already allocated (use smaller stages "
-                    "or micro-batches, or raise roundpipe.device_memory_gb)",
-                    device=self.device_index,
-                )
+            self._admit(nbytes, "need")
             self._storages[ptr] = _Tracked(weakref.ref(storage), nbytes, 1)
             self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)
+
+    def _admit(self, nbytes: int, what: str) -> None:
+        """Room for ``nbytes`` more within the capacity (dead storages pruned first), else
+        ``DeviceError`` ("device i out of memory: {what} X MiB ..."). Called under the lock."""
+        if self.capacity and self._allocated + nbytes > self.capacity:
+            self._prune()
+        if self.capacity and self._allocated + nbytes > self.capacity:
+            raise DeviceError(
+                f"device {self.device_index} out of memory: {what} {nbytes / _MIB:.1f} MiB, "
+                f"capacity {self.capacity / _MIB:.1f} MiB with "
+                f"{self._allocated / _MIB:.1f} MiB already allocated (use smaller stages "
+                "or micro-batches, or raise roundpipe.device_memory_gb)",
+                device=self.device_index,
+            )
 
     def track_created(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage, just created by an op on a metered stream, until it dies
@@ -411,16 +416,7 @@ class MemoryLedger:
                 return
             if entry is not None:
                 self._drop(ptr)  # a dead storage whose address was reused
-            if self.capacity and self._allocated + nbytes > self.capacity:
-                self._prune()
-            if self.capacity and self._allocated + nbytes > self.capacity:
-                raise DeviceError(
-                    f"device {self.device_index} out of memory: an op needs "
-                    f"{nbytes / _MIB:.1f} MiB, capacity {self.capacity / _MIB:.1f} MiB with "
-                    f"{self._allocated / _MIB:.1f} MiB already allocated (use smaller stages "
-                    "or micro-batches, or raise roundpipe.device_memory_gb)",
-                    device=self.device_index,
-                )
+            self._admit(nbytes, "an op needs")
             ref = weakref.ref(storage, functools.partial(self._died, ptr))
             self._storages[ptr] = _Tracked(ref, nbytes, 0)
             self._allocated += nbytes

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-__all__ = ["cpu_adam_cache_dir", "extensions_dir", "op_load_guard", "with_own_ninja"]
+__all__ = ["cpu_adam_cache_dir", "every", "extensions_dir", "op_load_guard", "with_own_ninja"]
 
 log = logging.getLogger("rp_engine.optim")
 
@@ -265,13 +265,21 @@ def _orphan_watch(build_dir: str, name: str) -> Iterator[None]:
     ``build_dir`` if it went stale meanwhile: another program's loader (a DeepSpeed run, which
     takes no rp_engine lock) may have taken it after ``_settle_build_lock`` looked and then
     died, and torch would wait for it forever. A live holder (this load itself) is left alone."""
+    with every(NOTICE_EVERY_S, lambda: _clear_if_stale(build_dir, name), f"rp-{name}-lock-watch"):
+        yield
+
+
+@contextlib.contextmanager
+def every(seconds: float, fn: Callable[[], object], name: str) -> Iterator[None]:
+    """Call ``fn`` every ``seconds`` on a daemon thread named ``name`` while the block runs
+    (the first call ``seconds`` after it starts); the thread is joined when the block ends."""
     done = threading.Event()
 
-    def watch() -> None:
-        while not done.wait(NOTICE_EVERY_S):
-            _clear_if_stale(build_dir, name)
+    def run() -> None:
+        while not done.wait(seconds):
+            fn()
 
-    thread = threading.Thread(target=watch, name=f"rp-{name}-lock-watch", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     try:
         yield

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from rp_engine.optim.delay_compensation import BLOCK, DelayCompensation
-from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir, op_load_guard
+from rp_engine.optim.jit_cache import cpu_adam_cache_dir, every, extensions_dir, op_load_guard
 from rp_engine.optim.loss_scaler import LossScaler
 from rp_engine.optim.nogil_adam import gil_free_adam
 from rp_engine.optim.publish_kernel import (
@@ -166,20 +166,13 @@ def _cpu_adam(
 def _heartbeat(message: str, every_s: float = 15.0) -> Iterator[None]:
     """Log ``message`` with the elapsed time every ``every_s`` seconds until the block ends, so
     a long one-time build never looks like a hang."""
-    done = threading.Event()
     start = time.monotonic()
 
     def beat() -> None:
-        while not done.wait(every_s):
-            log.warning("%s (%.0f s)", message, time.monotonic() - start)
+        log.warning("%s (%.0f s)", message, time.monotonic() - start)
 
-    thread = threading.Thread(target=beat, name="rp-heartbeat", daemon=True)
-    thread.start()
-    try:
+    with every(every_s, beat, "rp-heartbeat"):
         yield
-    finally:
-        done.set()
-        thread.join()
 
 
 def _is_cpu_adam_built(root: str) -> bool:
