@@ -678,9 +678,10 @@ def test_slice_size_must_keep_the_kernel_simd_split() -> None:
 
 
 def test_an_engine_on_gpus_steps_cpu_adam_in_smaller_slices(monkeypatch) -> None:
-    """A call holds the GIL for its whole slice and GPU device threads launch kernels from
-    Python: an engine whose pool is CUDA steps in ``CUDA_ADAM_SLICE`` (512K) calls, one on CPU
-    virtual devices keeps ``ADAM_SLICE`` (2M). The pool's kind is what decides (the engine's
+    """Through DeepSpeed's binding a call holds the GIL for its whole slice and GPU device
+    threads launch kernels from Python: an engine whose pool is CUDA then steps in
+    ``CUDA_ADAM_SLICE`` (512K) calls, one on CPU virtual devices keeps ``ADAM_SLICE`` (2M), and
+    so does every pool with ``roundpipe.release_gil`` (the default). The pool's kind is what decides (the engine's
     own wiring: a CPU pool reporting "cuda" stands in for GPUs here)."""
     from engine_helpers import config, engine_for
     from models import tiny_qwen3
@@ -703,39 +704,63 @@ def test_an_engine_on_gpus_steps_cpu_adam_in_smaller_slices(monkeypatch) -> None
             return pool
 
         monkeypatch.setattr(engine_module, "make_devices", made_of_kind)
-        engine = engine_for(tiny_qwen3(0, layers=2), config(devices=1, gas=1))
-        try:
-            assert engine.pool.kind == kind
-            slices[kind] = engine.optimizer.slice_elems
-        finally:
-            engine.destroy()
-    assert slices == {"cpu": ADAM_SLICE, "cuda": CUDA_ADAM_SLICE}
+        for release in (True, False):
+            cfg = config(devices=1, gas=1, roundpipe={"release_gil": release})
+            engine = engine_for(tiny_qwen3(0, layers=2), cfg)
+            try:
+                assert engine.pool.kind == kind
+                slices[kind, release] = engine.optimizer.slice_elems
+            finally:
+                engine.destroy()
+    # without the GIL (the default) a call stalls no launch: GPUs take the CPU's slice too
+    assert slices == {
+        ("cpu", True): ADAM_SLICE,
+        ("cpu", False): ADAM_SLICE,
+        ("cuda", True): ADAM_SLICE,
+        ("cuda", False): CUDA_ADAM_SLICE,
+    }
 
 
-def test_adam_kernel_calls_are_bounded_slices_so_other_threads_get_the_gil() -> None:
+@pytest.mark.parametrize("release_gil", [False, True], ids=["binding", "gil_free"])
+def test_adam_kernel_calls_are_bounded_slices_so_other_threads_get_the_gil(
+    release_gil: bool,
+) -> None:
     """DeepSpeed's binding holds the GIL for a whole ``adam_update`` call, so a pipeline thread
     waits at most one call: every call must cover at most ``slice_elems`` elements, and one
     step of n elements takes ceil(n / slice) calls. Counted, not timed; the pause a Python
-    thread sees is measured in benchmarks/host_path_bench.py gil (RESULTS.md)."""
+    thread sees is measured in benchmarks/host_path_bench.py gil (RESULTS.md). The GIL-free
+    call (``roundpipe.release_gil``) is sliced the same way (each slice's publish reads it
+    from cache)."""
     n, size = 10_000, 1024
     p = torch.zeros(n)
     p.grad = torch.ones(n)
-    opt = HostOptimizer(_cpu_adam([p]), per_layer=True, scaler=LossScaler(), slice_elems=size)
+    opt = HostOptimizer(
+        _cpu_adam([p]), per_layer=True, scaler=LossScaler(), slice_elems=size,
+        release_gil=release_gil,
+    )  # fmt: skip
+    assert opt.releases_gil == release_gil
     inner = opt.optimizer
-    kernel = inner.ds_opt_adam
+    owner: Any = opt._nogil if release_gil else inner  # noqa: SLF001 - the call site
+    attr = "update" if release_gil else "ds_opt_adam"
+    real = getattr(owner, attr)
     calls: list[int] = []
 
-    class Spy:
-        def adam_update(self, *args: object) -> object:
-            calls.append(args[8].numel())  # type: ignore[attr-defined]  # the param slice
-            return kernel.adam_update(*args)
+    def update(*args: Any) -> object:
+        calls.append(args[8].numel())  # the param slice
+        return (real if release_gil else real.adam_update)(*args)
 
-    inner.ds_opt_adam = Spy()
+    class Spy:
+        adam_update = staticmethod(update)
+
+    setattr(owner, attr, update if release_gil else Spy())
     try:
         for _ in range(2):
             opt.step_params([p], groups=snapshot_groups(inner), grad_coef=0.5)
     finally:
-        inner.ds_opt_adam = kernel
+        if release_gil:
+            del owner.update  # the method again
+        else:
+            inner.ds_opt_adam = real
     assert len(calls) == 2 * -(-n // size) and max(calls) <= size and sum(calls) == 2 * n
 
 
