@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from benchmarks.compensation_tasks import TASKS, Task
-from benchmarks.staleness_reference import _engine_dc, _published
+from benchmarks.staleness_reference import _engine_dc, _published, read_iteration
 from rp_engine.optim.delay_compensation import RHO
 from rp_engine.optim.stepper import staleness_compensation
 
@@ -177,19 +177,11 @@ def train(task: Task, method: str, seed: int = 0) -> Run:
     clipped = compensated = 0
     for step in range(task.steps):
         lr = task.lr * min(1.0, (step + 1) / task.warmup) if task.warmup else task.lr
-        if method == "sync":
-            with torch.no_grad():
-                for r, p in zip(rparams, params, strict=True):
-                    r.copy_(p)
-        for r in rparams:
-            r.grad = None
-        total = 0.0
-        for _ in range(task.gas):
-            loss = task.loss(reader, next(data))
-            (loss / task.gas).backward()
-            total += float(loss.detach()) / task.gas
+        total, grads = read_iteration(
+            params, rparams, sync=method == "sync", gas=task.gas,
+            micro_loss=lambda: task.loss(reader, next(data)),
+        )  # fmt: skip
         losses.append(total)
-        grads = [r.grad.detach().clone() for r in rparams]  # type: ignore[union-attr]
         kw: dict[str, Any] = dict(params=params, opt=opt, method=method, clip=task.clip, seen=seen)
         if method == "sync":
             bound, dc = _apply(grads, None, lr, **kw)

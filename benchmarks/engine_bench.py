@@ -45,6 +45,7 @@ import rp_engine  # noqa: E402
 from rp_engine.optim.affinity import (  # noqa: E402
     available_cores,
     pin_optimizer_thread,
+    pin_thread,
     split_cores,
 )
 from rp_engine.optim.jit_cache import with_own_ninja  # noqa: E402
@@ -553,7 +554,8 @@ def _issue_proxy(release_gil: bool, *, params: int, layers: int, repeats: int) -
     groups = host.snapshot()
 
     def issue(stop: threading.Event, gaps: list[float], count: list[int]) -> None:
-        pin_process_thread(split.pipeline)
+        if split.active:
+            pin_thread(split.pipeline)
         x = torch.zeros(16)
         last = time.perf_counter()
         worst = 0.0
@@ -603,12 +605,6 @@ def _issue_proxy(release_gil: bool, *, params: int, layers: int, repeats: int) -
         "issue_rate_during_step_over_alone": statistics.median(result["rate_share"]),
         "longest_issue_gap_ms": statistics.median(result["longest_gap_ms"]),
     }
-
-
-def pin_process_thread(cores: tuple[int, ...]) -> None:
-    """Pin the calling thread to ``cores`` (no-op with none)."""
-    if cores:
-        os.sched_setaffinity(threading.get_native_id(), cores)
 
 
 def gil(args: argparse.Namespace) -> dict[str, Any]:

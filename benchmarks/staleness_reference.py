@@ -51,6 +51,7 @@ import copy
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,6 +170,32 @@ def _engine_dc(grads: list[torch.Tensor], params: list[torch.Tensor], reads: lis
             gb.copy_(cb * (gb.norm() / den) if den > 0 else cb)
 
 
+def read_iteration(
+    params: list[torch.Tensor],
+    rparams: list[torch.Tensor],
+    *,
+    sync: bool,
+    gas: int,
+    micro_loss: Callable[[], torch.Tensor],
+) -> tuple[float, list[torch.Tensor]]:
+    """One iteration on the reader copy (``rparams``, the weights it reads): with ``sync`` the
+    reader first takes the masters ``params`` (no staleness); then ``gas`` micro-batches, each
+    ``micro_loss()`` backpropagated at 1/``gas``. Returns the mean loss and copies of the
+    accumulated gradients (the window's mean gradient)."""
+    if sync:
+        with torch.no_grad():
+            for r, p in zip(rparams, params, strict=True):
+                r.copy_(p)
+    for r in rparams:
+        r.grad = None
+    total = 0.0
+    for _ in range(gas):
+        loss = micro_loss()
+        (loss / gas).backward()
+        total += float(loss.detach()) / gas
+    return total, [r.grad.detach().clone() for r in rparams]  # type: ignore[union-attr]
+
+
 def train(
     mode_spec: str, *, lr: float, steps: int, seed: int, clip: float = 1.0
 ) -> tuple[list[float], torch.nn.Module]:
@@ -197,19 +224,11 @@ def train(
         rate = lr * min(1.0, (step + 1) / arg) if warm else lr
         for group in opt.param_groups:
             group["lr"] = rate
-        if mode == "sync":
-            with torch.no_grad():
-                for r, p in zip(rparams, params, strict=True):
-                    r.copy_(p)
-        for r in rparams:
-            r.grad = None
-        total = 0.0
-        for _ in range(GAS):
-            out = reader(**next(data))
-            (out.loss / GAS).backward()
-            total += float(out.loss.detach()) / GAS
+        total, grads = read_iteration(
+            params, rparams, sync=mode == "sync", gas=GAS,
+            micro_loss=lambda: reader(**next(data)).loss,
+        )  # fmt: skip
         losses.append(total)
-        grads = [r.grad.detach().clone() for r in rparams]  # type: ignore[union-attr]
         taken_at = [r.detach().clone() for r in rparams]
         if mode == "sync":
             apply, apply_read = grads, None

@@ -28,6 +28,7 @@ __all__ = [
     "pin_optimizer_thread",
     "pin_pipeline",
     "pin_process",
+    "pin_thread",
     "split_cores",
 ]
 
@@ -113,6 +114,11 @@ def pin_process(cores: tuple[int, ...]) -> None:
             continue
 
 
+def pin_thread(cores: tuple[int, ...]) -> None:
+    """Pin the calling thread alone to ``cores`` (threads it starts later inherit the mask)."""
+    os.sched_setaffinity(threading.get_native_id(), cores)
+
+
 def pin_optimizer_thread(split: CoreSplit) -> None:
     """Pin the calling thread (the optimizer's, before its first Adam call creates its OpenMP
     team, whose threads inherit the mask) to the optimizer's cores and size that team to
@@ -120,7 +126,7 @@ def pin_optimizer_thread(split: CoreSplit) -> None:
     if not split.active:
         return
     try:
-        os.sched_setaffinity(threading.get_native_id(), split.optimizer)
+        pin_thread(split.optimizer)
     except OSError as e:  # the worker must run anyway: a failed pin only costs speed
         log.warning("could not pin the optimizer thread to cores %s: %s", split.optimizer, e)
         return

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_close_named, config, engine_for
+from engine_helpers import assert_close_named, config, engine_for, train_with_norms
 from models import lora_qwen3, tiny_qwen3
 from nvme_helpers import nvme_config, run, train
 
@@ -183,14 +183,10 @@ def _engine_run(
     )  # fmt: skip
     data = batches(corpus, seq_len=reference.SEQ, micro_batch=reference.MICRO, seed=REF_SEED)
     engine = engine_for(model, cfg)
-    losses, norms = [], []
     try:
         assert engine.stepper.predicts is (method != "none")
         assert (engine.stepper.delay is not None) is (FORMS.get(method) == "dce:0.01")
-        for _ in range(REF_STEPS):
-            losses.append(float(engine.train_batch(data)))
-            norms.append(engine.get_global_grad_norm())
-        engine.synchronize()
+        losses, norms = train_with_norms(engine, data, REF_STEPS)
     finally:
         engine.destroy()
     assert clip == 0.0 or min(norms) > clip, norms  # clipping binds at every step

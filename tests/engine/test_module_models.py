@@ -24,6 +24,7 @@ from engine_helpers import (
     config,
     engine_for,
     reference_losses,
+    train_with_norms,
 )
 from grad_scale import StepNorms, sgd_reference
 from torch import nn
@@ -308,15 +309,9 @@ def test_train_batch_runs_a_model_that_returns_its_loss() -> None:
     ref = copy.deepcopy(model)
     batches = residual_batches(GAS * STEPS)
     engine = engine_for(model, config(devices=2, gas=GAS))
-    norms = []
     try:
         assert engine.layering.strategy == "traced"
-        it = iter(batches)
-        got = []
-        for _ in range(STEPS):
-            got.append(float(engine.train_batch(it)))
-            norms.append(engine.get_global_grad_norm())
-        engine.synchronize()
+        got, norms = train_with_norms(engine, iter(batches), STEPS)
     finally:
         engine.destroy()
     reference = StepNorms(adamw())
@@ -392,14 +387,8 @@ def _sequential_run(model: nn.Sequential, batches: list[Any] | None = None, **cf
     ref = copy.deepcopy(model)
     batches = batches if batches is not None else residual_batches(GAS * STEPS)
     engine = engine_for(model, config(devices=2, gas=GAS, **cfg))
-    norms = []
     try:
-        it = iter(batches)
-        got = []
-        for _ in range(STEPS):
-            got.append(float(engine.train_batch(it)))
-            norms.append(engine.get_global_grad_norm())
-        engine.synchronize()
+        got, norms = train_with_norms(engine, iter(batches), STEPS)
     finally:
         engine.destroy()
     reference = StepNorms(adamw())

@@ -47,6 +47,17 @@ def engine_for(model: nn.Module, cfg: dict[str, Any]) -> Any:
     return engine
 
 
+def train_with_norms(engine: Any, data: Any, steps: int) -> tuple[list[float], list[float]]:
+    """``steps`` ``train_batch`` calls on iterator ``data``: each step's loss and global
+    gradient norm, then ``synchronize`` (the newest weights published)."""
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(float(engine.train_batch(data)))
+        norms.append(engine.get_global_grad_norm())
+    engine.synchronize()
+    return losses, norms
+
+
 def layer_modules(model: nn.Module) -> list[nn.Module]:
     """The modules, in LayerSequence order, whose forward draws random numbers per layer."""
     from rp_engine.model.layers import to_layers
