@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine (see README.md):
 #   make train   - create .venv, install, run rp-train on its embedded default job
-#   make test    - create .venv, install, lint + type-check + the whole test suite (what CI runs)
+#   make test    - create .venv, install, lint + type-check, build the NVMe tier's aio op, the
+#                  whole test suite (what CI runs)
 #   make test-fast - the edit-run loop: plan, config, counters, device and optimizer unit tests
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,13 +20,15 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,hf]"
-	-$(MAKE) --no-print-directory aio
 	touch $@
 
 # The NVMe tier's fast I/O engine: DeepSpeed's aio op needs libaio-dev (installed here when we
-# are root and can), and its first JIT build takes minutes: built once into the shared cache.
+# are root and can), and its first JIT build takes minutes (~200 s on 2 cores): built once into
+# the shared cache. Not part of install (`make train` never asks for NVMe): a run whose NVMe tier
+# finds it unbuilt starts this build in the background and uses the built-in engine meanwhile
+# (RP_ENGINE_AIO_BUILD=0 turns that off); `make test` builds it first, the tests exercise it.
 # Never fails: without it the tier uses its built-in O_DIRECT engine.
-aio:
+aio: $(VENV)/.installed
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libaio-dev >/dev/null 2>&1; then \
 		apt-get install -y -q libaio-dev >/dev/null 2>&1 || \
 		echo "rp_engine: could not install libaio-dev; the NVMe tier will use its built-in engine"; \
@@ -42,7 +45,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check rp_engine tests benchmarks
 	$(VENV)/bin/mypy rp_engine
 
-test: lint
+test: lint aio
 	$(VENV)/bin/pytest -q -ra --durations=15
 	$(MAKE) test-avx2
 

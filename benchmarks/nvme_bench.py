@@ -3,6 +3,7 @@
     python -m benchmarks.nvme_bench                       # CPU, ~6 min on 2 cores
     python -m benchmarks.nvme_bench --quick --out q.json  # tiny sizes (the smoke test's)
     python -m benchmarks.nvme_bench --io-engine threads   # the tier on the built-in engine
+    python -m benchmarks.nvme_bench --ram-layers ""       # without (f)
 
 One run measures, in this order of the report:
 
@@ -27,6 +28,15 @@ One run measures, in this order of the report:
     it is built, else the built-in O_DIRECT threads). The model is chosen so that one step's minimum I/O (12 B read + 12 B
     written per trainable parameter at the raw bandwidth of (a)) is shorter than one
     iteration's compute (the host-resident step); the report prints that estimate.
+    With the optimizer tier the fp32 gradients live in a bounded pool of layer-sized buffers
+    spilling to a gradient file (storage/grad_tier.py; ``roundpipe.grad_buffers`` null, the
+    default): "tier_async" and "tier_sync" are that, the bounded tier. "tier_arena_async" is the
+    previous tier, ``grad_buffers: 0`` (a whole-model fp32 gradient arena in RAM), async; the
+    report gives the bounded tier's tokens/s over the previous tier's, the gradient tier's own
+    bytes per step over the window (``engine.grad_tier.stats``: its spills and read-backs; they
+    are part of the tier's bytes in (b), which sum every tier's ``IOStats``, busy time included,
+    so where two tiers' I/O overlaps (b)'s busy time counts it twice), and each variant's s/step
+    and peak RSS.
 (d) **DeepSpeed ZeRO-3** with the same NVMe offload config (``offload_optimizer`` nvme, its aio
     op, the same ``aio`` section) on the same model, CPU accelerator, one process: tokens/s
     ratio rp_engine (tier, async) / DeepSpeed. When DeepSpeed's NVMe path fails here, the
@@ -34,10 +44,18 @@ One run measures, in this order of the report:
 
 (e) **both tiers**: rp_engine with the compute weights on NVMe too (``offload_param.device:
     "nvme"``, ``max_in_cpu`` 0: storage/param_tier.py), async, against host-resident, and
-    DeepSpeed ZeRO-3 with the same ``offload_param`` + ``offload_optimizer`` NVMe config.
+    DeepSpeed ZeRO-3 with the same ``offload_param`` + ``offload_optimizer`` NVMe config. Three
+    swap files: optimizer.swp, grads.swp, params.swp.
+(f) **RAM against the state, at two sizes**: ``benchmarks.bounded_ram.run`` (a bf16 Qwen2,
+    both tiers on NVMe under ``--dir``, cpu:2 with 0.06 GB each, 2 steps, its own process) at
+    two depths (``--ram-layers``, default 48 and 96 layers of hidden 512, vocab 8192; with
+    ``--quick`` 8 and 16 layers of hidden 128, vocab 1024), and the same model host-resident at
+    the smaller depth. Per run: parameters, training state (18 B/param), peak RSS of the whole
+    run (``ru_maxrss``), the training peak, peak / state; and the growth of the peak between the
+    two depths over the state added (the issue's bar: under 10 %).
 
 Every training run is its own process (so ``ru_maxrss`` is that run's peak RSS); the variants
-alternate (A B C D E, ``--repeats`` times) so drift hits all alike; each warms up, then times
+alternate (A B C D E F, ``--repeats`` times) so drift hits all alike; each warms up, then times
 one window of ``--steps`` steps synchronised only at its two ends (``engine.synchronize()``,
 which also waits for the tier's write-backs). Medians over repeats. Also reported per run: the
 bytes the process read and wrote on storage (``/proc/self/io``) per step, DeepSpeed's included.
@@ -66,14 +84,17 @@ ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 RAW_BLOCKS_MIB = (1, 2, 4)
 
-# variant: (optimizer state on NVMe, async optimizer, compute weights on NVMe too); the
-# DeepSpeed systems follow: optimizer on NVMe, and both (offload_param too)
-RP_VARIANTS: dict[str, tuple[bool, bool, bool]] = {
-    "tier_async": (True, True, False),
-    "host_async": (False, True, False),
-    "tier_sync": (True, False, False),
-    "host_sync": (False, False, False),
-    "both_async": (True, True, True),
+# variant: (optimizer state on NVMe, async optimizer, compute weights on NVMe too,
+# roundpipe.grad_buffers: None the engine's default, the bounded gradient pool with the tier;
+# 0 the whole-model gradient arena, the previous tier); the DeepSpeed systems follow:
+# optimizer on NVMe, and both (offload_param too)
+RP_VARIANTS: dict[str, tuple[bool, bool, bool, int | None]] = {
+    "tier_async": (True, True, False, None),
+    "tier_arena_async": (True, True, False, 0),
+    "host_async": (False, True, False, None),
+    "tier_sync": (True, False, False, None),
+    "host_sync": (False, False, False, None),
+    "both_async": (True, True, True, None),
 }
 DS_VARIANTS: dict[str, bool] = {"deepspeed": False, "deepspeed_both": True}  # offload_param?
 SYSTEMS = (*RP_VARIANTS, *DS_VARIANTS)
@@ -97,6 +118,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 _RUN_KEYS = ("mbs", "seq", "gas", "warmup", "steps", "repeats", "raw_mb", "raw_passes")
+
+# (f): bounded_ram's model and run; --ram-layers gives the depths
+RAM_SPECS: dict[str, dict[str, Any]] = {
+    "full": {"layers": (48, 96), "hidden": 512, "vocab": 8192, "device_memory_gb": 0.06,
+             "steps": 2},
+    "quick": {"layers": (8, 16), "hidden": 128, "vocab": 1024, "device_memory_gb": 0.06,
+              "steps": 2},
+}  # fmt: skip
 
 # the top-level "aio" section both systems read (DeepSpeed's defaults, written out)
 AIO = {
@@ -230,11 +259,12 @@ def ds_config(
 
 def rp_config(
     preset: dict[str, Any], *, tier: bool, async_optimizer: bool, folder: Path, devices: str,
-    io_engine: str = "auto", params: bool = False,
+    io_engine: str = "auto", params: bool = False, grad_buffers: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """rp_engine's config of one variant: ``ds_config`` plus its "roundpipe" section. The undo
     journal is off in every variant (it would cost the host-resident runs 12 B/param more).
-    ``io_engine``: the tier's ``nvme_io_engine`` ("auto": the aio op when built)."""
+    ``io_engine``: the tier's ``nvme_io_engine`` ("auto": the aio op when built);
+    ``grad_buffers``: ``roundpipe.grad_buffers`` (None: left out, the engine's default)."""
     cfg = ds_config(preset, nvme_path=str(folder / "rp_swap") if tier else None, params=params)
     cfg["roundpipe"] = {
         "devices": devices,
@@ -245,6 +275,8 @@ def rp_config(
     # Hugging Face placeholder (config/auto.py does not list roundpipe.nvme_io_engine as legit)
     if io_engine != "auto":
         cfg["roundpipe"]["nvme_io_engine"] = io_engine
+    if grad_buffers is not None:
+        cfg["roundpipe"]["grad_buffers"] = grad_buffers
     return cfg
 
 
@@ -276,7 +308,8 @@ def run_system(
 ) -> dict[str, Any]:
     """Warm up, then time ``preset["steps"]`` optimizer steps between two synchronisations.
     Returns tokens/s, s/step, losses, trainable parameters, the window's storage bytes per
-    step, and (rp_engine with the tier) the tier's I/O over the window (see (b))."""
+    step, and (rp_engine with the tier) the tiers' I/O over the window (see (b)): every
+    tier's summed ("tier_io") and the gradient tier's alone ("grad_io")."""
     t0 = time.perf_counter()
     model = build_model(preset)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -319,7 +352,8 @@ def run_system(
                 proc1["write_bytes"] - proc0["write_bytes"]
             ) / steps
         if io0 is not None and io1 is not None:
-            row["tier_io"] = _io_window(io1.minus(io0), steps)
+            for key, before in io0.items():  # "tier": every tier's, summed; "grad": its own
+                row[f"{key}_io"] = _io_window(io1[key].minus(before), steps)
         row.update(extra())
         return row
     finally:
@@ -343,14 +377,16 @@ def _io_window(io: Any, steps: int) -> dict[str, Any]:
 def _rp_engine(
     system: str, model: Any, preset: dict, data: list, folder: Path, devices: str, io_engine: str
 ) -> tuple:
-    """rp_engine's variant ``system``: (step, synchronize, tier stats or None, extra, close)."""
+    """rp_engine's variant ``system``: (step, synchronize, tier stats or None, extra, close);
+    the stats: ``{"tier": every tier's IOStats summed, "grad": the gradient tier's}`` (the
+    latter only with the gradient tier)."""
     import rp_engine
 
-    tier, async_optimizer, params = RP_VARIANTS[system]
+    tier, async_optimizer, params, grad_buffers = RP_VARIANTS[system]
     (folder / "rp_swap").mkdir(parents=True, exist_ok=True)  # nvme_path must exist
     cfg = rp_config(
         preset, tier=tier, async_optimizer=async_optimizer, folder=folder, devices=devices,
-        io_engine=io_engine, params=params,
+        io_engine=io_engine, params=params, grad_buffers=grad_buffers,
     )  # fmt: skip
     engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
     it = iter(data)
@@ -358,8 +394,13 @@ def _rp_engine(
     def step() -> Any:
         return engine.train_batch(it)  # a tensor: no synchronisation
 
-    def tier_stats() -> Any:
-        return engine.tiers.stats if engine.tiers else None  # both tiers' I/O, summed
+    def tier_stats() -> dict[str, Any] | None:
+        if not engine.tiers:
+            return None
+        out = {"tier": engine.tiers.stats}  # every tier's I/O, summed
+        if engine.grad_tier is not None:
+            out["grad"] = engine.grad_tier.stats
+        return out
 
     def extra() -> dict[str, Any]:
         out: dict[str, Any] = {"last_step": engine.last_step_stats(), "config": cfg}
@@ -371,6 +412,15 @@ def _rp_engine(
                 "disk_bytes": t.disk_bytes,
                 "buffer_bytes": sum(x.buffer_bytes for x in t.tiers),
                 "block_size": cfg["aio"]["block_size"],
+            }
+        g = engine.grad_tier
+        if g is not None:
+            out["grad_tier"] = {
+                "buffer_count": g.buffer_count,
+                "big_count": g.big_count,
+                "buffer_bytes": g.buffer_bytes,
+                "disk_bytes": g.disk_bytes,
+                "path": str(g.path),
             }
         return out
 
@@ -508,6 +558,59 @@ def _log(child_log: str | None, system: str, stderr: str | bytes | None) -> None
             f.write(f"---- {system} ----\n{text}\n")
 
 
+# ---- (f) RAM against the state ---------------------------------------------------------------
+def ram_vs_state(
+    folder: Path, layers: tuple[int, ...], spec: dict[str, Any], io_engine: str = "auto",
+    timeout: float = 1800,
+) -> dict[str, Any]:  # fmt: skip
+    """``bounded_ram.run`` of ``spec``'s model at each depth of ``layers`` with both tiers on
+    NVMe under ``folder`` (a subfolder per run, removed after it), and host-resident at the
+    smallest depth. Returns ``{"spec", "runs": {"tiers_<L>" | "host_<L>": {"layers", "tiers",
+    "params", "state", "peak_rss", "init_peak", "train_peak", "model_rss", "import_rss",
+    "peak_over_state", "final_loss"} or {"layers", "tiers", "error"}}, "growth"}``; ``growth``
+    (the two smallest depths with both tiers): ``{"from", "to", "added_state", "peak_grew",
+    "fraction"}``, the peak's growth over the state added."""
+    from benchmarks import bounded_ram
+
+    base = {k: v for k, v in spec.items() if k != "layers"}
+    if io_engine != "auto":  # written out, "auto" is refused (see rp_config); bounded_ram's own
+        base["io"] = io_engine  # default is the built-in threads engine
+    plan = [(n, True) for n in layers] + ([(min(layers), False)] if layers else [])
+    runs: dict[str, Any] = {}
+    for n, tiers in plan:
+        name = f"{'tiers' if tiers else 'host'}_{n}"
+        run_dir = folder / f"ram_{name}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out = bounded_ram.run(
+                {**base, "layers": n, "tiers": tiers, "dir": str(run_dir)}, timeout=timeout
+            )
+        except Exception as exc:  # reported in the table instead of the numbers
+            runs[name] = {"layers": n, "tiers": tiers,
+                          "error": f"{type(exc).__name__}: {exc}".strip().splitlines()[-6:]}  # fmt: skip
+        else:
+            keys = ("params", "state", "peak_rss", "init_peak", "train_peak", "model_rss",
+                    "import_rss")  # fmt: skip
+            runs[name] = {"layers": n, "tiers": tiers, **{k: out[k] for k in keys}}
+            runs[name]["peak_over_state"] = out["peak_rss"] / out["state"]
+            runs[name]["final_loss"] = out["losses"][-1]
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        brief = {k: runs[name].get(k) for k in ("params", "peak_rss", "state", "error")}
+        print(f"(f) {name}: {json.dumps(brief)}", file=sys.stderr)
+    result: dict[str, Any] = {"spec": spec, "runs": runs}
+    depths = sorted(layers)
+    if len(depths) >= 2:
+        a, b = runs[f"tiers_{depths[0]}"], runs[f"tiers_{depths[1]}"]
+        if "error" not in a and "error" not in b:
+            added, grew = b["state"] - a["state"], b["peak_rss"] - a["peak_rss"]
+            result["growth"] = {
+                "from": depths[0], "to": depths[1], "added_state": added, "peak_grew": grew,
+                "fraction": grew / added,
+            }  # fmt: skip
+    return result
+
+
 # ---- aggregate and report -------------------------------------------------------------------
 def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per system: median tokens/s and s/step over repeats (and every repeat's), the maximum
@@ -527,9 +630,10 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         )
         rss = [r["peak_rss_mb"] for r in ok if r.get("peak_rss_mb") is not None]
         out["peak_rss_mb"] = max(rss) if rss else None
-        ios = [r["tier_io"] for r in ok if "tier_io" in r]
-        if ios:
-            out["tier_io"] = {k: statistics.median(io[k] for io in ios) for k in ios[0]}
+        for key in ("tier_io", "grad_io"):
+            ios = [r[key] for r in ok if key in r]
+            if ios:
+                out[key] = {k: statistics.median(io[k] for io in ios) for k in ios[0]}
         systems[name] = out
     return systems
 
@@ -589,10 +693,13 @@ def io_vs_compute(systems: dict[str, Any], raw: dict[str, Any], block: int) -> d
 
 
 def ratios(systems: dict[str, Any]) -> dict[str, float]:
-    """tokens/s ratios of the systems that ran: tier/host (async, sync), tier/DeepSpeed."""
+    """tokens/s ratios of the systems that ran: tier/host (async, sync), the bounded tier over
+    the previous one (the gradient arena), tier/DeepSpeed, both tiers'."""
     tps = {k: s["tokens_per_s"] for k, s in systems.items() if "tokens_per_s" in s}
     pairs = {
         "tier/host async": ("tier_async", "host_async"),
+        "bounded tier/previous tier async": ("tier_async", "tier_arena_async"),
+        "previous tier/host async": ("tier_arena_async", "host_async"),
         "tier/host sync": ("tier_sync", "host_sync"),
         "tier async/deepspeed": ("tier_async", "deepspeed"),
         "tier sync/deepspeed": ("tier_sync", "deepspeed"),
@@ -604,15 +711,15 @@ def ratios(systems: dict[str, Any]) -> dict[str, float]:
 
 def result_of(
     runs: dict[str, list[dict[str, Any]]], raw: dict[str, Any], args: argparse.Namespace,
-    preset: dict[str, Any],
+    preset: dict[str, Any], ram: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The JSON document: raw, systems, tier bandwidth per tier variant, the sizing check,
-    ratios, config, machine."""
+    ratios, (f) RAM against the state ("ram", when run), config, machine."""
     systems = aggregate(runs)
     block = AIO["block_size"]
     tier_bw = {
         name: tier_bandwidth(systems[name]["tier_io"], raw, block)
-        for name in ("tier_async", "tier_sync", "both_async")
+        for name in ("tier_async", "tier_arena_async", "tier_sync", "both_async")
         if "tier_io" in systems.get(name, {})
     }
     return {
@@ -621,6 +728,7 @@ def result_of(
         "tier_bandwidth": tier_bw,
         "io_vs_compute": io_vs_compute(systems, raw, block),
         "ratios": ratios(systems),
+        **({"ram": ram} if ram is not None else {}),
         "config": {
             "preset": preset,
             "dir": str(args.dir),
@@ -634,9 +742,10 @@ def result_of(
 
 
 _LABEL = {
-    "tier_async": "rp_engine, tier on NVMe, async",
+    "tier_async": "rp_engine, tier on NVMe, bounded gradients, async",
+    "tier_arena_async": "rp_engine, tier on NVMe, gradient arena (previous tier), async",
     "host_async": "rp_engine, host-resident, async",
-    "tier_sync": "rp_engine, tier on NVMe, sync",
+    "tier_sync": "rp_engine, tier on NVMe, bounded gradients, sync",
     "host_sync": "rp_engine, host-resident, sync",
     "both_async": "rp_engine, optimizer + weights on NVMe, async",
     "deepspeed": "DeepSpeed ZeRO-3, optimizer on NVMe",
@@ -650,7 +759,7 @@ def _mb(x: float | None) -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     """The report in Markdown: (a) raw bandwidth, (b) the tier's, the sizing check, (c)/(d)
-    the systems and the ratios."""
+    the systems and the ratios, the gradient tier's bytes, (f) RAM against the state."""
     out = ["**(a) raw O_DIRECT bandwidth, one stream** (MB/s)", ""]
     out += ["| block | write | read |", "|---:|---:|---:|"]
     for mib, b in result["raw"]["blocks"].items():
@@ -713,7 +822,57 @@ def format_table(result: dict[str, Any]) -> str:
         )
     if result["ratios"]:
         out += ["", ", ".join(f"{k} = **{v:.2f}x**" for k, v in result["ratios"].items())]
+    grads = {n: s for n, s in result["systems"].items() if "grad_io" in s}
+    if grads:
+        out += ["", "**The gradient tier** (bounded gradients: its spills over the window)", ""]
+        out += [
+            "| variant | buffers (+ big) | MB in buffers | MB written/step | MB read/step |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name, s in grads.items():
+            g, io = s.get("grad_tier", {}), s["grad_io"]
+            count = f"{g['buffer_count']} (+ {g['big_count']})" if g else ""
+            out.append(
+                f"| {_LABEL[name]} | {count} | {_mb(g.get('buffer_bytes'))} | "
+                f"{_mb(io['write_bytes_per_step'])} | {_mb(io['read_bytes_per_step'])} |"
+            )
+    if "ram" in result:
+        out += ["", format_ram(result["ram"])]
     return "\n".join(out) + "\n"
+
+
+def format_ram(ram: dict[str, Any]) -> str:
+    """(f) in Markdown: per run, parameters, state, peaks and peak / state; the growth."""
+    spec = ram["spec"]
+    out = [
+        f"**(f) RAM against the state** (bf16 Qwen2, hidden {spec['hidden']}, vocab "
+        f"{spec['vocab']}, cpu:2 x {spec['device_memory_gb']} GB, {spec['steps']} steps; "
+        "MB = 2**20 bytes)",
+        "",
+        "| run | layers | params (M) | state MB (18 B/param) | peak RSS MB (whole run) | "
+        "init peak MB | train peak MB | peak / state |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in ram["runs"].values():
+        kind = "both tiers on NVMe" if r["tiers"] else "host-resident"
+        if "error" in r:
+            text = " / ".join(r["error"])[:400].replace("|", "\\|")
+            out.append(f"| {kind} | {r['layers']} | failed: {text} |")
+            continue
+        out.append(
+            f"| {kind} | {r['layers']} | {r['params'] / 1e6:,.1f} | {r['state'] / MIB:,.0f} | "
+            f"{r['peak_rss'] / MIB:,.0f} | {r['init_peak'] / MIB:,.0f} | "
+            f"{r['train_peak'] / MIB:,.0f} | {r['peak_over_state']:.2f} |"
+        )
+    g = ram.get("growth")
+    if g:
+        out += [
+            "",
+            f"From {g['from']} to {g['to']} layers (both tiers) the peak RSS grew by "
+            f"{g['peak_grew'] / MIB:,.0f} MB for {g['added_state'] / MIB:,.0f} MB more state: "
+            f"**{100 * g['fraction']:.1f} %** of it (the bar: under 10 %)",
+        ]
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -730,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inline", action="store_true",
                    help="run rp_engine's variants in this process (tests: no RSS per run); "
                         "DeepSpeed never is")  # fmt: skip
+    p.add_argument("--ram-layers",
+                   help='(f): the depths, e.g. "48,96" (default: the preset\'s); "" skips (f)')  # fmt: skip
     p.add_argument("--timeout", type=float, default=300, help="seconds per run's process")
     p.add_argument("--child-log", help="append every run's stderr here")
     p.add_argument("--child", help=argparse.SUPPRESS)  # a run's process: its spec as JSON
@@ -765,12 +926,21 @@ def main(argv: list[str] | None = None) -> int:
             runs[system].append(row)
             brief = {k: row.get(k) for k in ("tokens_per_s", "s_per_step", "peak_rss_mb", "error")}
             print(f"[{rep + 1}/{preset['repeats']}] {system}: {json.dumps(brief)}", file=sys.stderr)
-    result = result_of(runs, raw, args, preset)
+    ram_spec = dict(RAM_SPECS["quick" if args.quick else "full"])
+    if args.ram_layers is not None:
+        ram_spec["layers"] = tuple(int(x) for x in args.ram_layers.split(",") if x.strip())
+    ram = None
+    if ram_spec["layers"]:
+        layers = ram_spec.pop("layers")
+        ram = ram_vs_state(folder, layers, ram_spec, args.io_engine)
+        ram["spec"]["layers"] = list(layers)
+    result = result_of(runs, raw, args, preset, ram)
     table = format_table(result)
     print(table)
     result["table"] = table
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     failed = [n for n, s in result["systems"].items() if "error" in s and n not in DS_VARIANTS]
+    failed += [n for n, r in (ram or {}).get("runs", {}).items() if "error" in r]
     return 1 if failed else 0
 
 

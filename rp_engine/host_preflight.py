@@ -25,17 +25,34 @@ says where they go.
 Not counted: activations and the CPU virtual devices' stage copies (host memory too), which
 depend on the plan; so passing the preflight is necessary, not sufficient.
 ``roundpipe.host_preflight: false`` skips the check.
+
+With the tiers, ``check_tiers`` (called by the engine once the model is cut into layers, before
+any tier allocates) predicts the run's whole host RAM from its largest layers, its pools and its
+devices (plan/host_ram.py), logs it, and refuses a run whose need beyond what the process holds
+already (the runtime and the user's model) exceeds the available memory, with both numbers.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PreflightError", "HostNeed", "host_need", "check_initialize", "available_bytes"]
+from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, tier_host_ram
+
+log = logging.getLogger("rp_engine")
+
+__all__ = [
+    "PreflightError",
+    "HostNeed",
+    "host_need",
+    "check_initialize",
+    "check_tiers",
+    "available_bytes",
+]
 
 
 class PreflightError(RuntimeError):
@@ -94,11 +111,13 @@ class HostNeed:
 
 def host_need(
     model: nn.Module, *, dtype: torch.dtype, journal: str, nvme_optimizer: bool = False,
-    nvme_params: bool = False,
+    nvme_params: bool = False, pooled_grads: bool = False,
 ) -> HostNeed:  # fmt: skip
     """What the engine will allocate in RAM for ``model`` trained in ``dtype`` (see the module
     doc); ``nvme_optimizer``: masters and moments live on NVMe instead; ``nvme_params``: the
-    compute weights move to NVMe (reported, not subtracted: they exist during ``initialize``)."""
+    compute weights move to NVMe (reported, not subtracted: they exist during ``initialize``);
+    ``pooled_grads``: the fp32 gradients live in the gradient tier's bounded pool (counted by
+    ``check_tiers`` with the other pools), not in a whole-model arena."""
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     size = torch.empty(0, dtype=dtype).element_size()
@@ -108,7 +127,7 @@ def host_need(
         trainable=trainable,
         cast=cast,
         masters=4 * trainable * in_ram,
-        gradients=4 * trainable,
+        gradients=0 if pooled_grads else 4 * trainable,
         moments=8 * trainable * in_ram,
         journal=12 * trainable if journal == "on" and in_ram else 0,
         on_nvme=12 * trainable * (1 - in_ram),
@@ -123,10 +142,11 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
     from rp_engine.model.batches import compute_dtype
 
     rp = cfg.roundpipe
+    nvme = cfg.zero.offload_optimizer_device == "nvme"
     need = host_need(
-        model, dtype=compute_dtype(cfg), journal=rp.step_journal,
-        nvme_optimizer=cfg.zero.offload_optimizer_device == "nvme",
+        model, dtype=compute_dtype(cfg), journal=rp.step_journal, nvme_optimizer=nvme,
         nvme_params=cfg.zero.offload_param_device == "nvme",
+        pooled_grads=nvme and rp.grad_buffers != 0,
     )  # fmt: skip
     if not rp.host_preflight:
         return need
@@ -152,5 +172,74 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
             + "\n".join(need.lines())
             + "\nto fit: "
             + "; ".join(fixes)
+        )
+    return need
+
+
+def tier_need(
+    store: Any, cfg: Any, *, devices: int, grad_buffers: int, weight_copies: int,
+    device_bytes: int = 0, cpu_devices: bool = False,
+) -> HostRam:  # fmt: skip
+    """The host RAM of ``store``'s layers trained with ``cfg``'s tiers (plan/host_ram.py)."""
+    from rp_engine.model.batches import compute_dtype
+
+    users: dict[int, int] = {}
+    for layer in store.layers:
+        for _, p in layer.params:
+            users[id(p)] = users.get(id(p), 0) + 1
+    own = [sum(p.numel() for _, p in layer.params if users[id(p)] == 1) for layer in store.layers]
+    seen: set[int] = set()
+    shared = 0
+    for layer in store.layers:
+        for _, p in layer.params:
+            if users[id(p)] > 1 and id(p) not in seen:
+                seen.add(id(p))
+                shared += p.numel()
+    zero = cfg.zero
+    return tier_host_ram(
+        layer_params=[n + (shared if i == 0 else 0) for i, n in enumerate(own)],
+        layer_trainable=[sum(hp.master.numel() for hp in layer.owned) for layer in store.layers],
+        dtype_bytes=torch.empty(0, dtype=compute_dtype(cfg)).element_size(),
+        devices=devices,
+        optimizer_tier=zero.offload_optimizer_device == "nvme",
+        param_tier=zero.offload_param_device == "nvme",
+        grad_buffers=grad_buffers,
+        optimizer_buffers=zero.offload_optimizer.buffer_count if zero.offload_optimizer else 4,
+        param_buffers=zero.offload_param.buffer_count if zero.offload_param else 5,
+        weight_copies=weight_copies,
+        shared_params=shared,
+        device_bytes=device_bytes,
+        cpu_devices=cpu_devices,
+    )
+
+
+def check_tiers(
+    store: Any, cfg: Any, *, devices: int, grad_buffers: int, weight_copies: int,
+    device_bytes: int = 0, cpu_devices: bool = False, available: int | None = None,
+) -> HostRam:  # fmt: skip
+    """With a tier on NVMe: log the run's predicted host RAM and raise ``PreflightError`` when
+    what it needs beyond the runtime and the model (which exist already) exceeds the available
+    memory (unless ``roundpipe.host_preflight`` is false). Returns the prediction."""
+    need = tier_need(
+        store, cfg, devices=devices, grad_buffers=grad_buffers, weight_copies=weight_copies,
+        device_bytes=device_bytes, cpu_devices=cpu_devices,
+    )  # fmt: skip
+    log.info("host RAM with the NVMe tiers (predicted):\n%s", "\n".join(need.lines()))
+    if not cfg.roundpipe.host_preflight:
+        return need
+    held = RUNTIME_BYTES + need.model
+    more = need.peak - held
+    free = available_bytes() if available is None else available
+    if more > free:
+        raise PreflightError(
+            f"rp_engine.initialize: with the NVMe tiers this run needs about "
+            f"{format_bytes(need.peak)} of host RAM, {format_bytes(held)} of it in use already "
+            f"(the runtime and your model): {format_bytes(more)} more, but "
+            f"{format_bytes(free)} is available:\n" + "\n".join(need.lines()) + "\nto fit: "
+            "fewer buffers (zero_optimization.offload_optimizer.buffer_count, "
+            "roundpipe.grad_buffers, offload_param.buffer_count), offload_param "
+            '{"device": "nvme"} for the compute weights, a smaller roundpipe.device_memory_gb '
+            "on CPU devices, a host with more memory, or roundpipe.host_preflight false to try "
+            "anyway"
         )
     return need

@@ -1,5 +1,6 @@
 """Shared test setup: DeepSpeed's CPU Adam build cache outside the checkout, built and checked by
-one ninja, sleeping OpenMP waits, quiet logs, and one CPU probe per test process."""
+one ninja, no background build of the aio op, sleeping OpenMP waits, quiet logs, and one CPU
+probe per test process."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ os.environ.setdefault(
     os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions"),
 )
 os.environ.setdefault("WANDB_MODE", "disabled")
+# A test run never starts the aio op's detached background build (storage/io_engine.py: an NVMe
+# tier on "auto" that finds the op unbuilt would, from every test and child process): `make test`
+# builds the op first, with `make aio`. The child processes inherit it.
+os.environ.setdefault("RP_ENGINE_AIO_BUILD", "0")
 # OpenMP threads that wait at a barrier sleep instead of spinning (libgomp's default spins): the
 # CPU engine runs torch (and CPU Adam) on several threads at once, each with its own OpenMP team,
 # and when other processes share the 2 cores the spinning teams take the time slices of the

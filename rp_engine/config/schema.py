@@ -332,6 +332,11 @@ class RoundPipeConfig:
     # (optim/affinity.py): null = derived from the core and device counts (no split on CPU
     # virtual devices, which compute on the same cores), 0 = no split, N = N cores
     optimizer_cores: int | None = field(default=None, metadata=_m(ge=0))
+    # with the NVMe optimizer tier, fp32 gradients live in a bounded pool of layer-sized buffers,
+    # spilled to a gradient file beside the optimizer's when more are alive than it holds
+    # (storage/grad_tier.py): null = on with the tier, 2 x devices + 4 buffers; N = N buffers
+    # (at least devices + 2); 0 = the whole-model gradient arena in RAM (4-8 B per parameter)
+    grad_buffers: int | None = field(default=None, metadata=_m(ge=0))
     # the NVMe tier's I/O: DeepSpeed's aio op when built ("auto"), or the built-in O_DIRECT threads
     nvme_io_engine: str = field(default="auto", metadata=_m(choices=("auto", "aio", "threads")))
     # the asynchronous optimizer's stale weights (iteration t reads w_{t-2}): "none" reads them

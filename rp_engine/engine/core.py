@@ -38,6 +38,7 @@ from rp_engine.engine.boundary import OptimizerBoundary, boundary_in_flight_ok
 from rp_engine.engine.loop import FORWARD_OPS, ImperativeLoop
 from rp_engine.engine.pipeline import InFlightBox, PipelinedIterations
 from rp_engine.engine.window import ReadyGate, Window
+from rp_engine.host_preflight import check_tiers
 from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
@@ -53,6 +54,7 @@ from rp_engine.optim.build import (
 from rp_engine.optim.nonfinite import NonFiniteGuard
 from rp_engine.optim.stepper import OptimizerStepper, StepResult, staleness_compensation
 from rp_engine.plan.actions import Plan
+from rp_engine.plan.host_ram import HostRam
 from rp_engine.plan.schedules import SCHEDULES
 from rp_engine.runtime.counters import StepCounters
 from rp_engine.runtime.executor import (
@@ -67,11 +69,14 @@ from rp_engine.runtime.planning import ModelShape, Planner
 from rp_engine.runtime.shutdown import watch
 from rp_engine.storage.build import (
     Tiers,
+    build_grad_tier,
     build_optimizer_tier,
     build_param_tier,
+    grad_buffer_count,
     wants_optimizer_tier,
     wants_param_tier,
 )
+from rp_engine.storage.grad_tier import GradTier
 from rp_engine.storage.io_engine import IOStats
 from rp_engine.storage.optimizer_tier import OptimizerTier
 from rp_engine.storage.param_tier import ParamTier
@@ -119,7 +124,10 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             # a bad model/config must not leave device or optimizer threads behind
             if hasattr(self, "stepper"):
                 self.stepper.close()
-            Tiers(getattr(self, "nvme_tier", None), getattr(self, "param_tier", None)).close()
+            Tiers(
+                getattr(self, "nvme_tier", None), getattr(self, "grad_tier", None),
+                getattr(self, "param_tier", None),
+            ).close()  # fmt: skip
             self.pool.close()
             raise
         self._counters = StepCounters(cfg.gradient_accumulation_steps, cfg.train_batch_size)
@@ -156,13 +164,24 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         modules = list(self.seq.modules())
         on_cuda = self.pool.kind == "cuda"
         nvme = wants_optimizer_tier(cfg) and trains
+        # fp32 gradients in a bounded pool spilling beside the optimizer tier (grad_tier.py)
+        grad_buffers = grad_buffer_count(cfg, trains=trains, num_devices=len(self.pool))
         self.store = HostStore(
             modules,
             pin=cuda_pin if on_cuda else None,
             alloc=pinned_empty if on_cuda else None,  # uninitialised: written before read
             paged_masters=nvme,  # masters and moments live on NVMe (storage/optimizer_tier.py)
             trainable=trains,
+            grad_pool=grad_buffers > 0,
         )
+        self.host_ram: HostRam | None = None  # predicted with the tiers (host_preflight.py)
+        if wants_optimizer_tier(cfg) or wants_param_tier(cfg):
+            async_mode = rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only
+            self.host_ram = check_tiers(
+                self.store, cfg, devices=len(self.pool), grad_buffers=grad_buffers,
+                weight_copies=2 if async_mode and trains else 1,
+                device_bytes=budget or 0, cpu_devices=self.pool.kind == "cpu",
+            )  # fmt: skip
         self.host_optimizer = build_optimizer(
             cfg, self.store, model=model, client_optimizer=optimizer,
             model_parameters=model_parameters, device_kind=self.pool.kind,
@@ -175,6 +194,15 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
                 data_parallel=dp_world() > 1,
             )  # fmt: skip
             self.store.pager = self.nvme_tier
+        self.grad_tier: GradTier | None = None
+        if grad_buffers:
+            self.grad_tier = build_grad_tier(
+                cfg, self.store, buffer_count=grad_buffers, rank=0,
+                alloc=(lambda n: pinned_empty(n, torch.uint8)) if on_cuda else None,
+            )  # fmt: skip
+            # each device's host thread and the optimizer's may wait for a buffer while holding
+            # a layer's lock: that many buffers are kept from the direct landings
+            self.store.use_grad_blocks(self.grad_tier, reserve=len(self.pool) + 1)
         # DeepSpeed's names: the caller's optimizer argument, and the unwrapped optimizer (the
         # client's own object when one was given) that ``self.host_optimizer`` drives
         self.client_optimizer = optimizer
@@ -245,7 +273,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
                 cfg, self.store, rank=0, data_parallel=dp_world() > 1
             )
             self.store.allocate_shadows()  # the layers max_in_cpu keeps in RAM
-        self.tiers = Tiers(self.nvme_tier, self.param_tier)
+        self.tiers = Tiers(self.nvme_tier, self.grad_tier, self.param_tier)
         self.planner = Planner(
             ModelShape.from_sequence(self.seq, self.store),
             num_devices=len(self.pool),

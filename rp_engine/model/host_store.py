@@ -141,6 +141,7 @@ class HostStore:
         double_buffer: bool | None = None,
         paged_masters: bool = False,
         trainable: bool = True,
+        grad_pool: bool = False,
     ) -> None:
         self.layers: list[HostLayer] = []
         make_master = _paged_master if paged_masters else _make_master
@@ -161,9 +162,12 @@ class HostStore:
         if alloc is None and pin is not None:
             alloc = _pinned_by(pin)
         masters = [hp.master for hp in owned]
-        if double_buffer is None:
-            double_buffer = _second_arena_fits(sum(m.numel() for m in masters) * 4)
-        self.grads = GradBuffers(masters, alloc=alloc, copies=2 if double_buffer else 1)
+        if grad_pool:  # records of a bounded pool (storage/grad_tier.py: ``use_grad_blocks``)
+            self.grads = GradBuffers(masters, groups=[hp.layer for hp in owned])
+        else:
+            if double_buffer is None:
+                double_buffer = _second_arena_fits(sum(m.numel() for m in masters) * 4)
+            self.grads = GradBuffers(masters, alloc=alloc, copies=2 if double_buffer else 1)
         if pin is not None:  # in place (``.data``): the modules and uploads keep the objects
             for layer in self.layers:
                 for _, t in [*layer.params, *layer.buffers]:
@@ -188,6 +192,17 @@ class HostStore:
         self.pager: Pager | None = None
         # where paged compute weights live (storage/param_tier.py's ParamTier); None: in RAM
         self.weight_pager: Any = None
+
+    def group_bytes(self) -> list[int]:
+        """Per layer, the fp32 bytes of the gradient record of the parameters it owns (pooled
+        gradients: what the gradient tier lays out; 0 for a layer owning none)."""
+        elements = getattr(self.grads, "group_elements", {})
+        return [4 * elements.get(layer.index, 0) for layer in self.layers]
+
+    def use_grad_blocks(self, blocks: Any, *, reserve: int) -> None:
+        """Pooled gradients (``grad_pool``): their records live in ``blocks`` (the gradient
+        tier) from now on; ``reserve``: see ``GradBuffers.use_blocks``."""
+        self.grads.use_blocks(blocks, reserve=reserve)
 
     # --- residency of the masters (paged to NVMe by the optimizer tier) -----------------------
     def resident(
@@ -338,6 +353,7 @@ class HostStore:
                     self._announced[landing.slot].discard(landing)
                     if self._direct.get(landing.slot) is landing:
                         del self._direct[landing.slot]
+                        self.grads.unland(landing.slot, landing.copy)
                 cond.notify_all()
 
     def _settle_direct(self, slot: int, cond: threading.Condition) -> None:
@@ -385,9 +401,8 @@ class HostStore:
         cond = self._grad_conds[owner.layer]
         with cond:
             self._settle_direct(owner.slot, cond)
-            first = not self.grads.has(owner.slot)
-            yield self.grads.buffer(owner.slot), first
-            self.grads.mark(owner.slot)
+            with self.grads.writing(owner.slot) as (buf, first):
+                yield buf, first
             if first:
                 self._expose(owner)
 
@@ -473,7 +488,8 @@ class HostStore:
         for hp in self.layers[layer].owned:
             if self.grads.has(hp.slot):
                 # one read of the gradient, no temporary copy (torch sums fp32 pairwise)
-                total += float(torch.linalg.vector_norm(self.grads.buffer(hp.slot))) ** 2
+                with self.grads.reading(hp.slot) as buf:
+                    total += float(torch.linalg.vector_norm(buf)) ** 2
         return total
 
     # --- versions -----------------------------------------------------------------------------

@@ -5,8 +5,8 @@ checks it): ``actions`` (Action, Plan, text form), ``costs`` (LayerCosts, StageC
 holds), ``memory`` (what a device holds over a plan), ``lower`` (transfers and optimizer steps),
 ``validate``, ``schedules`` (RoundPipe, Mobius and the classic baselines; the registry
 ``SCHEDULES``), ``simulate`` (discrete-event simulator, a subpackage), ``partition`` (costs ->
-asymmetric cuts), ``shapes`` (a model's public-config shape -> analytic LayerCosts and memory),
-``advise`` (the configuration advisor: micro-batch, accumulation, round size, cuts and optimizer
+asymmetric cuts), ``shapes`` (a model's public-config shape -> analytic LayerCosts and memory), ``host_ram``
+(host RAM of a run with the NVMe tiers, from its largest layers, pools and devices), ``advise`` (the configuration advisor: micro-batch, accumulation, round size, cuts and optimizer
 tier for a shape on a machine), ``render`` (text grid, Chrome trace, PNG) and ``cli`` (``python
 -m rp_engine.plan.simulate``, which runs simulate/__main__.py). ``python -m rp_engine.plan
 advise ...`` runs __main__.py (outside the chain, like a ``__main__`` guard). The names below
@@ -61,6 +61,7 @@ _SUBMODULES = (
     "simulate",
     "partition",
     "shapes",
+    "host_ram",
     "advise",
     "render",
     "cli",

@@ -20,7 +20,8 @@ kept):
 - cuts: ``partition`` with the device budget (memory less ``CONTEXT_BYTES``) and the host link;
 - optimizer tier: fp32 masters and Adam moments in host RAM ("host": 2 B/param of bf16 weights
   + 16 B/trainable param of masters, gradients and moments), or on NVMe ("nvme": the host keeps
-  the weights and gradients; 12 B/trainable param read and 12 B written per step at
+  the weights and the tiers' buffers, a few layers' state and gradients: host_ram.py; 12
+  B/trainable param read and 12 B written per step at
   ``machine.nvme_read_gbps``, writes assumed as fast as reads) when ``host_ram_bytes`` cannot
   hold the host tier (or ``nvme=True``).
 
@@ -57,6 +58,7 @@ from typing import Any
 from . import schedules
 from .actions import Plan, format_bytes
 from .costs import LayerCosts
+from .host_ram import HostRam, tier_host_ram
 from .lower import lower
 from .partition import (
     Partition,
@@ -138,6 +140,8 @@ class Advice:
     binds: str  # "compute" | "pcie" | "host adam" | "disk"
     max_seq_len: int | None  # longest single sequence a device holds (micro-batch 1)
     step_ms: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
+    # with the NVMe tier: where the host RAM goes (host_ram.py's lines), else empty
+    host_ram_lines: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     sim: SimResult | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -260,17 +264,29 @@ class _Ctx:
         return max(self.adam_ms, self.disk_ms(tier))
 
     def host_bytes(self, tier: str, acts: int) -> int:
-        """Host RAM of the run: bf16 weights of every parameter, the optimizer state of the
-        trainable ones (host tier) or their gradients and the staging buffers (NVMe tier), and
-        the stashed activations ``acts``."""
+        """Host RAM of the run: bf16 weights of every parameter and the optimizer state of the
+        trainable ones (host tier), or with the NVMe optimizer tier what host_ram.py counts
+        (the weights, the tier's and the gradient pool's buffers of a few layers, staging),
+        and the stashed activations ``acts``."""
         s = self.shape
-        weights = 2 * s.total_params
         if tier == "host":
-            return weights + HOST_STATE_BYTES * s.trainable_params + acts
-        layer_record = NVME_STATE_BYTES * max(
-            s.trainable_params // max(s.layers, 1), s.head_params if not s.lora else 0
-        )
-        return weights + 4 * s.trainable_params + NVME_BUFFERS * layer_record + acts
+            return 2 * s.total_params + HOST_STATE_BYTES * s.trainable_params + acts
+        return self.tier_ram().peak + acts
+
+    def tier_ram(self) -> HostRam:
+        """The host RAM with the NVMe optimizer tier, by part (host_ram.py)."""
+        s = self.shape
+        per_layer = s.trainable_params // max(s.layers, 1)
+        head = 0 if s.lora else s.head_params
+        embed = 0 if s.tied else head
+        return tier_host_ram(
+            layer_params=[s.head_params * (0 if s.tied else 1)]
+            + [s.layer_params] * s.layers + [s.head_params],
+            layer_trainable=[embed] + [per_layer] * s.layers + [head],
+            dtype_bytes=2, devices=self.n, optimizer_tier=True, param_tier=False,
+            grad_buffers=2 * self.n + 4, optimizer_buffers=NVME_BUFFERS,
+            weight_copies=2 if self.async_opt else 1, device_bytes=self.budget or 0,
+        )  # fmt: skip
 
     def tiers(self) -> list[str]:
         if self.nvme is True:
@@ -521,6 +537,7 @@ def _advice(ctx: _Ctx, p: _Point, part: Partition, sim: SimResult) -> Advice:
         device_peak_bytes=int(max(sim.peak_memory_bytes) + _context_bytes(ctx.machine)),
         device_budget_bytes=ctx.machine.memory_bytes,
         host_ram_bytes=ctx.host_bytes(p.tier, acts),
+        host_ram_lines=tuple(ctx.tier_ram().lines()) if p.tier == "nvme" else (),
         pcie_bytes_per_step=int(pcie / iters),
         nvme_bytes_per_step=ctx.nvme_bytes(p.tier),
         binds=binds,
@@ -881,6 +898,10 @@ def format_table(advice: Sequence[Advice]) -> str:
             f"{a.binds} | {longest} |"
         )
     over = [str(i) for i, a in enumerate(advice, 1) if not a.fits_device]
+    tiered = next((i for i, a in enumerate(advice, 1) if a.host_ram_lines), None)
+    if tiered is not None:  # where the host RAM goes: the tiers' pools, not the state
+        lines += ["", f"host RAM of row {tiered} (NVMe optimizer tier, stashed activations "
+                  "apart):", *advice[tiered - 1].host_ram_lines]  # fmt: skip
     lines += [
         "",
         f"best: {a0.why()}",

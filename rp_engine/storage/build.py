@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rp_engine.storage.grad_tier import GradTier
 from rp_engine.storage.io_engine import IOStats, make_io_engine
 from rp_engine.storage.optimizer_tier import OptimizerTier, tier_bytes
 from rp_engine.storage.param_tier import ParamTier, param_tier_plan
@@ -18,7 +19,9 @@ from rp_engine.storage.swap_file import NvmeSpaceError, check_nvme_path
 
 __all__ = [
     "Tiers",
+    "build_grad_tier",
     "build_optimizer_tier",
+    "grad_buffer_count",
     "build_param_tier",
     "wants_optimizer_tier",
     "wants_param_tier",
@@ -78,6 +81,50 @@ def _naming(exc: NvmeSpaceError, key: str, path: str | None) -> NvmeSpaceError:
     return NvmeSpaceError(exc.errno, f"{key} = {path!r}: {exc.strerror}")
 
 
+def grad_buffer_count(cfg: Any, *, trains: bool, num_devices: int) -> int:
+    """Buffers of the gradient tier (storage/grad_tier.py) ``cfg`` asks for; 0: no tier (the
+    whole-model gradient arena in RAM). ``roundpipe.grad_buffers`` null: 2 x devices + 4 with
+    the NVMe optimizer tier, else 0. Raises, naming the key, for a pool too small to make
+    progress (each device's host thread and the optimizer may each hold one buffer)."""
+    chosen = cfg.roundpipe.grad_buffers
+    if chosen is None:
+        return 2 * num_devices + 4 if wants_optimizer_tier(cfg) and trains else 0
+    if chosen and not wants_optimizer_tier(cfg):
+        raise ValueError(
+            f"roundpipe.grad_buffers = {chosen}: the gradient pool spills to the NVMe folder of "
+            'zero_optimization.offload_optimizer (device "nvme"); set that, or grad_buffers 0'
+        )
+    if chosen and chosen < num_devices + 2:
+        raise ValueError(
+            f"roundpipe.grad_buffers = {chosen} is too few for {num_devices} device(s): at least "
+            f"{num_devices + 2} (one per device's host thread, the optimizer's, one to spare); "
+            "null chooses"
+        )
+    return int(chosen)
+
+
+def build_grad_tier(
+    cfg: Any, store: Any, *, buffer_count: int, rank: int, alloc: Any = None
+) -> GradTier:
+    """The gradient tier over ``store``'s pooled gradient records (storage/grad_tier.py), its
+    file beside the optimizer tier's under ``offload_optimizer.nvme_path``."""
+    group_bytes = store.group_bytes()
+    disk = 2 * sum(-(-b // 4096) * 4096 for b in group_bytes)
+    folder = check_nvme_path(cfg.zero.offload_optimizer.nvme_path, disk, key=_KEY)
+    engine = make_io_engine(cfg.roundpipe.nvme_io_engine, cfg.aio)
+    try:
+        return GradTier(
+            group_bytes, folder=folder, rank=rank, engine=engine, buffer_count=buffer_count,
+            alloc=alloc,
+        )  # fmt: skip
+    except NvmeSpaceError as exc:
+        engine.close()
+        raise _naming(exc, _KEY, cfg.zero.offload_optimizer.nvme_path) from exc
+    except BaseException:
+        engine.close()
+        raise
+
+
 _PARAM_KEY = "zero_optimization.offload_param.nvme_path"
 
 
@@ -120,7 +167,8 @@ def build_param_tier(cfg: Any, store: Any, *, rank: int, data_parallel: bool) ->
 
 
 class Tiers:
-    """The NVMe tiers an engine runs (optimizer, parameter; either may be absent), as one."""
+    """The NVMe tiers an engine runs (optimizer, gradient, parameter; any may be absent), as
+    one; given in the order they were built."""
 
     def __init__(self, *tiers: Any) -> None:
         self.tiers = [t for t in tiers if t is not None]
@@ -145,6 +193,7 @@ class Tiers:
             tier.flush()
 
     def close(self) -> None:
-        """Close every tier (each waits for its writes and removes its swap file)."""
-        for tier in self.tiers:
+        """Close every tier (each waits for its writes and removes its swap file), the last
+        built first: a folder the first one made is empty, and removed, when it closes."""
+        for tier in reversed(self.tiers):
             tier.close()

@@ -4,9 +4,14 @@ Two engines, the same files and the same results:
 
 - ``AioEngine``: DeepSpeed's aio op (libaio, O_DIRECT, its own thread pool), configured by the
   ds_config ``aio`` block (``block_size``, ``queue_depth``, ``intra_op_parallelism``,
-  ``single_submit``, ``overlap_events``). Used when the op is already built: its first JIT build
-  takes minutes, so ``initialize`` never starts one (``make install`` builds it once, cached
-  beside CPU Adam; ``python -m rp_engine.storage.build_aio`` does it by hand).
+  ``single_submit``, ``overlap_events``). Built on first use, not at install: its JIT build takes
+  minutes (about 200 s on 2 cores), cached beside CPU Adam. With ``nvme_io_engine`` "auto" (the
+  default) a run that finds it unbuilt uses ``ThreadEngine`` and starts one detached, low-priority
+  background build (``python -m rp_engine.storage.build_aio --background``, its output in
+  ``<extensions cache>/async_io_build.log``): the next run uses the op. ``RP_ENGINE_AIO_BUILD=0``
+  turns that background build off (the tests do). "aio" asked explicitly builds it in the
+  foreground, with a progress line every ``BUILD_NOTICE_S``. ``make aio`` (or ``python -m
+  rp_engine.storage.build_aio``) builds it ahead of time; ``make test`` does.
 - ``ThreadEngine``: threads doing ``os.preadv``/``os.pwritev`` on files opened with O_DIRECT, in
   ``block_size`` pieces (both calls release the GIL). Where the filesystem refuses O_DIRECT
   (tmpfs), the same calls go through the page cache; ``direct`` says which.
@@ -18,8 +23,12 @@ the time at least one operation was in flight (``busy_s``): the NVMe row of the 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,14 +38,31 @@ from typing import Any
 
 import torch
 
-from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir, op_load_guard
+from rp_engine.optim.jit_cache import cpu_adam_cache_dir, every, extensions_dir, op_load_guard
 from rp_engine.storage.aligned import ALIGN, aligned_empty, round_up
 
-__all__ = ["AioEngine", "IOEngine", "IOStats", "ThreadEngine", "aio_op_built", "make_io_engine"]
+__all__ = [
+    "AIO_BUILD_ENV",
+    "AioEngine",
+    "IOEngine",
+    "IOStats",
+    "ThreadEngine",
+    "aio_op_built",
+    "load_aio_op",
+    "make_io_engine",
+]
 
 log = logging.getLogger("rp_engine.storage")
 
 _CHOICES = ("auto", "aio", "threads")
+
+# The aio op's first-use build (see the module docstring).
+AIO_BUILD_ENV = "RP_ENGINE_AIO_BUILD"  # "0" (or "false", "no", "off"): no background build
+BUILD_LOG = "async_io_build.log"  # in the extensions cache: the background build's output
+BUILD_MARKER = "async_io_build.flock"  # flock-held by the running background build; its pid
+BUILD_FAILED = "async_io_build.failed"  # left by a background build that failed: not retried
+BUILD_NOTICE_S = 15.0  # a foreground build says how far it is this often
+BUILD_COMMAND = ("-m", "rp_engine.storage.build_aio", "--background")  # after sys.executable
 
 
 @dataclass
@@ -293,8 +319,9 @@ def aio_op_built() -> bool:
 
 
 def load_aio_op() -> Any:
-    """DeepSpeed's aio op from the shared extensions cache (building it when it is not there:
-    minutes on 2 cores). Raises when it cannot build (no libaio-dev)."""
+    """DeepSpeed's aio op from the shared extensions cache, building it when it is not there
+    (minutes on 2 cores: a warning says so first, and then every ``BUILD_NOTICE_S`` how long it
+    has run, so the wait never looks like a hang). Raises when it cannot build (no libaio-dev)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     builder = AsyncIOBuilder()
@@ -302,18 +329,173 @@ def load_aio_op() -> Any:
     with extensions_dir(cache):
         if not builder.is_compatible(verbose=False):
             raise RuntimeError(
-                "DeepSpeed's aio op cannot build here: install libaio-dev (apt-get install "
-                "libaio-dev) and run `python -m rp_engine.storage.build_aio`"
+                f"DeepSpeed's aio op cannot build here: {_libaio_hint()}, then run "
+                "`python -m rp_engine.storage.build_aio` (or `make aio`)"
             )
         # a build lock left by a killed loader never wedges this load (optim/jit_cache.py)
         with op_load_guard(builder.name, cache):
-            return builder.load(verbose=False)
+            if aio_op_built():  # (built meanwhile by the process the guard waited for)
+                return builder.load(verbose=False)
+            return _build_in_foreground(builder, os.path.join(cache, builder.name))
+
+
+def _build_in_foreground(builder: Any, build_dir: str) -> Any:
+    """``builder.load`` when it JIT-builds the op: progress warnings while it runs."""
+    start = time.monotonic()
+    what = "DeepSpeed's aio op (async_io: libaio, O_DIRECT; with its pin_memory op)"
+    log.warning(
+        "building %s in %s: minutes on 2 cores, once per machine (`make aio` builds it ahead of "
+        "time; a compiler error is raised at the end)", what, build_dir,
+    )  # fmt: skip
+
+    def progress() -> None:
+        log.warning(
+            "still building %s in %s: %.0f s so far", what, build_dir, time.monotonic() - start
+        )
+
+    with every(BUILD_NOTICE_S, progress, "rp-aio-build-progress"):
+        op = builder.load(verbose=False)
+    log.warning("built DeepSpeed's aio op in %.0f s", time.monotonic() - start)
+    return op
+
+
+def _libaio_hint() -> str:
+    """How to get what the aio op's build needs (libaio's headers and library)."""
+    if shutil.which("apt-get"):
+        how = "`apt-get install libaio-dev`"
+        if os.geteuid() == 0:
+            how += " (`make aio` does it, as root)"
+        return f"install libaio-dev: {how}"
+    return "install libaio's development files (libaio-dev, libaio-devel)"
+
+
+def background_build_enabled() -> bool:
+    """Whether a run may start the aio op's background build (``RP_ENGINE_AIO_BUILD``, on when
+    unset)."""
+    value = os.environ.get(AIO_BUILD_ENV, "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def aio_op_buildable() -> bool:
+    """Whether DeepSpeed's aio op can build here: DeepSpeed's own check, a test program that
+    compiles and links against libaio (about a second). False when DeepSpeed cannot say."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception as exc:  # a broken toolchain: no build either
+        log.debug("DeepSpeed's aio compatibility check failed: %s", exc)
+        return False
+
+
+def spawn_background_build(
+    command: list[str], *, log_path: str, env: dict[str, str], keep_fd: int
+) -> int:
+    """Start ``command`` detached (its own session: it outlives this run, and a Ctrl-C here does
+    not reach it), stdin closed, stdout and stderr appended to ``log_path``, with ``keep_fd`` (the
+    flock-held marker) inherited so the lock lives as long as the build. Returns its pid."""
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+            cwd=os.path.dirname(log_path), start_new_session=True, pass_fds=(keep_fd,),
+        )  # fmt: skip
+    _children.append(proc)  # reaped by subprocess when it ends; never waited for here
+    return proc.pid
+
+
+_children: list[subprocess.Popen[bytes]] = []
+_first_use_checked = False  # this process looked once already (several tiers: one message)
+
+
+def _start_first_use_build() -> None:
+    """The aio op is not built and "auto" runs without it: start its build in the background
+    (once per process, one at a time per machine), or say why not. Never raises."""
+    global _first_use_checked
+    if _first_use_checked:
+        return
+    _first_use_checked = True
+    if not background_build_enabled():
+        log.info(
+            "DeepSpeed's aio op is not built and %s=0: no background build (`make aio` builds "
+            "it); the NVMe tier uses its built-in engine", AIO_BUILD_ENV,
+        )  # fmt: skip
+        return
+    cache = cpu_adam_cache_dir()
+    log_path = os.path.join(cache, BUILD_LOG)
+    if os.path.exists(os.path.join(cache, BUILD_FAILED)):
+        log.warning(
+            "DeepSpeed's aio op is not built: its background build failed earlier (log: %s); "
+            "the NVMe tier uses its built-in engine. `make aio` or `python -m "
+            "rp_engine.storage.build_aio` tries again", log_path,
+        )  # fmt: skip
+        return
+    if not aio_op_buildable():
+        log.info(
+            "DeepSpeed's aio op cannot build here: the NVMe tier uses its built-in engine. For "
+            "the aio op, %s; the next run then builds it", _libaio_hint(),
+        )  # fmt: skip
+        return
+    try:
+        _spawn_once(cache, log_path)
+    except OSError as exc:
+        log.warning(
+            "could not start the background build of DeepSpeed's aio op (%s); the NVMe tier "
+            "uses its built-in engine (`make aio` builds the op)", exc,
+        )  # fmt: skip
+
+
+def _spawn_once(cache: str, log_path: str) -> None:
+    """Start the background build unless one is running: the marker file's flock says so (the
+    build inherits the locked descriptor; the kernel drops the lock when it ends)."""
+    os.makedirs(cache, exist_ok=True)
+    marker = os.path.join(cache, BUILD_MARKER)
+    fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning(
+                "DeepSpeed's aio op is being built in the background by process %s (log: %s); "
+                "this run uses the NVMe tier's built-in engine, runs started after the build "
+                "ends use the aio op", _marker_pid(marker), log_path,
+            )  # fmt: skip
+            return
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["TORCH_EXTENSIONS_DIR"] = cache
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_root, env.get("PYTHONPATH", "")) if p
+        )  # this rp_engine, whatever the build's folder
+        pid = spawn_background_build(
+            [sys.executable, *BUILD_COMMAND], log_path=log_path, env=env, keep_fd=fd
+        )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{pid}\n".encode(), 0)
+        log.warning(
+            "DeepSpeed's aio op is not built yet: building it in the background (process %d, low "
+            "priority, a few minutes; log: %s). This run uses the NVMe tier's built-in engine; "
+            "the next run uses the aio op. (%s=0 turns this off; `make aio` builds it ahead)",
+            pid, log_path, AIO_BUILD_ENV,
+        )  # fmt: skip
+    finally:
+        os.close(fd)  # the build keeps its inherited copy, and with it the lock
+
+
+def _marker_pid(marker: str) -> str:
+    """The pid the running background build's starter wrote in the marker, or "?"."""
+    try:
+        with open(marker) as f:
+            return f.read().strip() or "?"
+    except OSError:
+        return "?"
 
 
 def make_io_engine(choice: str, aio: Any) -> IOEngine:
     """The engine ``choice`` names ("auto", "aio", "threads"), configured by ``aio`` (the
-    ds_config AioConfig). "auto": the aio op when it is built, else the built-in threads; "aio"
-    raises when the op cannot load. Logs once which engine runs."""
+    ds_config AioConfig). "auto": the aio op when it is built, else the built-in threads (and
+    the op's background build starts: see the module docstring); "aio" builds the op when it
+    must (minutes, with progress lines) and raises when it cannot load. Logs once which engine
+    runs."""
     if choice not in _CHOICES:
         raise ValueError(f"io engine {choice!r}: expected one of {', '.join(_CHOICES)}")
     engine: IOEngine | None = None
@@ -328,6 +510,8 @@ def make_io_engine(choice: str, aio: Any) -> IOEngine:
             if choice == "aio":
                 raise
             log.warning("DeepSpeed's aio op did not load (%s); using the built-in engine", exc)
+    elif choice == "auto":
+        _start_first_use_build()
     if engine is None:
         threads = max(2, aio.intra_op_parallelism)
         engine = ThreadEngine(block_size=aio.block_size, threads=threads)

@@ -3,7 +3,8 @@
 With ``offload_optimizer.device: "nvme"`` no master or moment lives in RAM between steps. Each
 layer owns one record in a swap file (per owned parameter: master, exp_avg, exp_avg_sq, fp32,
 64-byte aligned; the record 4 KiB aligned for O_DIRECT). A small pool of aligned buffers
-(``buffer_count``, each the size of the largest layer's record) carries them:
+(``buffer_count``, each the size of the largest ordinary layer's record, plus 2-4 of the size of
+a record much larger than the rest, an embedding's or an LM head's: record_pool.py) carries them:
 
 ::
 
@@ -24,7 +25,8 @@ The stepper steps one layer at a time on one thread, in the same order on every 
 same CPU Adam kernel on the same bytes: the tier changes where the state lives, never a result
 (tests/engine/test_nvme_tier.py holds it bit for bit against the host-resident engine).
 
-Host memory of the tier: ``buffer_count`` x the largest record, whatever the model's size; the
+Host memory of the tier: ``buffer_count`` x the largest ordinary record (+ 2-4 big ones), whatever
+the number of layers; the
 swap file is scratch of one run (checkpoints are what resumes) and is removed at close.
 """
 
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 
 from rp_engine.model.host_store import placeholder
+from rp_engine.plan.host_ram import size_classes
 from rp_engine.storage.aligned import round_up
 from rp_engine.storage.io_engine import IOEngine
 from rp_engine.storage.mapped import MappedFile
@@ -85,8 +88,8 @@ def tier_bytes(store: Any, buffer_count: int) -> tuple[int, int]:
     """(bytes on disk, bytes of host buffers) the optimizer tier needs for ``store``."""
     records = [r for r in _layouts(store) if r is not None]
     disk = sum(r.nbytes for r in records)
-    largest = max((r.nbytes for r in records), default=0)
-    return disk, largest * max(2, buffer_count)
+    sizes = size_classes(r.nbytes for r in records)
+    return disk, sizes.ordinary * max(2, buffer_count) + sizes.big * sizes.big_count
 
 
 class OptimizerTier(PooledTier):
@@ -106,8 +109,9 @@ class OptimizerTier(PooledTier):
         self.disk_bytes = sum(r.nbytes for r in live)
         self.file = SwapFile(folder, f"rp_engine/rank{rank}/optimizer.swp", self.disk_bytes)
         self.path = self.file.path
-        largest = max((r.nbytes for r in live), default=4096)
-        self.pool = RecordPool(self.path, engine, buffer_count=buffer_count, buffer_bytes=largest)
+        self.pool = RecordPool(
+            self.path, engine, buffer_count=buffer_count, sizes=size_classes(r.nbytes for r in live)
+        )
         self.buffer_bytes = self.pool.buffer_bytes
         self._materialized: bool | None = None  # inside materialized(): whether writable
         self._placeholders = {id(hp): placeholder(hp.master.shape) for hp in store.owned_params()}

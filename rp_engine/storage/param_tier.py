@@ -36,7 +36,9 @@ from typing import Any
 import torch
 
 from rp_engine.model.host_store import placeholder
+from rp_engine.plan.host_ram import PoolSizes, size_classes
 from rp_engine.storage.aligned import round_up
+from rp_engine.storage.heap import return_freed_memory
 from rp_engine.storage.io_engine import IOEngine
 from rp_engine.storage.mapped import MappedFile
 from rp_engine.storage.record_pool import PooledTier, Record, RecordPool
@@ -48,6 +50,8 @@ log = logging.getLogger("rp_engine.storage")
 
 _BYTE_ALIGN = 64
 _COPY_CHUNK = 64 << 20  # bytes copied (and released) at a time between weight buffers
+# the initial write releases the module's weights in batches of this many bytes (flushed first)
+_RELEASE_BYTES = 256 << 20
 
 
 @dataclass(eq=False)
@@ -70,6 +74,10 @@ class ParamTierPlan:
 
     def largest(self) -> int:
         return max(self.record_bytes.values(), default=4096)
+
+    def sizes(self) -> PoolSizes:
+        """The pool's buffer sizes: ordinary layers' records apart from the few big ones."""
+        return size_classes(self.record_bytes.values())
 
 
 def param_tier_plan(store: Any, max_in_cpu: int) -> ParamTierPlan:
@@ -133,7 +141,7 @@ class ParamTier(PooledTier):
         self.file = SwapFile(folder, f"rp_engine/rank{rank}/params.swp", self.disk_bytes)
         self.path = self.file.path
         self.pool = RecordPool(
-            self.path, engine, buffer_count=buffer_count, buffer_bytes=plan.largest(), grow=True
+            self.path, engine, buffer_count=buffer_count, sizes=plan.sizes(), grow=True
         )
         self._owner = {id(p): layer for layer, ts in plan.paged.items() for p in ts}
         self._placeholders = {
@@ -309,18 +317,64 @@ class ParamTier(PooledTier):
 
     # --- internals ----------------------------------------------------------------------------
     def _write_initial(self) -> None:
-        """Every buffer's records from the module's weights, one record at a time; then the
-        module's paged parameters become placeholders."""
-        for (_layer, _copy), rec in self._records.items():
-            (data,) = self.pool.pin([rec], fresh=True)
-            data.zero_()
-            for p, at in rec.tensors:
-                _view(data, at, p).copy_(p.detach())
-            self.pool.unpin([rec], dirty=True)
+        """Every buffer's records from the module's weights, layer by layer; a layer's paged
+        parameters become placeholders once its records are in the file (in batches of
+        ``_RELEASE_BYTES``, each flushed first), and the freed memory goes back to the OS: the
+        user's model is the peak, not the model plus a copy. On a failure, the layers already
+        released are read back into the module (else they would be lost with the file)."""
+        released: list[int] = []
+        pending: list[int] = []
+        pending_bytes = 0
+        try:
+            for layer in self.plan.paged:
+                for copy in range(self.copies):
+                    rec = self._records[(layer, copy)]
+                    (data,) = self.pool.pin([rec], fresh=True)
+                    data.zero_()
+                    for p, at in rec.tensors:
+                        _view(data, at, p).copy_(p.detach())
+                    self.pool.unpin([rec], dirty=True)
+                pending.append(layer)
+                pending_bytes += self.plan.record_bytes[layer]
+                if pending_bytes >= _RELEASE_BYTES:
+                    self._release(pending, released)
+                    pending_bytes = 0
+            self._release(pending, released)
+        except BaseException:
+            self._restore(released)
+            raise
+
+    def _release(self, layers: list[int], released: list[int]) -> None:
+        """``layers``' records are written: once in the file, their parameters become
+        placeholders."""
         self.pool.flush()
-        for ts in self.plan.paged.values():
-            for p in ts:
+        for layer in layers:
+            for p in self.plan.paged[layer]:
                 p.data = self._placeholders[id(p)]
+        released.extend(layers)
+        layers.clear()
+        return_freed_memory()
+
+    def _restore(self, layers: list[int]) -> None:
+        """A failed initial write: put the released layers' weights back into the module."""
+        lost = []
+        for layer in layers:
+            rec = self._records[(layer, 0)]
+            try:
+                (data,) = self.pool.pin([rec])
+                try:
+                    for p, at in rec.tensors:
+                        p.data = _view(data, at, p).clone()
+                finally:
+                    self.pool.unpin([rec])
+            except Exception:  # noqa: BLE001 - report every layer that could not come back
+                lost.append(layer)
+        if lost:
+            log.error(
+                "NVMe parameter tier: the initial write failed and the weights of layers %s "
+                "could not be read back from %s: the module passed to initialize lost them",
+                lost, self.path,
+            )  # fmt: skip
 
 
 def _view(data: torch.Tensor, at: int, p: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,19 @@ buffer). The pool owns the caching rules they share:
 ``grow``: when one ``pin`` asks for more records than there are buffers, the pool grows to that
 many (the parameter tier pins a whole slot's layers for one upload, a size known only to the
 plan); otherwise such a ``pin`` is an error.
+
+Two size classes (``size_classes``, plan/host_ram.py): records up to twice the median's share ``buffer_count``
+buffers of the largest of them; the few larger ones (an embedding, an LM head: often 10x a
+decoder layer) get two buffers of their own size. So the pool's memory follows the
+ordinary layers, not the largest tensor. A record only ever uses a buffer of its class; a
+``pin`` of several records claims them all at once, across both classes, under one lock.
+
+``lazy`` (the gradient tier, grad_tier.py: scratch that mostly never needs the disk): a changed
+record is written back only when its buffer is taken for another record (an eviction, LRU among
+the unpinned buffers) or at ``flush``, never at its last unpin; ``discard`` forgets a record
+whose bytes are no longer needed, so it is never written at all. ``try_pin`` pins a record only
+when that needs no wait (it is held, or a clean buffer is free). ``alloc(nbytes)``: the buffers'
+allocator (default the engine's aligned one; the gradient tier's CUDA pool passes pinned memory).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from typing import Any
 
 import torch
 
+from rp_engine.plan.host_ram import PoolSizes
 from rp_engine.storage.io_engine import IOEngine, IOStats
 from rp_engine.storage.swap_file import SwapFile
 
@@ -51,6 +65,7 @@ class Record:
 @dataclass(eq=False)
 class _Buffer:
     data: torch.Tensor  # aligned uint8
+    big: bool = False  # the big size class's
     record: Record | None = None  # whose bytes it holds (or is reading); None: none
     read: Future[None] | None = None
     write: Future[None] | None = None  # write-back of ``record`` in flight (or done)
@@ -61,17 +76,25 @@ class _Buffer:
 
 
 class RecordPool:
-    """See the module docstring. ``buffer_bytes``: each buffer's size (the largest record)."""
+    """See the module docstring. ``sizes``: the buffer sizes (``size_classes`` of the records);
+    ``buffer_count`` buffers of the ordinary class (at least 2)."""
 
     def __init__(
-        self, path: str, engine: IOEngine, *, buffer_count: int, buffer_bytes: int,
-        grow: bool = False,
+        self, path: str, engine: IOEngine, *, buffer_count: int, sizes: PoolSizes,
+        grow: bool = False, lazy: bool = False, alloc: Callable[[int], torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         self.path = path
         self.engine = engine
-        self._bytes = max(buffer_bytes, 4096)
+        self.sizes = sizes
+        self._bytes = max(sizes.ordinary, 4096)
+        self._big_bytes = sizes.big
         self._grow = grow
-        self._buffers = [_Buffer(engine.alloc(self._bytes)) for _ in range(max(2, buffer_count))]
+        self._lazy = lazy
+        self._alloc = alloc or engine.alloc
+        self._buffers = [_Buffer(self._alloc(self._bytes)) for _ in range(max(2, buffer_count))]
+        self._buffers += [
+            _Buffer(self._alloc(self._big_bytes), big=True) for _ in range(sizes.big_count)
+        ]
         self._cond = threading.Condition()
         self._clock = 0
         # (event, records getter) to unpin once the event is done (``unpin_after``)
@@ -82,7 +105,14 @@ class RecordPool:
     @property
     def buffer_bytes(self) -> int:
         """Host bytes the pool's buffers hold (all of them)."""
-        return self._bytes * len(self._buffers)
+        return sum(self._big_bytes if b.big else self._bytes for b in self._buffers)
+
+    def _is_big(self, rec: Record) -> bool:
+        if rec.nbytes > self._bytes and rec.nbytes > self._big_bytes:
+            raise ValueError(
+                f"record {rec.key} of {rec.nbytes} bytes is larger than the pool's buffers"
+            )
+        return rec.nbytes > self._bytes
 
     # --- pinning ------------------------------------------------------------------------------
     def pin(
@@ -145,7 +175,7 @@ class RecordPool:
                 buf.pins -= 1
                 self._clock += 1
                 buf.used = self._clock
-                if buf.pins == 0 and buf.dirty:
+                if buf.pins == 0 and buf.dirty and not self._lazy:
                     buf.dirty = False
                     buf.write = self.engine.write(self.path, buf.data[: rec.nbytes], rec.offset)
                 self._cond.notify_all()
@@ -167,7 +197,8 @@ class RecordPool:
             for rec in records:
                 if self._holding(rec) is not None:
                     continue
-                free = [b for b in self._buffers if b.pins == 0 and not b.wanted]
+                big = self._is_big(rec)
+                free = [b for b in self._buffers if b.pins == 0 and not b.wanted and b.big == big]
                 if len(free) <= 1:
                     return
                 idle = [b for b in free if all(f is None or f.done() for f in (b.write, b.read))]
@@ -182,10 +213,70 @@ class RecordPool:
         with self._cond:
             return self._holding(record) is not None
 
+    def try_pin(self, record: Record, *, fresh: bool = False) -> torch.Tensor | None:
+        """``pin([record], fresh=fresh)`` when it needs no wait: a buffer holds ``record`` with
+        no I/O in flight, or (``fresh`` only) a clean free buffer with none can take it; else
+        None and nothing changes. For callers that must not block (a copy thread choosing
+        between a direct landing and a staging buffer)."""
+        with self._cond:
+            buf = self._holding(record)
+            if buf is None:
+                if not fresh:
+                    return None
+                big = self._is_big(record)
+                free = [b for b in self._buffers if b.pins == 0 and not b.wanted and b.big == big]
+                free = [b for b in free if not b.dirty and _quiet(b)]
+                if not free:
+                    return None
+                buf = min(free, key=lambda b: (b.record is not None, b.used))
+                self._load(buf, record, fresh=True)
+            elif not _quiet(buf):
+                return None
+            buf.pins += 1
+            buf.wanted = False
+            return buf.data[: record.nbytes]
+
+    def discard(self, record: Record) -> None:
+        """``record``'s bytes will never be read again: a buffer holding it (unpinned) forgets
+        it without writing it back. What the file holds for it is stale from now on."""
+        with self._cond:
+            buf = self._holding(record)
+            if buf is not None and buf.pins == 0:
+                # with I/O in flight the buffer keeps holding the record, so a new pin of it
+                # waits for that I/O here instead of racing it from another buffer
+                if _quiet(buf):
+                    buf.record, buf.read = None, None
+                buf.dirty = False
+                self._cond.notify_all()
+
+    def drop(self, record: Record) -> None:
+        """Forget ``record`` entirely, pinned or not (a failed run's pins that will never be
+        released): its buffer is free, its bytes lost. The caller knows no copy still writes
+        into the buffer, or that whatever does is discarded with it."""
+        with self._cond:
+            buf = self._holding(record)
+            if buf is not None:
+                buf.pins, buf.dirty, buf.wanted = 0, False, False
+                if _quiet(buf):  # else as ``discard``
+                    buf.record, buf.read = None, None
+                self._cond.notify_all()
+
     # --- whole-file operations ----------------------------------------------------------------
     def flush(self) -> None:
-        """Reap every deferred unpin and wait for every write-back; raises the first I/O error."""
+        """Reap every deferred unpin and wait for every write-back (a lazy pool writes its
+        changed, unpinned buffers first); raises the first I/O error."""
         self._reap(block=True)
+        if self._lazy:
+            with self._cond:
+                for buf in self._buffers:
+                    if buf.dirty and buf.pins == 0 and buf.record is not None:
+                        self._write_back(buf)
+        for buf in self._buffers:
+            if buf.write is not None:
+                buf.write.result()
+
+    def settle(self) -> None:
+        """Wait for the write-backs in flight (no new one starts); raises the first I/O error."""
         for buf in self._buffers:
             if buf.write is not None:
                 buf.write.result()
@@ -214,6 +305,13 @@ class RecordPool:
                 return buf
         return None
 
+    def _write_back(self, buf: _Buffer) -> None:
+        """Under the lock: start writing ``buf``'s record to the file (a lazy eviction)."""
+        rec = buf.record
+        assert rec is not None
+        buf.dirty = False
+        buf.write = self.engine.write(self.path, buf.data[: rec.nbytes], rec.offset)
+
     def _load(self, buf: _Buffer, rec: Record, *, fresh: bool) -> None:
         """Under the lock: make ``buf`` hold ``rec`` (its previous write-back is finished)."""
         buf.record, buf.write, buf.dirty = rec, None, False
@@ -227,28 +325,48 @@ class RecordPool:
             buf.read.add_done_callback(lambda _f: hook(rec, start, time.perf_counter()))
 
     def _claim(self, records: Sequence[Record], fresh: bool) -> list[_Buffer]:
-        """Under the lock: a buffer for each record, loading the missing ones; waits (without
-        the lock) for buffers pinned elsewhere, deferred unpins and pending write-backs."""
-        if len(records) > len(self._buffers):
-            if not self._grow:
-                raise RuntimeError(
-                    f"{len(records)} records pinned at once, but the pool has only "
-                    f"{len(self._buffers)} buffers"
-                )
-            extra = len(records) - len(self._buffers)
-            self._buffers += [_Buffer(self.engine.alloc(self._bytes)) for _ in range(extra)]
+        """Under the lock: a buffer of its class for each record, loading the missing ones;
+        waits (without the lock) for buffers pinned elsewhere, deferred unpins and pending
+        write-backs. All or nothing: no buffer is taken while another is waited for."""
+        for big in (False, True):
+            want = sum(1 for r in records if self._is_big(r) == big)
+            have = sum(1 for b in self._buffers if b.big == big)
+            if want > have:
+                if not self._grow:
+                    raise RuntimeError(
+                        f"{want} records pinned at once, but the pool has only {have} "
+                        f"{'big ' if big else ''}buffers"
+                    )
+                size = self._big_bytes if big else self._bytes
+                self._buffers += [_Buffer(self._alloc(size), big=big) for _ in range(want - have)]
         while True:
             held = {id(rec): self._holding(rec) for rec in records}
-            missing = [rec for rec in records if held[id(rec)] is None]
             taken = {id(b) for b in held.values() if b is not None}
-            free = [b for b in self._buffers if b.pins == 0 and id(b) not in taken]
-            free.sort(key=lambda b: (b.wanted, b.record is not None, b.used))
-            if len(free) < len(missing):
+            plan: list[tuple[_Buffer, Record]] = []
+            short = False
+            for big in (False, True):
+                missing = [r for r in records if held[id(r)] is None and self._is_big(r) == big]
+                if not missing:
+                    continue
+                free = [
+                    b for b in self._buffers
+                    if b.pins == 0 and id(b) not in taken and b.big == big
+                ]  # fmt: skip
+                # clean buffers before changed ones (a lazy pool's eviction costs a write), LRU
+                free.sort(key=lambda b: (b.wanted, b.record is not None, b.dirty, b.used))
+                if len(free) < len(missing):
+                    short = True
+                    break
+                plan += list(zip(free[: len(missing)], missing, strict=True))
+            if short:
                 if not self._reap_locked(block=True):
                     # copies end without waking anyone: look again soon
                     self._cond.wait(0.005)
                 continue
-            chosen = free[: len(missing)]
+            chosen = [b for b, _ in plan]
+            evict = [b for b in chosen if b.dirty and b.record is not None]
+            for buf in evict:  # lazy: the record leaves RAM now, so it goes to the file first
+                self._write_back(buf)
             # A write-back must reach the file before its buffer is reused, and a read still
             # landing in it (a prefetch whose record nobody pinned) must land first: issued
             # next to it, the new read could finish first and then be overwritten by the old.
@@ -263,7 +381,7 @@ class RecordPool:
                 finally:
                     self._cond.acquire()
                 continue  # look again: things moved meanwhile
-            for buf, rec in zip(chosen, missing, strict=True):
+            for buf, rec in plan:
                 self._load(buf, rec, fresh=fresh)
             out = [self._holding(rec) for rec in records]
             assert all(b is not None for b in out)
@@ -304,6 +422,11 @@ class RecordPool:
         finally:
             self._cond.acquire()
         return True
+
+
+def _quiet(buf: _Buffer) -> bool:
+    """No read or write-back of ``buf`` in flight."""
+    return all(f is None or f.done() for f in (buf.read, buf.write))
 
 
 class PooledTier:

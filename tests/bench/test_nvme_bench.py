@@ -1,5 +1,6 @@
 """The NVMe-tier benchmark cannot rot: its rp_engine part runs here at tiny sizes, in this
-process (``--quick --inline``); DeepSpeed's part is reported through the same table code."""
+process (``--quick --inline``), and (f), RAM against the state, at tiny sizes in its own
+processes; DeepSpeed's part is reported through the same table code."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def test_quick_run_reports_raw_tier_and_ratios(tmp_path: Path) -> None:
     assert main([*argv, "--dir", str(folder), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result) == {
-        "raw", "systems", "tier_bandwidth", "io_vs_compute", "ratios", "config", "machine",
-        "table",
+        "raw", "systems", "tier_bandwidth", "io_vs_compute", "ratios", "ram", "config",
+        "machine", "table",
     }  # fmt: skip
     # (a) every block size, both directions, and the raw file is gone
     assert set(result["raw"]["blocks"]) == {"1", "2", "4"}
@@ -39,7 +40,9 @@ def test_quick_run_reports_raw_tier_and_ratios(tmp_path: Path) -> None:
     # (b) only the tier variants move bytes through the tier; in the window every layer's
     # record is read and written back, 12 B per trainable parameter each way at least
     params = systems["tier_async"]["trainable_params"]
-    assert set(result["tier_bandwidth"]) == {"tier_async", "tier_sync", "both_async"}
+    assert set(result["tier_bandwidth"]) == {
+        "tier_async", "tier_arena_async", "tier_sync", "both_async"
+    }  # fmt: skip
     for name, bw in result["tier_bandwidth"].items():
         assert systems[name]["tier"]["block_size"] == bw["block_bytes"] == 1 << 20
         assert systems[name]["tier"]["io_engine"].startswith("built-in threads")
@@ -50,17 +53,56 @@ def test_quick_run_reports_raw_tier_and_ratios(tmp_path: Path) -> None:
         assert math.isclose(bw["efficiency"], bw["read_ratio"] + bw["write_ratio"])
     for name in ("host_async", "host_sync"):
         assert "tier_io" not in systems[name] and "tier" not in systems[name]
+    # the bounded tier (the default with the optimizer tier) has a gradient tier and reports
+    # its own window; the previous tier (grad_buffers 0) has none
+    for name in ("tier_async", "tier_sync", "both_async"):
+        g, io = systems[name]["grad_tier"], systems[name]["grad_io"]
+        assert g["buffer_count"] == 2 * 2 + 4 and _finite_positive(g["buffer_bytes"]), name
+        assert g["path"].endswith("grads.swp"), name
+        for key in ("read_bytes_per_step", "write_bytes_per_step", "busy_s_per_step"):
+            assert isinstance(io[key], float | int) and io[key] >= 0, (name, key)
+        # its bytes are part of the tiers' summed window
+        assert io["write_bytes"] <= systems[name]["tier_io"]["write_bytes"], name
+    arena = systems["tier_arena_async"]
+    assert "grad_tier" not in arena and "grad_io" not in arena
+    assert arena["config"]["roundpipe"]["grad_buffers"] == 0
+    assert len(arena["tier"]["path"]) == 1 and len(systems["tier_async"]["tier"]["path"]) == 2
     assert not list((folder / "rp_swap").rglob("*.swp")), "destroy removes the swap file"
     # the sizing estimate and the tier/host ratios
     fit = result["io_vs_compute"]
     assert _finite_positive(fit["min_io_s"]) and _finite_positive(fit["compute_s"])
-    assert set(result["ratios"]) == {"tier/host async", "tier/host sync", "both tiers/host async"}
+    assert set(result["ratios"]) == {
+        "tier/host async", "bounded tier/previous tier async", "previous tier/host async",
+        "tier/host sync", "both tiers/host async",
+    }  # fmt: skip
     assert all(_finite_positive(v) for v in result["ratios"].values())
-    assert "| rp_engine, tier on NVMe, async |" in result["table"]
+    table = result["table"]
+    assert "| rp_engine, tier on NVMe, bounded gradients, async |" in table
+    assert "| rp_engine, tier on NVMe, gradient arena (previous tier), async |" in table
+    assert "bounded tier/previous tier async = **" in table
+    assert "**The gradient tier**" in table
     # (e) with the weights on NVMe too, both swap files moved bytes: more than the optimizer's
     both = result["tier_bandwidth"]["both_async"]["read_bytes_per_step"]
     assert both > result["tier_bandwidth"]["tier_async"]["read_bytes_per_step"]
-    assert len(systems["both_async"]["tier"]["path"]) == 2
+    paths = systems["both_async"]["tier"]["path"]
+    assert sorted(Path(x).name for x in paths) == ["grads.swp", "optimizer.swp", "params.swp"]
+    # (f) both tiers at two depths and host-resident at the smaller, each in its own process
+    ram = result["ram"]
+    assert ram["spec"]["layers"] == [8, 16]
+    assert set(ram["runs"]) == {"tiers_8", "tiers_16", "host_8"}
+    for name, r in ram["runs"].items():
+        assert "error" not in r, (name, r.get("error"))
+        for key in ("params", "state", "peak_rss", "train_peak", "init_peak", "peak_over_state"):
+            assert _finite_positive(r[key]), (name, key)
+        assert r["state"] == 18 * r["params"] and math.isfinite(r["final_loss"])
+    assert ram["runs"]["tiers_16"]["params"] > ram["runs"]["tiers_8"]["params"]
+    growth = ram["growth"]
+    assert (growth["from"], growth["to"]) == (8, 16) and math.isfinite(growth["fraction"])
+    assert (
+        growth["added_state"] == ram["runs"]["tiers_16"]["state"] - ram["runs"]["tiers_8"]["state"]
+    )
+    assert "**(f) RAM against the state**" in table and "| host-resident | 8 |" in table
+    assert not list(folder.glob("ram_*")), "each (f) run's folder is removed"
 
 
 def test_table_reports_deepspeed_failure_text_and_ratio() -> None:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from typing import Any
@@ -405,3 +406,44 @@ def test_the_imperative_loop_keeps_an_explicit_journal() -> None:
         assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("master"))
     finally:
         engine.destroy()
+
+
+def test_initialize_with_the_tiers_predicts_host_ram_and_refuses_what_does_not_fit(
+    tmp_path, monkeypatch
+) -> None:
+    """With the NVMe tiers, the need is the pools, staging and devices (plan/host_ram.py), not
+    the model's state: the prediction is logged, and a run needing more than is available is
+    refused with both numbers before any tier allocates or writes (the model untouched)."""
+    import rp_engine
+    from rp_engine import host_preflight
+    from rp_engine.train.preflight import PreflightError
+
+    model = tiny_qwen3(0, layers=4).to(torch.bfloat16)  # as initialize casts it
+    cfg = config(devices=2, async_optimizer=True, bf16={"enabled": True})
+    cfg["zero_optimization"] = {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+    }
+    engine = engine_for(copy.deepcopy(model), cfg)
+    try:
+        need = engine.host_ram
+        assert need is not None
+        parts = dict(need.parts)
+        # the gradients are the pool's (8 buffers for 2 devices), never a whole-model arena
+        assert parts["gradient tier buffers"] > 0 and "fp32 gradients" not in parts
+        assert "optimizer tier buffers" in parts and "parameter tier buffers" in parts
+    finally:
+        engine.destroy()
+    before = [p.detach().clone() for p in model.parameters()]
+    monkeypatch.setattr(host_preflight, "available_bytes", lambda: 1)
+    with pytest.raises(PreflightError) as err:
+        rp_engine.initialize(model=model, config=cfg)
+    text = str(err.value)
+    assert "with the NVMe tiers this run needs about" in text and "is available" in text
+    assert "gradient tier buffers" in text and "roundpipe.grad_buffers" in text
+    assert not list(tmp_path.rglob("*.swp")), "refused before any tier wrote"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    off = copy.deepcopy(cfg)
+    off["roundpipe"]["host_preflight"] = False
+    engine_for(model, off).destroy()  # the check switched off

@@ -61,13 +61,18 @@ def weights_of(engine: Any) -> dict[str, torch.Tensor]:
 
 def run(model: torch.nn.Module, cfg: dict[str, Any], steps: int = STEPS) -> tuple[list, dict]:
     """Losses, final weights, last-step stats and, per tier present, its I/O totals, swap
-    file size and path (``io``: the optimizer tier, ``param_io``: the parameter tier)."""
+    file size and path (``io``: the optimizer tier, ``param_io``: the parameter tier,
+    ``grad_io``: the gradient tier)."""
     engine = engine_for(model, cfg)
     try:
         losses = train(engine, steps)
         engine.synchronize()
         out: dict[str, Any] = {"stats": engine.last_step_stats()}
-        for key, tier in (("io", engine.nvme_tier), ("param_io", engine.param_tier)):
+        tiers = (
+            ("io", engine.nvme_tier), ("param_io", engine.param_tier),
+            ("grad_io", engine.grad_tier),
+        )  # fmt: skip
+        for key, tier in tiers:
             out[key] = (
                 {"stats": tier.stats, "disk": tier.disk_bytes, "path": tier.path} if tier else {}
             )  # counted before weights_of reads the files whole
@@ -122,7 +127,7 @@ def aio_engine() -> str:
     """ "aio", or a skip saying why DeepSpeed's aio op cannot run here."""
     if not aio_op_built():
         pytest.skip(
-            "DeepSpeed's aio op is not built here (needs libaio-dev; `make install` builds it "
-            "when it can): the built-in engine's cases cover the tier"
+            "DeepSpeed's aio op is not built here (needs libaio-dev; `make aio` builds it "
+            "when it can, `make test` runs it): the built-in engine's cases cover the tier"
         )
     return "aio"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rp_engine.config.schema import AioConfig
+from rp_engine.plan.host_ram import PoolSizes
 from rp_engine.storage import ALIGN, NvmeSpaceError, SwapFile, aligned_empty, check_nvme_path
 from rp_engine.storage.io_engine import ThreadEngine, aio_op_built, make_io_engine
 from rp_engine.storage.record_pool import Record, RecordPool
@@ -46,7 +47,7 @@ def test_thread_engine_reads_back_what_it_wrote(tmp_path) -> None:
 
 def test_aio_engine_reads_back_what_it_wrote(tmp_path) -> None:
     if not aio_op_built():
-        pytest.skip("DeepSpeed's aio op is not built here (needs libaio-dev; make install)")
+        pytest.skip("DeepSpeed's aio op is not built here (needs libaio-dev; make aio)")
     SwapFile(str(tmp_path), "f.swp", 8 * ALIGN)
     engine = make_io_engine("aio", AioConfig())
     try:
@@ -142,10 +143,65 @@ def test_a_buffer_still_being_prefetched_is_not_reused_under_the_read(tmp_path) 
         for k in range(3):
             f.write(bytes([k + 1]) * ALIGN)
     engine = _SlowFirstRead()
-    pool = RecordPool(path, engine, buffer_count=2, buffer_bytes=ALIGN)
+    pool = RecordPool(path, engine, buffer_count=2, sizes=PoolSizes(ALIGN))
     pool.prefetch([records[0]])  # slow read into one buffer, nobody pins it
     views = pool.pin([records[1], records[2]])  # needs both buffers
     engine.first[0].result()  # the prefetch has landed by now
     assert [int(v[0]) for v in views] == [2, 3] and all(bool((v == v[0]).all()) for v in views)
     pool.unpin(records[1:])
+    engine.close()
+
+
+def _lazy_pool(tmp_path, buffers: int = 2, *, big: int = 0) -> tuple[RecordPool, ThreadEngine]:
+    path = str(tmp_path / "grads.swp")
+    with open(path, "wb") as f:
+        f.truncate(16 * ALIGN)
+    engine = ThreadEngine()
+    sizes = PoolSizes(ALIGN, big, 1 if big else 0)
+    return RecordPool(path, engine, buffer_count=buffers, sizes=sizes, lazy=True), engine
+
+
+def test_a_lazy_pool_writes_only_what_it_evicts_and_reads_it_back(tmp_path) -> None:
+    """The gradient tier's pool: a changed record stays in RAM after its last unpin (no write);
+    taken for another record it is written first, and a later pin reads the same bytes back;
+    a discarded record is never written."""
+    pool, engine = _lazy_pool(tmp_path)
+    recs = [Record(k, k * ALIGN, ALIGN) for k in range(4)]
+    for k in range(2):
+        (view,) = pool.pin([recs[k]], fresh=True)
+        view.fill_(k + 1)
+        pool.unpin([recs[k]], dirty=True)
+    assert engine.stats.write_bytes == 0  # both still in their buffers
+    pool.discard(recs[1])  # consumed: its buffer is free and clean
+    (view,) = pool.pin([recs[2]], fresh=True)  # takes the discarded one's buffer: no write
+    view.fill_(3)
+    pool.unpin([recs[2]], dirty=True)
+    assert engine.stats.write_bytes == 0
+    pool.pin([recs[3]], fresh=True)  # evicts the least recently used changed record: 0
+    assert engine.stats.write_bytes == ALIGN
+    pool.unpin([recs[3]])
+    (back,) = pool.pin([recs[0]])  # read back from the file (evicting record 2, written)
+    assert bool((back == 1).all()) and engine.stats.read_bytes == ALIGN
+    pool.unpin([recs[0]])
+    (back,) = pool.pin([recs[2]])
+    assert bool((back == 3).all())
+    pool.unpin([recs[2]])
+    engine.close()
+
+
+def test_try_pin_never_waits_and_big_records_keep_their_own_buffers(tmp_path) -> None:
+    pool, engine = _lazy_pool(tmp_path, big=4 * ALIGN)
+    small = [Record(k, k * ALIGN, ALIGN) for k in range(3)]
+    big = Record("big", 8 * ALIGN, 4 * ALIGN)
+    assert pool.buffer_bytes == 2 * ALIGN + 2 * 4 * ALIGN
+    views = [pool.try_pin(r, fresh=True) for r in small]
+    assert views[0] is not None and views[1] is not None
+    assert views[2] is None  # both ordinary buffers pinned: no wait, no big buffer taken
+    (bv,) = pool.pin([big], fresh=True)  # a big buffer, although ordinary ones are busy
+    assert bv.numel() == 4 * ALIGN
+    pool.unpin(small[:2], dirty=True)
+    assert pool.try_pin(small[2], fresh=True) is None  # only changed buffers: a write first
+    assert pool.try_pin(small[0]) is not None  # held: a hit needs no wait
+    with pytest.raises(ValueError, match="larger than the pool's buffers"):
+        pool.pin([Record("huge", 0, 8 * ALIGN)])
     engine.close()

@@ -1,0 +1,154 @@
+"""Host RAM of a run with the NVMe tiers: a function of the largest layers, the pools and the
+devices, not of the number of layers.
+
+With ``offload_optimizer`` on NVMe the fp32 masters and Adam moments stream through the optimizer
+tier's buffers, the fp32 gradients through the gradient tier's (storage/grad_tier.py), and with
+``offload_param`` on NVMe the compute weights through the parameter tier's; each pool holds a few
+records of an ordinary layer, plus two of a much larger one (an embedding, an LM head):
+``size_classes`` is the rule the pools are built with (storage/record_pool.py). What remains:
+
+  runtime                 Python, torch, transformers, DeepSpeed's ops, threads and allocator
+                          slack (``RUNTIME_BYTES``, measured)
+  compute weights         every weight in RAM (x2 when double-buffered), or with the parameter
+                          tier only the shared ones (a tied embedding) and the tier's pool,
+                          which grows to what one upload pins: a stage's weights
+  optimizer tier          ``buffer_count`` x 12 B x the largest ordinary layer (+ 2 big)
+  gradient tier           ``grad_buffers`` x 4 B x the largest ordinary layer (+ 2 big); without
+                          it, the whole-model fp32 arena (4 B per trainable parameter)
+  download staging        per device, a stage's gradients in the compute dtype
+  CPU virtual devices     their memory (``device_memory_gb``) is host memory
+
+A stage's weights (or gradients) are taken as four of the largest ordinary layers, at most half
+of the device's memory ``device_bytes`` when it is known.
+
+``initialize`` holds the user's model (every weight in the compute dtype) until the tiers took
+it, layer by layer: the run's peak is the larger of that and the training total. Used by the
+initialize preflight (host_preflight.py) and the advisor (advise.py). Pure: nothing of ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["RUNTIME_BYTES", "HostRam", "PoolSizes", "size_classes", "tier_host_ram"]
+
+ALIGN = 4096
+# Python, torch, transformers and DeepSpeed imported: 0.22-0.27 GiB here; training on CPU
+# virtual devices with CPU Adam loaded, the rest of RSS beyond the parts below: 0.42 GiB
+RUNTIME_BYTES = 450 * 2**20
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """The buffer sizes of a record pool (``size_classes``): ``ordinary`` bytes for records up
+    to that size; ``big`` bytes (0: none) for the larger ones, ``big_count`` buffers of them."""
+
+    ordinary: int
+    big: int = 0
+    big_records: int = 0
+
+    @property
+    def big_count(self) -> int:
+        """Buffers of the big class: 2 (a pin of two big records at once, or one pinned while
+        the other is written back or read ahead)."""
+        return 2 if self.big else 0
+
+    def pool_bytes(self, buffer_count: int) -> int:
+        """Host bytes of a pool of ``buffer_count`` ordinary buffers (at least 2) and the big
+        ones."""
+        return self.ordinary * max(2, buffer_count) + self.big * self.big_count
+
+
+def size_classes(record_bytes: Iterable[int]) -> PoolSizes:
+    """Split records (bytes each; 0 skipped) into the ordinary class (up to twice the median
+    record) and the big one (the rest), each class's buffers the size of its largest record
+    (4 KiB multiples)."""
+    sizes = [-(-b // ALIGN) * ALIGN for b in record_bytes if b]
+    if not sizes:
+        return PoolSizes(ALIGN)
+    cut = 2 * sorted(sizes)[(len(sizes) - 1) // 2]
+    big = [b for b in sizes if b > cut]
+    ordinary = max(b for b in sizes if b <= cut)
+    return PoolSizes(ordinary, max(big, default=0), len(big))
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """Host bytes of a run, by part (``tier_host_ram``)."""
+
+    parts: tuple[tuple[str, int], ...]  # (what, bytes) while training
+    model: int  # the user's model in the compute dtype: held until initialize paged it
+
+    @property
+    def training(self) -> int:
+        return sum(n for _, n in self.parts)
+
+    @property
+    def peak(self) -> int:
+        """The larger of initialize's peak (runtime, the model, the optimizer tier's pool that
+        the initial write fills) and the training total."""
+        init = RUNTIME_BYTES + self.model + dict(self.parts).get("optimizer tier buffers", 0)
+        return max(init, self.training)
+
+    def lines(self) -> list[str]:
+        out = [f"  {name:<38}{_fmt(n)}" for name, n in self.parts if n]
+        out.append(f"  {'training, in all':<38}{_fmt(self.training)}")
+        out.append(f"  {'peak (initialize holds your model)':<38}{_fmt(self.peak)}")
+        return out
+
+
+def _fmt(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def tier_host_ram(
+    *,
+    layer_params: Sequence[int],
+    layer_trainable: Sequence[int],
+    dtype_bytes: int,
+    devices: int,
+    optimizer_tier: bool,
+    param_tier: bool,
+    grad_buffers: int,
+    optimizer_buffers: int = 4,
+    param_buffers: int = 5,
+    weight_copies: int = 2,
+    shared_params: int = 0,
+    device_bytes: int = 0,
+    cpu_devices: bool = False,
+) -> HostRam:
+    """The host RAM of a run over layers of ``layer_params`` parameters (``layer_trainable`` of
+    them trainable) in a ``dtype_bytes`` compute dtype, on ``devices`` devices. Tiers as in the
+    module docstring: ``grad_buffers`` 0 is the whole-model gradient arena (the default without
+    the optimizer tier); ``shared_params``: parameters used by several layers (they stay in RAM
+    with the parameter tier); ``device_bytes``: each device's memory budget (0: unknown);
+    ``cpu_devices``: the devices are CPU virtual devices, whose memory is host memory."""
+    total = sum(layer_params)
+    trainable = sum(layer_trainable)
+    ordinary = size_classes(layer_params).ordinary  # the largest layer but the big few
+    stage = 4 * ordinary * dtype_bytes
+    if device_bytes:
+        stage = min(stage, device_bytes // 2)
+    parts: list[tuple[str, int]] = [("runtime (Python, torch, DeepSpeed)", RUNTIME_BYTES)]
+    if param_tier:
+        records = size_classes([p * dtype_bytes for p in layer_params])
+        pool = max(records.pool_bytes(param_buffers), min(stage, total * dtype_bytes))
+        parts.append(("compute weights (shared)", shared_params * dtype_bytes * weight_copies))
+        parts.append(("parameter tier buffers", pool))
+    else:
+        parts.append(("compute weights", total * dtype_bytes * weight_copies))
+    if optimizer_tier:
+        records = size_classes([12 * t for t in layer_trainable])
+        parts.append(("optimizer tier buffers", records.pool_bytes(optimizer_buffers)))
+    else:
+        parts.append(("fp32 masters + Adam moments", 12 * trainable))
+    if grad_buffers:
+        records = size_classes([4 * t for t in layer_trainable])
+        parts.append(("gradient tier buffers", records.pool_bytes(grad_buffers)))
+    else:
+        parts.append(("fp32 gradients", 4 * trainable))
+    parts.append(("download staging", devices * stage))
+    if cpu_devices and device_bytes:
+        parts.append(("CPU virtual devices", devices * device_bytes))
+    return HostRam(tuple(parts), total * dtype_bytes)

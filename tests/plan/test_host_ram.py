@@ -1,0 +1,45 @@
+"""The host RAM of a run with the NVMe tiers follows the largest layers, the pools and the
+devices (rp_engine/plan/host_ram.py), not the number of layers; without them it is the state."""
+
+from __future__ import annotations
+
+from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, size_classes, tier_host_ram
+
+LAYER, HEAD = 2_000_000, 20_000_000  # parameters of a decoder layer, of an untied LM head
+
+
+def _ram(layers: int, *, tiers: bool, grad_buffers: int = 8) -> HostRam:
+    return tier_host_ram(
+        layer_params=[HEAD] + [LAYER] * layers + [HEAD],
+        layer_trainable=[HEAD] + [LAYER] * layers + [HEAD],
+        dtype_bytes=2, devices=2, optimizer_tier=tiers, param_tier=tiers,
+        grad_buffers=grad_buffers if tiers else 0,
+    )  # fmt: skip
+
+
+def test_with_both_tiers_ram_does_not_grow_with_depth() -> None:
+    shallow, deep = _ram(20, tiers=True), _ram(80, tiers=True)
+    assert shallow.training == deep.training
+    # only the model the user built (2 B per parameter), until initialize paged it
+    assert deep.model - shallow.model == 60 * LAYER * 2
+
+
+def test_without_tiers_ram_is_the_state() -> None:
+    shallow, deep = _ram(20, tiers=False), _ram(80, tiers=False)
+    # bf16 weights twice (double-buffered), masters + moments 12 B, gradients 4 B
+    grew = deep.training - shallow.training
+    assert grew == 60 * LAYER * (2 * 2 + 12 + 4)
+
+
+def test_the_pools_are_sized_by_ordinary_layers_and_the_big_few() -> None:
+    sizes = size_classes([12 * HEAD] + [12 * LAYER] * 10 + [12 * HEAD])
+    assert sizes.ordinary == -(-12 * LAYER // 4096) * 4096
+    assert sizes.big == -(-12 * HEAD // 4096) * 4096 and sizes.big_count == 2
+    assert sizes.pool_bytes(4) == 4 * sizes.ordinary + 2 * sizes.big
+    uniform = size_classes([4096 * k for k in (3, 3, 4, 5)])  # none above twice the median
+    assert uniform.big == 0 and uniform.ordinary == 5 * 4096
+    ram = dict(_ram(20, tiers=True).parts)
+    assert ram["gradient tier buffers"] == size_classes(
+        [4 * HEAD] + [4 * LAYER] * 20 + [4 * HEAD]
+    ).pool_bytes(8)
+    assert ram["runtime (Python, torch, DeepSpeed)"] == RUNTIME_BYTES
