@@ -188,6 +188,12 @@ class Tiers:
     def disk_bytes(self) -> int:
         return sum(t.disk_bytes for t in self.tiers)
 
+    @property
+    def initial_bytes(self) -> int:
+        """Bytes written at initialize: the files of the tiers that start with a state (not
+        the gradient tier's, written only when it evicts)."""
+        return sum(t.disk_bytes for t in self.tiers if t.writes_initially)
+
     def flush(self) -> None:
         for tier in self.tiers:
             tier.flush()

@@ -50,6 +50,8 @@ class GradTier(PooledTier):
     ``alloc(nbytes)`` allocates a buffer (4 KiB aligned uint8; pinned on CUDA). Implements the
     ``GradBlocks`` protocol of model/grad_buffers.py."""
 
+    writes_initially = False  # scratch: written only when a record is evicted
+
     def __init__(
         self, group_bytes: Sequence[int], *, folder: str, rank: int, engine: IOEngine,
         buffer_count: int, alloc: Callable[[int], torch.Tensor] | None = None,

@@ -435,6 +435,9 @@ class PooledTier:
     engine: IOEngine
     file: SwapFile
     pool: RecordPool
+    # the tier writes its whole file at initialize (the initial state); the gradient tier
+    # writes only what it evicts
+    writes_initially = True
 
     @property
     def stats(self) -> IOStats:

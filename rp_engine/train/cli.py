@@ -695,13 +695,17 @@ def _nvme_summary(engine: Any, steps: int) -> dict[str, Any] | None:
     if not tiers:
         return None
     io = tiers.stats
+    grads = getattr(engine, "grad_tier", None)
     return {
         "swap_files": [t.path for t in tiers.tiers],
         "disk_bytes": tiers.disk_bytes,
+        "disk_bytes_by_file": {os.path.basename(t.path): t.disk_bytes for t in tiers.tiers},
         "io_engine": tiers.tiers[0].engine.describe(),
         "write_bytes_total": io.write_bytes,  # the initial write included
         "read_bytes_total": io.read_bytes,
-        "write_bytes_per_step": (io.write_bytes - tiers.disk_bytes) / steps if steps else None,
+        "write_bytes_per_step": (io.write_bytes - tiers.initial_bytes) / steps if steps else None,
+        # the gradient tier's evictions (included above): gradients alive beyond its pool
+        "gradient_write_bytes_total": grads.stats.write_bytes if grads is not None else 0,
     }
 
 
