@@ -196,6 +196,9 @@ def tier_need(
                 seen.add(id(p))
                 shared += p.numel()
     zero = cfg.zero
+    # what the process holds now besides the model's weights (all in RAM still): the runtime
+    weights = sum(p.untyped_storage().nbytes() for layer in store.layers for _, p in layer.params)
+    runtime = max(RUNTIME_BYTES, process_rss() - weights)
     return tier_host_ram(
         layer_params=[n + (shared if i == 0 else 0) for i, n in enumerate(own)],
         layer_trainable=[sum(hp.master.numel() for hp in layer.owned) for layer in store.layers],
@@ -210,7 +213,15 @@ def tier_need(
         shared_params=shared,
         device_bytes=device_bytes,
         cpu_devices=cpu_devices,
+        runtime_bytes=runtime,
     )
+
+
+def process_rss() -> int:
+    """This process's resident memory."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def check_tiers(
@@ -227,7 +238,7 @@ def check_tiers(
     log.info("host RAM with the NVMe tiers (predicted):\n%s", "\n".join(need.lines()))
     if not cfg.roundpipe.host_preflight:
         return need
-    held = RUNTIME_BYTES + need.model
+    held = need.runtime + need.model
     more = need.peak - held
     free = available_bytes() if available is None else available
     if more > free:

@@ -8,7 +8,9 @@ records of an ordinary layer, plus two of a much larger one (an embedding, an LM
 ``size_classes`` is the rule the pools are built with (storage/record_pool.py). What remains:
 
   runtime                 Python, torch, transformers, DeepSpeed's ops, threads and allocator
-                          slack (``RUNTIME_BYTES``, measured)
+                          slack: what the process holds at initialize besides the model
+                          (measured by the preflight; ``RUNTIME_BYTES`` for the advisor) plus
+                          what training adds to it (``RUNTIME_GROWTH``, measured here)
   compute weights         every weight in RAM (x2 when double-buffered), or with the parameter
                           tier only the shared ones (a tied embedding) and the tier's pool,
                           which grows to what one upload pins: a stage's weights
@@ -31,12 +33,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["RUNTIME_BYTES", "HostRam", "PoolSizes", "size_classes", "tier_host_ram"]
+__all__ = [
+    "RUNTIME_BYTES",
+    "RUNTIME_GROWTH",
+    "HostRam",
+    "PoolSizes",
+    "size_classes",
+    "tier_host_ram",
+]
 
 ALIGN = 4096
-# Python, torch, transformers and DeepSpeed imported: 0.22-0.27 GiB here; training on CPU
-# virtual devices with CPU Adam loaded, the rest of RSS beyond the parts below: 0.42 GiB
-RUNTIME_BYTES = 450 * 2**20
+# Python, torch, transformers and DeepSpeed imported, a model built: 0.25-0.35 GiB here besides
+# the model's own bytes; training adds threads, DeepSpeed's ops and allocator slack: 0.2 GiB
+RUNTIME_GROWTH = 200 * 2**20
+RUNTIME_BYTES = 250 * 2**20  # what initialize finds besides the model, when not measured
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,7 @@ class HostRam:
 
     parts: tuple[tuple[str, int], ...]  # (what, bytes) while training
     model: int  # the user's model in the compute dtype: held until initialize paged it
+    runtime: int = RUNTIME_BYTES  # what the process holds at initialize besides the model
 
     @property
     def training(self) -> int:
@@ -88,7 +99,7 @@ class HostRam:
     def peak(self) -> int:
         """The larger of initialize's peak (runtime, the model, the optimizer tier's pool that
         the initial write fills) and the training total."""
-        init = RUNTIME_BYTES + self.model + dict(self.parts).get("optimizer tier buffers", 0)
+        init = self.runtime + self.model + dict(self.parts).get("optimizer tier buffers", 0)
         return max(init, self.training)
 
     def lines(self) -> list[str]:
@@ -117,20 +128,23 @@ def tier_host_ram(
     shared_params: int = 0,
     device_bytes: int = 0,
     cpu_devices: bool = False,
+    runtime_bytes: int = RUNTIME_BYTES,
 ) -> HostRam:
     """The host RAM of a run over layers of ``layer_params`` parameters (``layer_trainable`` of
     them trainable) in a ``dtype_bytes`` compute dtype, on ``devices`` devices. Tiers as in the
     module docstring: ``grad_buffers`` 0 is the whole-model gradient arena (the default without
     the optimizer tier); ``shared_params``: parameters used by several layers (they stay in RAM
     with the parameter tier); ``device_bytes``: each device's memory budget (0: unknown);
-    ``cpu_devices``: the devices are CPU virtual devices, whose memory is host memory."""
+    ``cpu_devices``: the devices are CPU virtual devices, whose memory is host memory;
+    ``runtime_bytes``: what the process holds at initialize besides the model."""
     total = sum(layer_params)
     trainable = sum(layer_trainable)
     ordinary = size_classes(layer_params).ordinary  # the largest layer but the big few
     stage = 4 * ordinary * dtype_bytes
     if device_bytes:
         stage = min(stage, device_bytes // 2)
-    parts: list[tuple[str, int]] = [("runtime (Python, torch, DeepSpeed)", RUNTIME_BYTES)]
+    runtime = ("runtime (Python, torch, DeepSpeed)", runtime_bytes + RUNTIME_GROWTH)
+    parts: list[tuple[str, int]] = [runtime]
     if param_tier:
         records = size_classes([p * dtype_bytes for p in layer_params])
         pool = max(records.pool_bytes(param_buffers), min(stage, total * dtype_bytes))
@@ -151,4 +165,4 @@ def tier_host_ram(
     parts.append(("download staging", devices * stage))
     if cpu_devices and device_bytes:
         parts.append(("CPU virtual devices", devices * device_bytes))
-    return HostRam(tuple(parts), total * dtype_bytes)
+    return HostRam(tuple(parts), total * dtype_bytes, runtime_bytes)

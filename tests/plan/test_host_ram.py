@@ -3,7 +3,13 @@ devices (rp_engine/plan/host_ram.py), not the number of layers; without them it 
 
 from __future__ import annotations
 
-from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, size_classes, tier_host_ram
+from rp_engine.plan.host_ram import (
+    RUNTIME_BYTES,
+    RUNTIME_GROWTH,
+    HostRam,
+    size_classes,
+    tier_host_ram,
+)
 
 LAYER, HEAD = 2_000_000, 20_000_000  # parameters of a decoder layer, of an untied LM head
 
@@ -42,4 +48,4 @@ def test_the_pools_are_sized_by_ordinary_layers_and_the_big_few() -> None:
     assert ram["gradient tier buffers"] == size_classes(
         [4 * HEAD] + [4 * LAYER] * 20 + [4 * HEAD]
     ).pool_bytes(8)
-    assert ram["runtime (Python, torch, DeepSpeed)"] == RUNTIME_BYTES
+    assert ram["runtime (Python, torch, DeepSpeed)"] == RUNTIME_BYTES + RUNTIME_GROWTH
