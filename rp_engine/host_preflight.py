@@ -183,22 +183,17 @@ def tier_need(
     """The host RAM of ``store``'s layers trained with ``cfg``'s tiers (plan/host_ram.py)."""
     from rp_engine.model.batches import compute_dtype
 
-    users: dict[int, int] = {}
-    for layer in store.layers:
-        for _, p in layer.params:
-            users[id(p)] = users.get(id(p), 0) + 1
+    users = store.param_users()
     own = [sum(p.numel() for _, p in layer.params if users[id(p)] == 1) for layer in store.layers]
-    seen: set[int] = set()
-    shared = 0
-    for layer in store.layers:
-        for _, p in layer.params:
-            if users[id(p)] > 1 and id(p) not in seen:
-                seen.add(id(p))
-                shared += p.numel()
+    params = {id(p): p for layer in store.layers for _, p in layer.params}
+    shared = sum(p.numel() for key, p in params.items() if users[key] > 1)
     zero = cfg.zero
-    # what the process holds now besides the model's weights (all in RAM still): the runtime
-    weights = sum(p.untyped_storage().nbytes() for layer in store.layers for _, p in layer.params)
-    runtime = max(RUNTIME_BYTES, process_rss() - weights)
+    # what the process holds now besides the model's weights (all in RAM still, each storage
+    # once): the runtime
+    storages = {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params.values()
+    }
+    runtime = max(RUNTIME_BYTES, process_rss() - sum(storages.values()))
     return tier_host_ram(
         layer_params=[n + (shared if i == 0 else 0) for i, n in enumerate(own)],
         layer_trainable=[sum(hp.master.numel() for hp in layer.owned) for layer in store.layers],

@@ -174,12 +174,13 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             trainable=trains,
             grad_pool=grad_buffers > 0,
         )
+        # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
+        async_mode = rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only and trains
         self.host_ram: HostRam | None = None  # predicted with the tiers (host_preflight.py)
         if wants_optimizer_tier(cfg) or wants_param_tier(cfg):
-            async_mode = rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only
             self.host_ram = check_tiers(
                 self.store, cfg, devices=len(self.pool), grad_buffers=grad_buffers,
-                weight_copies=2 if async_mode and trains else 1,
+                weight_copies=2 if async_mode else 1,
                 device_bytes=budget or 0, cpu_devices=self.pool.kind == "cpu",
             )  # fmt: skip
         self.host_optimizer = build_optimizer(
@@ -213,8 +214,6 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             self.host_optimizer, cfg, client_given=optimizer is not None
         )
         self.lr_scheduler = build_scheduler(cfg, self.host_optimizer, client_scheduler=lr_scheduler)
-        # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
-        async_mode = rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only and trains
         dp = data_parallel(self.store)  # None in one process
         self.cores = split_cores(
             rp.optimizer_cores, cores=available_cores(), device_kind=self.pool.kind,

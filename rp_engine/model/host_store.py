@@ -193,6 +193,14 @@ class HostStore:
         # where paged compute weights live (storage/param_tier.py's ParamTier); None: in RAM
         self.weight_pager: Any = None
 
+    def param_users(self) -> dict[int, int]:
+        """``id(parameter)`` -> how many layers use it (more than one: a tied weight)."""
+        users: dict[int, int] = {}
+        for layer in self.layers:
+            for _, p in layer.params:
+                users[id(p)] = users.get(id(p), 0) + 1
+        return users
+
     def group_bytes(self) -> list[int]:
         """Per layer, the fp32 bytes of the gradient record of the parameters it owns (pooled
         gradients: what the gradient tier lays out; 0 for a layer owning none)."""

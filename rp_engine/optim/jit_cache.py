@@ -29,7 +29,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-__all__ = ["cpu_adam_cache_dir", "every", "extensions_dir", "op_load_guard", "with_own_ninja"]
+__all__ = [
+    "cpu_adam_cache_dir",
+    "every",
+    "extensions_dir",
+    "op_load_guard",
+    "recorded_pid",
+    "try_flock",
+    "with_own_ninja",
+]
 
 log = logging.getLogger("rp_engine.optim")
 
@@ -132,12 +140,12 @@ def _loader_flock(build_dir: str, name: str) -> Iterator[None]:
         return
     try:
         _wait_until(
-            lambda: _try_flock(fd),
+            lambda: try_flock(fd),
             lambda waited: log.warning(
                 "waiting for process %s (another rp_engine run) to finish loading DeepSpeed's "
                 "%s op in %s: %.0f s so far. It holds %s, which is released when it ends; if it "
                 "hangs, end that process",
-                _recorded_pid(path), name, build_dir, waited, path,
+                recorded_pid(path), name, build_dir, waited, path,
             ),
         )  # fmt: skip
         os.ftruncate(fd, 0)
@@ -147,7 +155,7 @@ def _loader_flock(build_dir: str, name: str) -> Iterator[None]:
         os.close(fd)  # drops the flock
 
 
-def _try_flock(fd: int) -> bool:
+def try_flock(fd: int) -> bool:
     """Take the exclusive flock on ``fd`` if nobody holds it; never blocks."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,8 +164,8 @@ def _try_flock(fd: int) -> bool:
     return True
 
 
-def _recorded_pid(path: str) -> str:
-    """The pid the holder of the loader lock ``path`` wrote in it, or "?"."""
+def recorded_pid(path: str) -> str:
+    """The pid the holder of the lock file ``path`` wrote in it, or "?"."""
     try:
         with open(path) as f:
             return f.read().strip() or "?"

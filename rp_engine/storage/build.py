@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rp_engine.storage.grad_tier import GradTier
+from rp_engine.storage.grad_tier import GradTier, grad_records
 from rp_engine.storage.io_engine import IOStats, make_io_engine
 from rp_engine.storage.optimizer_tier import OptimizerTier, tier_bytes
 from rp_engine.storage.param_tier import ParamTier, param_tier_plan
@@ -109,7 +109,7 @@ def build_grad_tier(
     """The gradient tier over ``store``'s pooled gradient records (storage/grad_tier.py), its
     file beside the optimizer tier's under ``offload_optimizer.nvme_path``."""
     group_bytes = store.group_bytes()
-    disk = 2 * sum(-(-b // 4096) * 4096 for b in group_bytes)
+    disk = sum(r.nbytes for r in grad_records(group_bytes).values())
     folder = check_nvme_path(cfg.zero.offload_optimizer.nvme_path, disk, key=_KEY)
     engine = make_io_engine(cfg.roundpipe.nvme_io_engine, cfg.aio)
     try:

@@ -19,9 +19,9 @@ every layer's gradient until the last one lands, and those beyond the pool spill
 changes: the bytes read back are the bytes written, so results are bit-identical to the arena.
 
 The pool's two size classes (record_pool.py) keep its RAM at the size of ordinary layers: host
-memory of the tier is ``buffer_count`` x the largest ordinary layer's fp32 gradient, plus 2-4 x
-the largest big one (an embedding, an LM head), whatever the number of layers. The file (``2 x 4 B`` per trainable parameter, reserved) is
-scratch of one run and removed at close.
+memory of the tier is ``buffer_count`` x the largest ordinary layer's fp32 gradient, plus 2 x the
+largest big one (an embedding, an LM head), whatever the number of layers. The file (2 x 4 B per
+trainable parameter, reserved) is scratch of one run and removed at close.
 """
 
 from __future__ import annotations
@@ -37,11 +37,24 @@ from rp_engine.storage.io_engine import IOEngine
 from rp_engine.storage.record_pool import PooledTier, Record, RecordPool
 from rp_engine.storage.swap_file import SwapFile
 
-__all__ = ["GradTier"]
+__all__ = ["GradTier", "grad_records"]
 
 log = logging.getLogger("rp_engine.storage")
 
 COPIES = 2  # step t's gradients (read by the optimizer) and step t+1's (landing)
+
+
+def grad_records(group_bytes: Sequence[int]) -> dict[tuple[int, int], Record]:
+    """The gradient file's layout: record (copy, group) of every group owning gradients, each
+    4 KiB aligned, copy 0's groups first."""
+    records: dict[tuple[int, int], Record] = {}
+    offset = 0
+    for copy in range(COPIES):
+        for group, nbytes in enumerate(group_bytes):
+            if nbytes:
+                records[(copy, group)] = Record((copy, group), offset, round_up(nbytes))
+                offset += round_up(nbytes)
+    return records
 
 
 class GradTier(PooledTier):
@@ -57,19 +70,11 @@ class GradTier(PooledTier):
         buffer_count: int, alloc: Callable[[int], torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         self.engine = engine
-        self._records: dict[tuple[int, int], Record] = {}
-        offset = 0
-        for copy in range(COPIES):
-            for group, nbytes in enumerate(group_bytes):
-                if nbytes:
-                    size = round_up(nbytes)
-                    self._records[(copy, group)] = Record((copy, group), offset, size)
-                    offset += size
-        self.disk_bytes = offset
-        self.file = SwapFile(folder, f"rp_engine/rank{rank}/grads.swp", max(offset, ALIGN))
+        self._records = grad_records(group_bytes)
+        self.disk_bytes = sum(r.nbytes for r in self._records.values())
+        self.file = SwapFile(folder, f"rp_engine/rank{rank}/grads.swp", max(self.disk_bytes, ALIGN))
         self.path = self.file.path
         sizes = size_classes(group_bytes)
-        self._big = [bool(b) and round_up(b) > sizes.ordinary for b in group_bytes]
         self.buffer_count = buffer_count
         self.big_count = sizes.big_count
         try:
@@ -89,7 +94,7 @@ class GradTier(PooledTier):
     # --- the GradBlocks protocol (model/grad_buffers.py) -------------------------------------
     def size_class(self, group: int) -> int:
         """0: ``group``'s records share the ordinary buffers; 1: the big ones."""
-        return 1 if self._big[group] else 0
+        return 1 if self.pool.is_big(self._records[(0, group)]) else 0
 
     def capacity(self, size_class: int) -> int:
         """Buffers of a size class."""

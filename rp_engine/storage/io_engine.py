@@ -23,7 +23,6 @@ the time at least one operation was in flight (``busy_s``): the NVMe row of the 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import shutil
@@ -38,7 +37,14 @@ from typing import Any
 
 import torch
 
-from rp_engine.optim.jit_cache import cpu_adam_cache_dir, every, extensions_dir, op_load_guard
+from rp_engine.optim.jit_cache import (
+    cpu_adam_cache_dir,
+    every,
+    extensions_dir,
+    op_load_guard,
+    recorded_pid,
+    try_flock,
+)
 from rp_engine.storage.aligned import ALIGN, aligned_empty, round_up
 
 __all__ = [
@@ -451,13 +457,11 @@ def _spawn_once(cache: str, log_path: str) -> None:
     marker = os.path.join(cache, BUILD_MARKER)
     fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not try_flock(fd):
             log.warning(
                 "DeepSpeed's aio op is being built in the background by process %s (log: %s); "
                 "this run uses the NVMe tier's built-in engine, runs started after the build "
-                "ends use the aio op", _marker_pid(marker), log_path,
+                "ends use the aio op", recorded_pid(marker), log_path,
             )  # fmt: skip
             return
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -479,15 +483,6 @@ def _spawn_once(cache: str, log_path: str) -> None:
         )  # fmt: skip
     finally:
         os.close(fd)  # the build keeps its inherited copy, and with it the lock
-
-
-def _marker_pid(marker: str) -> str:
-    """The pid the running background build's starter wrote in the marker, or "?"."""
-    try:
-        with open(marker) as f:
-            return f.read().strip() or "?"
-    except OSError:
-        return "?"
 
 
 def make_io_engine(choice: str, aio: Any) -> IOEngine:

@@ -3,7 +3,7 @@
 With ``offload_optimizer.device: "nvme"`` no master or moment lives in RAM between steps. Each
 layer owns one record in a swap file (per owned parameter: master, exp_avg, exp_avg_sq, fp32,
 64-byte aligned; the record 4 KiB aligned for O_DIRECT). A small pool of aligned buffers
-(``buffer_count``, each the size of the largest ordinary layer's record, plus 2-4 of the size of
+(``buffer_count``, each the size of the largest ordinary layer's record, plus 2 of the size of
 a record much larger than the rest, an embedding's or an LM head's: record_pool.py) carries them:
 
 ::
@@ -25,7 +25,7 @@ The stepper steps one layer at a time on one thread, in the same order on every 
 same CPU Adam kernel on the same bytes: the tier changes where the state lives, never a result
 (tests/engine/test_nvme_tier.py holds it bit for bit against the host-resident engine).
 
-Host memory of the tier: ``buffer_count`` x the largest ordinary record (+ 2-4 big ones), whatever
+Host memory of the tier: ``buffer_count`` x the largest ordinary record (+ 2 big ones), whatever
 the number of layers; the
 swap file is scratch of one run (checkpoints are what resumes) and is removed at close.
 """

@@ -83,10 +83,7 @@ class ParamTierPlan:
 def param_tier_plan(store: Any, max_in_cpu: int) -> ParamTierPlan:
     """The layers whose weights page to NVMe: every parameter used by one layer only, of the
     layers left once the first ones fitting in ``max_in_cpu`` elements stay in RAM."""
-    users: dict[int, int] = {}
-    for layer in store.layers:
-        for _, p in layer.params:
-            users[id(p)] = users.get(id(p), 0) + 1
+    users = store.param_users()
     paged: dict[int, list[torch.Tensor]] = {}
     sizes: dict[int, int] = {}
     budget, cached = max_in_cpu, 0

@@ -20,15 +20,15 @@ buffer). The pool owns the caching rules they share:
 many (the parameter tier pins a whole slot's layers for one upload, a size known only to the
 plan); otherwise such a ``pin`` is an error.
 
-Two size classes (``size_classes``, plan/host_ram.py): records up to twice the median's share ``buffer_count``
-buffers of the largest of them; the few larger ones (an embedding, an LM head: often 10x a
-decoder layer) get two buffers of their own size. So the pool's memory follows the
+Two size classes (``size_classes``, plan/host_ram.py): records up to twice the median's share
+``buffer_count`` buffers of the largest of them; the few larger ones (an embedding, an LM head:
+often 10x a decoder layer) get two buffers of their own size. So the pool's memory follows the
 ordinary layers, not the largest tensor. A record only ever uses a buffer of its class; a
 ``pin`` of several records claims them all at once, across both classes, under one lock.
 
 ``lazy`` (the gradient tier, grad_tier.py: scratch that mostly never needs the disk): a changed
 record is written back only when its buffer is taken for another record (an eviction, LRU among
-the unpinned buffers) or at ``flush``, never at its last unpin; ``discard`` forgets a record
+the unpinned buffers), never at its last unpin nor at ``flush``; ``discard`` forgets a record
 whose bytes are no longer needed, so it is never written at all. ``try_pin`` pins a record only
 when that needs no wait (it is held, or a clean buffer is free). ``alloc(nbytes)``: the buffers'
 allocator (default the engine's aligned one; the gradient tier's CUDA pool passes pinned memory).
@@ -107,7 +107,8 @@ class RecordPool:
         """Host bytes the pool's buffers hold (all of them)."""
         return sum(self._big_bytes if b.big else self._bytes for b in self._buffers)
 
-    def _is_big(self, rec: Record) -> bool:
+    def is_big(self, rec: Record) -> bool:
+        """Whether ``rec`` belongs to the big size class (raises when no buffer can hold it)."""
         if rec.nbytes > self._bytes and rec.nbytes > self._big_bytes:
             raise ValueError(
                 f"record {rec.key} of {rec.nbytes} bytes is larger than the pool's buffers"
@@ -197,7 +198,7 @@ class RecordPool:
             for rec in records:
                 if self._holding(rec) is not None:
                     continue
-                big = self._is_big(rec)
+                big = self.is_big(rec)
                 free = [b for b in self._buffers if b.pins == 0 and not b.wanted and b.big == big]
                 if len(free) <= 1:
                     return
@@ -223,7 +224,7 @@ class RecordPool:
             if buf is None:
                 if not fresh:
                     return None
-                big = self._is_big(record)
+                big = self.is_big(record)
                 free = [b for b in self._buffers if b.pins == 0 and not b.wanted and b.big == big]
                 free = [b for b in free if not b.dirty and _quiet(b)]
                 if not free:
@@ -263,17 +264,10 @@ class RecordPool:
 
     # --- whole-file operations ----------------------------------------------------------------
     def flush(self) -> None:
-        """Reap every deferred unpin and wait for every write-back (a lazy pool writes its
-        changed, unpinned buffers first); raises the first I/O error."""
+        """Reap every deferred unpin and wait for every write-back; raises the first I/O error.
+        (A lazy pool's changed buffers stay unwritten: its records are scratch.)"""
         self._reap(block=True)
-        if self._lazy:
-            with self._cond:
-                for buf in self._buffers:
-                    if buf.dirty and buf.pins == 0 and buf.record is not None:
-                        self._write_back(buf)
-        for buf in self._buffers:
-            if buf.write is not None:
-                buf.write.result()
+        self.settle()
 
     def settle(self) -> None:
         """Wait for the write-backs in flight (no new one starts); raises the first I/O error."""
@@ -329,7 +323,7 @@ class RecordPool:
         waits (without the lock) for buffers pinned elsewhere, deferred unpins and pending
         write-backs. All or nothing: no buffer is taken while another is waited for."""
         for big in (False, True):
-            want = sum(1 for r in records if self._is_big(r) == big)
+            want = sum(1 for r in records if self.is_big(r) == big)
             have = sum(1 for b in self._buffers if b.big == big)
             if want > have:
                 if not self._grow:
@@ -345,7 +339,7 @@ class RecordPool:
             plan: list[tuple[_Buffer, Record]] = []
             short = False
             for big in (False, True):
-                missing = [r for r in records if held[id(r)] is None and self._is_big(r) == big]
+                missing = [r for r in records if held[id(r)] is None and self.is_big(r) == big]
                 if not missing:
                     continue
                 free = [
