@@ -152,9 +152,12 @@ def batches(preset: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 
 # ---- one system, in its own process ----------------------------------------------------------
-def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def run_system(
+    system: str, preset: dict[str, Any], args: argparse.Namespace, setups: Any = None
+) -> dict[str, Any]:
     """Warm up, then time ``args.steps`` steps between two synchronisations. Peak device
-    memory is the window's: reset at its start, read at its end."""
+    memory is the window's: reset at its start, read at its end. ``setups``: the systems'
+    setup functions by name (default: this module's; ``benchmarks.loss_reads`` has its own)."""
     import torch
 
     if system in TRAINER_SYSTEMS:
@@ -164,7 +167,7 @@ def run_system(system: str, preset: dict[str, Any], args: argparse.Namespace) ->
     if system in GPU_ONLY and not cuda:
         return skipped_row(system, GPU_ONLY[system], preset)
     data = batches(preset, (args.warmup + args.steps) * preset["gas"])
-    step_fn, sync, extra, reset_peaks = _SETUP[system](preset, data, cuda, args)
+    step_fn, sync, extra, reset_peaks = (setups or SETUP)[system](preset, data, cuda, args)
     losses = []
     for _ in range(args.warmup):
         losses.append(step_fn())
@@ -356,13 +359,22 @@ def _deepspeed(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -
     return step, sync, extra, _nothing
 
 
-def _roundpipe(
-    async_optimizer: bool, schedule: str, *, loop: bool = False, compensation: str | None = None
+def roundpipe_setup(
+    async_optimizer: bool,
+    schedule: str,
+    *,
+    loop: bool = False,
+    compensation: str | None = None,
+    read: str | None = None,
+    engine_loader: bool = False,
 ) -> Any:
     """rp_engine's setup: ``train_batch`` per step, or with ``loop`` DeepSpeed's own loop
     (``engine(batch); engine.backward(loss); engine.step()`` per micro-batch, the loss read
     only at the window's end, as the DeepSpeed system's). ``compensation``: the config's
-    ``roundpipe.staleness_compensation`` (None: the default; such a run is not calibrated)."""
+    ``roundpipe.staleness_compensation`` (None: the default; such a run is not calibrated).
+    ``read``: the loop also reads each loss (``loss.item()``) at one of ``READS``;
+    ``engine_loader``: the loop takes its micro-batches from the loader ``initialize`` returns
+    (``training_data=``, the same batches in the same order) instead of its own iterator."""
 
     def setup(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
         import rp_engine
@@ -377,8 +389,15 @@ def _roundpipe(
             fwd, bwd = (list(map(int, part.split(","))) for part in args.cuts.split("/"))
             cfg["roundpipe"].update(fwd_cuts=fwd, bwd_cuts=bwd)
         model = build_model(preset)
-        engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
-        it = iter(data)
+        if engine_loader:
+            engine, _, loader, _ = rp_engine.initialize(
+                model=model, config=cfg, training_data=loader_dataset(data)
+            )
+            it = iter(loader)
+        else:
+            engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
+            it = iter(data)
+        micro = 0
         by_step: dict[int, list[tuple[str, float]]] = {}  # per step: the compute spans it ran
 
         def note_finished() -> None:
@@ -391,12 +410,18 @@ def _roundpipe(
                 ]
 
         def step() -> Any:
+            nonlocal micro
             if loop:
                 total = 0.0
                 for _ in range(preset["gas"]):
                     loss = engine(**next(it)).loss
+                    if read == "before_backward":
+                        loss.item()
                     engine.backward(loss)
                     engine.step()
+                    if read == "after_step" or (read == "every_10th" and micro % 10 == 9):
+                        loss.item()
+                    micro += 1
                     total += loss.detach() / preset["gas"]
             else:
                 total = engine.train_batch(it)
@@ -438,6 +463,23 @@ def _roundpipe(
         return step, engine.synchronize, extra, reset_peaks
 
     return setup
+
+
+READS = ("after_step", "before_backward", "every_10th")
+
+
+def loader_dataset(data: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples of ``data`` (micro-batches of dicts) as a map-style data set that the loader
+    ``initialize(training_data=)`` builds (DeepSpeed's: a ``DistributedSampler``, shuffled with
+    seed 0) hands out as exactly ``data``, in order: sample j sits at the sampler's j-th index."""
+    from torch.utils.data import DistributedSampler
+
+    rows = [{k: v[i] for k, v in b.items()} for b in data for i in range(len(b["input_ids"]))]
+    order = list(DistributedSampler(rows, num_replicas=1, rank=0))
+    items: list[dict[str, Any]] = [{} for _ in rows]
+    for j, index in enumerate(order):
+        items[index] = rows[j]
+    return items
 
 
 def _calibrate(
@@ -623,14 +665,14 @@ def _roundpipe_lib(preset: dict, data: list, cuda: bool, args: argparse.Namespac
     return roundpipe_lib.setup(preset, data, cuda, args, ds=ds, build_model=build_model)
 
 
-_SETUP = {
+SETUP = {
     "torch": _torch,
     "deepspeed": _deepspeed,
-    "roundpipe": _roundpipe(True, "roundpipe"),
-    "roundpipe_auto": _roundpipe(True, "roundpipe", compensation="auto"),
-    "roundpipe_loop": _roundpipe(True, "roundpipe", loop=True),
-    "roundpipe_sync": _roundpipe(False, "roundpipe"),
-    "mobius": _roundpipe(False, "mobius"),
+    "roundpipe": roundpipe_setup(True, "roundpipe"),
+    "roundpipe_auto": roundpipe_setup(True, "roundpipe", compensation="auto"),
+    "roundpipe_loop": roundpipe_setup(True, "roundpipe", loop=True),
+    "roundpipe_sync": roundpipe_setup(False, "roundpipe"),
+    "mobius": roundpipe_setup(False, "mobius"),
     roundpipe_lib.SYSTEM: _roundpipe_lib,
 }
 
@@ -646,7 +688,9 @@ def skipped_row(system: str, reason: str, preset: dict[str, Any]) -> dict[str, A
 
 
 # ---- the parent: alternate systems, aggregate, report ----------------------------------------
-def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_child(
+    system: str, args: argparse.Namespace, module: str = "benchmarks.head_to_head"
+) -> dict[str, Any]:
     """One system's process; a GPU-only system on explicit non-CUDA ``--devices`` is skipped
     here, without one. ``args.deadline`` (monotonic seconds, or None): no system starts with
     less than ``args.min_child_s`` (default ``MIN_CHILD_S``) left, and each is killed at the
@@ -662,7 +706,7 @@ def _child(system: str, args: argparse.Namespace) -> dict[str, Any]:
             why = f"no time left: {max(0.0, left):.0f} s of the time budget"
             return skipped_row(system, why, preset)
         timeout = left if timeout is None else min(timeout, left)
-    cmd = [sys.executable, "-m", "benchmarks.head_to_head", "--system", system]
+    cmd = [sys.executable, "-m", module, "--system", system]
     cmd += ["--model", args.model, "--warmup", str(args.warmup), "--steps", str(args.steps)]
     if getattr(args, "gas", None):
         cmd += ["--gas", str(args.gas)]
@@ -966,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
     timelines: dict[str, Any] = {}
     for rep in range(args.repeats):  # A B C D E, A B C D E: drift hits every system alike
         for system in names:
-            row = _child(system, args)
+            row = run_child(system, args)
             runs[system].append(row)
             if args.jsonl:
                 _append_jsonl(args.jsonl, args.model, rep, row)

@@ -1,14 +1,17 @@
-"""Training data: DeepSpeed's single-process training loader and its repeating wrapper."""
+"""Training data: DeepSpeed's single-process training loader, the engine's window-ahead view of
+it, and its repeating wrapper."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-__all__ = ["build_dataloader", "RepeatingLoader", "repeat", "DataFeed"]
+__all__ = ["build_dataloader", "WindowLoader", "RepeatingLoader", "repeat", "DataFeed"]
 
 
 def build_dataloader(training_data: Any, cfg: Any, collate_fn: Any = None) -> DataLoader[Any]:
@@ -34,6 +37,68 @@ def build_dataloader(training_data: Any, cfg: Any, collate_fn: Any = None) -> Da
         collate_fn=collate_fn,
         drop_last=cfg.dataloader_drop_last,
     )
+
+
+class WindowLoader:
+    """The loader ``initialize(training_data=...)`` returns: DeepSpeed's loader, read one
+    accumulation window ahead.
+
+    At the start of each window (``ahead()`` > 0: the engine's window is empty, at a boundary)
+    it reads that many micro-batches and announces them (``announce``: the engine's
+    ``expect_micro_batches``) before handing out the first. The engine then runs the whole
+    window as one schedule at its first forward, so every loss the loop reads, before or after
+    its backward, is already known: a loop that logs each loss runs at ``train_batch``'s
+    speed. Mid-window (a loop that does not start at a boundary) it reads one batch at a time
+    and announces nothing. Everything else (``len``, ``dataset``, ``sampler``,
+    ``batch_size``...) is the wrapped loader's. The callbacks are held weakly: the loader may
+    outlive the engine (then it is the plain loader)."""
+
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        ahead: Callable[[], int],
+        announce: Callable[[list[Any]], None],
+    ) -> None:
+        self.loader = loader
+        self._ahead = weakref.WeakMethod(ahead)  # type: ignore[arg-type]
+        self._announce = weakref.WeakMethod(announce)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        queued: collections.deque[Any] = collections.deque()
+        while True:
+            if not queued:
+                ahead, announce = self._ahead(), self._announce()
+                n = ahead() if ahead is not None else 0
+                if n > 0 and announce is not None:
+                    queued.extend(_take(it, n))
+                    # only dict micro-batches (``engine(**batch)``) can be announced
+                    if queued and all(isinstance(b, Mapping) for b in queued):
+                        announce(list(queued))
+                else:
+                    queued.extend(_take(it, 1))
+                if not queued:
+                    return
+            yield queued.popleft()
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (copy/pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def _take(it: Iterator[Any], n: int) -> list[Any]:
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
 
 
 def _world() -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rp_engine.engine.loop import LoopMisuseError
+from rp_engine.engine.module_view import ModuleView
 from rp_engine.model.host_store import HostStore
 from rp_engine.runtime.counters import StepCounters
 from rp_engine.storage.build import Tiers
@@ -132,15 +133,26 @@ class DeepSpeedAccessors:
         """The model handed to ``initialize``, holding the newest weights.
 
         In async mode (or with overlapping iterations) the last optimizer step is still running
-        when a training call returns (the model shows an earlier step); reading
-        ``engine.module`` (or an attribute that falls through to it) then waits for that step
-        and publishes it, as ``synchronize()`` does.
+        when a training call returns (the model shows an earlier step). Then this is a view of
+        the model (module_view.py) that waits for that step, and publishes it as
+        ``synchronize()`` does, only when weights are read: a call, a method, a tensor. Its
+        submodules and plain attributes (``engine.module.model``, ``.config``) are read without
+        waiting. With nothing in flight it is the model itself.
         """
-        stale = self.stepper.async_mode or getattr(self, "_inflight", None) is not None
-        if stale and self._published_step != self.global_steps:
-            if self._finalizer.alive:  # after destroy() the weights are already the newest
-                self.synchronize()
+        if self._module_is_stale():
+            return ModuleView(self._module, self._publish_newest)  # type: ignore[return-value]
         return self._module
+
+    def _module_is_stale(self) -> bool:
+        """Whether an optimizer step the module does not show yet may be in flight."""
+        stale = self.stepper.async_mode or getattr(self, "_inflight", None) is not None
+        # after destroy() the weights are already the newest
+        return stale and self._published_step != self.global_steps and self._finalizer.alive
+
+    def _publish_newest(self) -> None:
+        """Wait for the steps in flight and publish them to the module, if it is behind."""
+        if self._module_is_stale():
+            self.synchronize()
 
     def _note_stale_model(self) -> None:
         """Once, at the first async step: say how to read the model object itself."""

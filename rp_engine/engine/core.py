@@ -28,7 +28,7 @@ from torch import nn
 from rp_engine.autotune import ProfileCheck
 from rp_engine.config import DSConfig
 from rp_engine.config.errors import _NoOptimizerError
-from rp_engine.data import DataFeed, build_dataloader
+from rp_engine.data import DataFeed, WindowLoader, build_dataloader
 from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
 from rp_engine.device.cuda import pinned_empty
@@ -36,6 +36,7 @@ from rp_engine.distributed import data_parallel, dp_world
 from rp_engine.engine.api import DeepSpeedAccessors
 from rp_engine.engine.boundary import OptimizerBoundary, boundary_in_flight_ok
 from rp_engine.engine.loop import FORWARD_OPS, ImperativeLoop
+from rp_engine.engine.module_view import view_or_value
 from rp_engine.engine.pipeline import InFlightBox, PipelinedIterations
 from rp_engine.engine.window import ReadyGate, Window
 from rp_engine.host_preflight import check_tiers
@@ -115,10 +116,18 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.pool = make_devices(rp.devices, pcie_gbps=rp.pcie_gbps, capacity_bytes=budget)
         try:
             self._wire(cfg, model, optimizer, model_parameters, lr_scheduler, budget)
-            self.training_dataloader = (
+            loader = (
                 None if training_data is None else build_dataloader(training_data, cfg, collate_fn)
             )
-            self._feed = DataFeed(self.training_dataloader)
+            self._feed = DataFeed(loader)  # train_batch reads its windows itself
+            # the loop's loader announces each window ahead: loss reads cost nothing (data.py)
+            self.training_dataloader = (
+                None
+                if loader is None
+                else WindowLoader(
+                    loader, ahead=self._window_ahead, announce=self.expect_micro_batches
+                )
+            )
             self.monitor = Monitor.from_config(cfg)
         except BaseException:
             # a bad model/config must not leave device or optimizer threads behind
@@ -459,7 +468,10 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # does (engine.generate(...), engine.config attributes of HF models...).
         if name == "module" or name.startswith("__") or "_finalizer" not in self.__dict__:
             raise AttributeError(name)  # (also while __init__ runs: hasattr must not recurse)
-        value = getattr(self.__dict__["_module"], name)
+        module = self.__dict__["_module"]
         # What reads weights (methods: save_pretrained, state_dict, generate...; tensors) sees
-        # the newest ones; plain attributes (config, dtype...) do not drain the optimizer.
-        return getattr(self.module, name) if callable(value) or torch.is_tensor(value) else value
+        # the newest ones; plain attributes (config, dtype...) and submodules (model.model) do
+        # not wait for the optimizer step in flight (module_view.py)
+        return view_or_value(
+            getattr(module, name), self._publish_newest, lambda: getattr(self.module, name)
+        )

@@ -13,10 +13,14 @@ micro-batch and per pass: ZeRO-3's traffic. Instead (window.py has the states)::
                     (train_batch's run, with iterations overlapping); L0..L3 get their values
     step()          the boundary applied (in flight when the run is, as train_batch does)
 
-- Reading a loss before its window ran (``loss.item()``, ``print``) runs what is queued first,
-  so a value is never a placeholder. A read of a loss whose backward has not come runs that
-  micro-batch alone (a forward run; its backward then runs alone too): correct, as slow as
-  before. A caller's loss not affine in ours (``loss ** 2``) does the same.
+- Reading a loss before its window ran (``loss.item()``, ``print``), before or after its
+  backward, runs that micro-batch's forward alone, now, so a value is never a placeholder; its
+  backward stays queued, and the boundary runs the resumed micro-batches' backwards and the
+  unread micro-batches whole in ONE schedule (window.py). A caller's loss not affine in ours
+  (``loss ** 2``) does the same. A loop that reads every loss thus costs one forward pass per
+  micro-batch more than ``train_batch``, never a backward pass. The loader ``initialize``
+  returns (``training_data=``) announces each window ahead (``expect_micro_batches``), so there
+  reads cost nothing at all.
 - ``managed_gradient_accumulation: false`` (DeepSpeed 0.19.8): every ``step()`` closes the
   window, whatever its length; ``backward`` never does.
 - A module model whose forward returns outputs runs its forward at once (the caller's criterion
@@ -203,11 +207,21 @@ class ImperativeLoop:
         return result
 
     def _forward_alone(self, entry: Entry) -> None:
-        """Eager fallback: run the entry's forward now (its value is read, or its caller's loss
-        needs its value for the derivative); its backward will run alone too."""
+        """Run the entry's forward now (its value is read, or its caller's loss needs its value
+        for the derivative); its backward is queued for the window's run (``_queue_backward``,
+        at once when its backward was called already)."""
         result = self._run_forward(entry)
         assert entry.leaf is not None
         entry.leaf.set(torch.tensor(result.losses[0], device=self.device))
+        if entry.factor is not None:
+            self._queue_backward(entry)
+
+    def _queue_backward(self, entry: Entry) -> None:
+        """An entry whose forward ran alone, its factor known: its backward waits for the
+        window's run, resumed from its carry (the loss scale is applied there, ``_scaled``)."""
+        assert entry.carry is not None and entry.factor is not None
+        entry.resume = Resume(entry.carry, entry.factor)
+        entry.carry = None
 
     def _before_new_entry(self) -> None:
         """A training forward: a window lost to a failure whose step() never came (its
@@ -258,8 +272,8 @@ class ImperativeLoop:
             entry.carry = entry.output_leaves = None  # type: ignore[assignment]
         elif entry.real_leaf is not None:  # its value known at its forward
             entry.factor = _derivative(scaled, entry.real_leaf)
-            if entry.carry is not None:  # eager from the start (TRL's fused output)
-                self._backward_alone(entry)
+            if entry.carry is not None:  # its forward ran at once (TRL's fused output)
+                self._queue_backward(entry)
             else:  # from a prefetched window's run: was its factor the predicted one?
                 self._check_prediction(entry)
         else:
@@ -268,27 +282,14 @@ class ImperativeLoop:
                 entry.factor = derivative(loss_t, entry.leaf, divide_by=divide)
                 if entry.factor is None:
                     self._forward_alone(entry)
-            if entry.carry is not None:  # eager: at the value, its backward alone, now
+            if entry.carry is not None:  # its forward ran: the derivative at the value
                 entry.factor = derivative(
                     loss_t, entry.leaf, divide_by=divide, at=entry.leaf.value()
                 )
-                self._backward_alone(entry)
+                self._queue_backward(entry)
         if self._managed() and self._counters.is_boundary():
             self._run_window()
         return scaled.detach()
-
-    def _backward_alone(self, entry: Entry) -> None:
-        """An eager entry's backward stages, alone (its carried head gradients scaled by its
-        factor). Closes the step when it is the window's last work at the boundary."""
-        assert entry.carry is not None and entry.factor is not None
-        self._drain_pipeline()  # the loss scale of a step in flight's close (fp16), first
-        resume = Resume(entry.carry, entry.factor * self.host_optimizer.cur_scale)
-        entry.carry = None
-        closing = self._managed() and self._counters.is_boundary() and not self._window.pending()
-        self._land(
-            self.planner.plan(1, ops=BACKWARD_OPS), [entry.batch], [entry], closing=closing,
-            resumes=[resume],
-        )  # fmt: skip
 
     # --- the window's runs ------------------------------------------------------------------------
     def _run_window(self) -> None:
@@ -301,45 +302,57 @@ class ImperativeLoop:
             if fetched.live:
                 self._confirm_prefetch(fetched)
                 return
-        self._run_ready(closing=True)
+        self._run_ready()
 
-    def _run_ready(self, *, closing: bool) -> None:
-        """Run the window's queued work: the deferred entries whose backward came (one whole
-        schedule, forward and backward), or a module model's queued backwards (one backward
-        schedule). ``closing``: this run completes the step (at its boundary)."""
+    def _run_ready(self) -> None:
+        """Run the window's queued work as ONE schedule that closes the step: the resumed
+        entries' backwards (first) with the ready entries whole (``Planner.plan(resumed=)``),
+        or, with nothing resumed, the ready entries as train_batch's run (in flight when
+        iterations overlap)."""
         ready, resumes = self._window.ready(), self._window.resumes()
         if resumes:
             self._drain_pipeline()  # the loss scale of a step in flight's close (fp16), first
             scale = self.host_optimizer.cur_scale
+            entries = resumes + ready
             self._land(
-                self.planner.plan(len(resumes), ops=BACKWARD_OPS),
-                [e.batch for e in resumes], resumes, closing=closing,
+                self.planner.plan(len(entries), resumed=len(resumes)),
+                [e.batch for e in entries], entries, closing=True, resumed=len(resumes),
                 resumes=[_scaled(e.resume, scale) for e in resumes if e.resume is not None],
+                factors=[1.0] * len(resumes) + _factors(ready),  # a resume has its own
             )  # fmt: skip
         elif ready:
-            whole = closing and self._window.runs == 0  # the step's only run, as train_batch's
+            whole = self._window.runs == 0  # the step's only run, as train_batch's
             profile = whole and self.planner.profile_left > 0  # the planner's first steps
             if whole and self._overlap and not profile:
                 self._issue_window(ready)
                 return
             result = self._land(
-                self.planner.plan(len(ready)), [e.batch for e in ready], ready, closing=closing,
+                self.planner.plan(len(ready)), [e.batch for e in ready], ready, closing=True,
                 factors=_factors(ready), profile=profile,
             )  # fmt: skip
             if whole:  # what the planner learns from a whole step (round size, profile)
                 self._after_run(result, profile)
-        elif closing and self._window.runs:  # every contribution already landed: close
+        elif self._window.runs:  # every contribution already landed: close
             self._close_now()
 
     def _land(
-        self, plan: Any, batches: list[Any], entries: list[Entry], *, closing: bool, **kw: Any
+        self,
+        plan: Any,
+        batches: list[Any],
+        entries: list[Entry],
+        *,
+        closing: bool,
+        resumed: int = 0,
+        **kw: Any,
     ) -> RunResult:
-        """One drained run of the open step's work for ``entries``; their losses get values."""
+        """One drained run of the open step's work for ``entries`` (the first ``resumed`` of
+        them resumed from their forward runs); the others' losses get values."""
         self._drain_pipeline()  # first: a step in flight's close may change the loss scale
+        first = entries[min(resumed, len(entries) - 1)]  # the first whose loss the run reports
         try:
             result = self._run(
                 plan, batches, step=self.global_steps + 1, closes_step=closing,
-                grad_scale=self.host_optimizer.cur_scale, microbatch_offset=entries[0].micro_step,
+                grad_scale=self.host_optimizer.cur_scale, microbatch_offset=first.micro_step,
                 microbatches=[e.micro_step for e in entries], sole=self._window.runs == 0, **kw,
             )  # fmt: skip
         except BaseException as exc:
@@ -364,10 +377,11 @@ class ImperativeLoop:
 
     def _landed(self, entries: list[Entry], losses: list[float], *, closing: bool) -> None:
         """A run of the open step landed ``entries``' gradients; their deferred losses get the
-        run's values (a backward run reports none: its entries have theirs already)."""
+        run's values, which are the last entries' (resumed ones report none: they have theirs
+        from their forward runs)."""
         self._window.runs += 1
         self._window.closed = closing
-        values: list[float | None] = list(losses) or [None] * len(entries)
+        values: list[float | None] = [None] * (len(entries) - len(losses)) + list(losses)
         for entry, value in zip(entries, values, strict=True):
             entry.landed = True
             if value is not None and entry.leaf is not None and not entry.leaf.resolved:
@@ -403,17 +417,14 @@ class ImperativeLoop:
         self._window.failed = error
 
     def _resolve_entry(self, entry: Entry) -> None:
-        """A deferred loss is read: run what it waits for (the queued entries before it, then
-        it; alone when its backward has not come)."""
+        """A deferred loss is read: its forward runs alone, now; its backward stays queued for
+        the window's run (``_forward_alone``)."""
         if self._window.failed is not None or entry not in self._window.entries:
             raise RuntimeError(
                 "this loss's accumulation window was discarded before it ran (a failed run, or "
                 "the engine was destroyed); its value is unknown"
             )
-        if entry.ready:
-            self._run_ready(closing=False)
-        else:
-            self._forward_alone(entry)
+        self._forward_alone(entry)
 
     # --- a prefetched window (Hugging Face's Trainer) ----------------------------------------------
     def expect_micro_batches(self, batches: list[Any]) -> None:
@@ -427,8 +438,18 @@ class ImperativeLoop:
         self._cancel_prefetch()
         if self.stepper.dp is not None or self._batches.seq.returns_outputs:
             return  # data parallel reduces per layer as it lands; a module model's outputs
+        if self._window.entries:
+            return  # mid-window: the hint cannot be the open step's (its forwards began)
         fetched = [self._batch_of((), dict(b)) for b in batches]
         self._prefetch = Prefetch(fetched) if fetched else None
+
+    def _window_ahead(self) -> int:
+        """How many micro-batches the engine's loader should read and announce now: a whole
+        window at a boundary with nothing queued (``data.WindowLoader``), else 0."""
+        gas = self.gradient_accumulation_steps()
+        if not self._managed() or self._window.entries or self.micro_steps % gas:
+            return 0
+        return gas
 
     def _from_prefetch(self, batch: dict[str, Any], num_items: Any, fused: bool) -> Any:
         """The loss of a forward the prefetched window holds (its run issued at the first), or
@@ -590,8 +611,9 @@ class ImperativeLoop:
         """destroy(): queued work that no boundary will run is dropped (as DeepSpeed drops
         gradients accumulated without a step); its unread losses raise when read."""
         for entry in self._window.entries:
-            if entry.carry is not None:
-                self._executor.release(entry.carry)
+            carry = entry.resume.carry if entry.resume is not None else entry.carry
+            if carry is not None and not entry.landed:
+                self._executor.release(carry)
             if entry.leaf is not None and not entry.leaf.resolved:
                 entry.leaf.fail(
                     RuntimeError("the engine was destroyed before this loss's window ran")
@@ -649,8 +671,11 @@ def _output_grads(scaled: Any, leaves: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 def _scaled(resume: Resume, scale: float) -> Resume:
-    """A module model's queued backward with the loss scale its run is issued with."""
-    grads = resume.output_grads or {}
+    """A queued backward with the loss scale its run is issued with: on the carried head
+    gradients' factor, or on a module model's output gradients."""
+    grads = resume.output_grads
+    if grads is None:
+        return Resume(resume.carry, resume.head_factor * scale)
     return Resume(resume.carry, resume.head_factor, {k: g * scale for k, g in grads.items()})
 
 
@@ -685,8 +710,10 @@ def _same_tensor(a: Any, b: Any) -> bool:
         return True
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return bool(a == b)
-    if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
+    if (a.shape, a.dtype) != (b.shape, b.dtype):
         return False
+    if a.device != b.device:  # the caller moved its batch to the device (a CUDA loop)
+        return bool(torch.equal(a.to(b.device), b))
     if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
         return True
     return bool(torch.equal(a, b))

@@ -9,14 +9,17 @@ runs. An entry goes through these states::
       | the window runs (at the boundary's backward, at step(), or when a value is read)
     landed   its gradient is in the host buffers; its loss value is known
 
-    queued --(its value read before backward, or a loss not affine in it)--> eager:
-    its forward runs alone (a forward run with a carry, as without deferral) and its
-    backward runs alone at backward(): today's per-micro-batch path, exact, slower.
+    queued or ready --(its value read, or a loss not affine in it)--> resumed:
+    its forward runs alone, now (a forward run that keeps a carry: the saved stage inputs and
+    the head's gradients); its backward is queued (``resume``, once its factor is known) and
+    runs in the window's one schedule, where the resumed micro-batches run their backward
+    stages only and the others run whole (``Planner.plan(resumed=)``).
 
-A module model (its forward returns outputs for the caller's criterion) cannot defer its
-forward: the caller needs the outputs. Its forward runs at once and keeps its carry (host
-tensors only: saved stage inputs; the head has no weights), and its backward is queued
-(``resume``) until the window runs all the queued backwards as one schedule.
+So a read costs one forward pass of the micro-batch it needs, whatever the read pattern;
+the window's weights are uploaded once more for the backward of all. A module model (its
+forward returns outputs for the caller's criterion) cannot defer its forward: the caller needs
+the outputs. Its forward runs at once and keeps its carry, and its backward is queued
+(``resume``) the same way.
 """
 
 from __future__ import annotations
@@ -58,8 +61,11 @@ class Entry:
 
     @property
     def ready(self) -> bool:
-        """Deferred, its backward called: runs with the window."""
-        return self.carry is None and self.factor is not None and not self.landed
+        """Deferred, its backward called: runs whole (forward and backward) with the window."""
+        return (
+            self.carry is None and self.resume is None and self.factor is not None
+            and not self.landed
+        )  # fmt: skip
 
     @property
     def awaits_backward(self) -> bool:
@@ -89,7 +95,7 @@ class Window:
         return [e for e in self.entries if e.ready]
 
     def resumes(self) -> list[Entry]:
-        """Module-model entries whose backward is queued."""
+        """Entries whose forward ran alone and whose backward is queued."""
         return [e for e in self.entries if e.resume is not None and not e.landed]
 
     def pending(self) -> bool:

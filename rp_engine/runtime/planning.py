@@ -500,17 +500,28 @@ class Planner:
         num_microbatches: int,
         *,
         ops: frozenset[Op] | None = None,
+        resumed: int = 0,
         nvme_slots: bool | Collection[int] | None = None,
     ) -> Plan:
         """The lowered plan of one iteration (or of its ``ops`` part: the imperative loop runs
         the forward and the backward of one micro-batch separately), starting on the rolling
-        start device: what the executor runs and what the simulator counts. ``nvme_slots``:
-        the slots read from NVMe before their UPLOADs (default: the planner's)."""
+        start device: what the executor runs and what the simulator counts. ``resumed``: the
+        first ``resumed`` micro-batches have no forward or head actions (their forwards ran
+        before, alone: the imperative loop's window resumes them from their carries while the
+        others run whole, in the same schedule). ``nvme_slots``: the slots read from NVMe
+        before their UPLOADs (default: the planner's)."""
         plan = self._schedule(num_microbatches, self.start_device)
         if ops is None or Op.BWD in ops:  # the iteration (or its backward half) is issued
             self.start_device = plan.next_start_device
-        if ops is not None:
-            plan = dataclasses.replace(plan, actions=tuple(a for a in plan.actions if a.op in ops))
+        if ops is not None or resumed:
+            keep = ops if ops is not None else frozenset({Op.FWD, Op.HEAD, Op.BWD})
+            plan = dataclasses.replace(
+                plan,
+                actions=tuple(
+                    a for a in plan.actions
+                    if a.op in keep and (a.op is Op.BWD or a.microbatch >= resumed)
+                ),
+            )  # fmt: skip
         lowered = schedules.lower(
             plan,
             offload=True,
@@ -520,7 +531,7 @@ class Planner:
             nvme_slots=self.nvme_slots if nvme_slots is None else nvme_slots,
             nvme_read_ahead=self.nvme_read_ahead,
         )
-        if ops is None:
+        if ops is None and not resumed:
             self.last_plan = lowered
         return lowered
 

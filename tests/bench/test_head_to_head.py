@@ -20,9 +20,9 @@ from benchmarks.head_to_head import (
     SYSTEMS,
     TRAINER_SYSTEMS,
     _append_jsonl,
-    _child,
     format_table,
     loss_agreement,
+    run_child,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def test_a_system_past_its_timeout_is_a_failed_row_and_the_next_one_runs(tmp_pat
         model="tiny", warmup=1, steps=1, devices=None, pcie_gbps=None, calibrate=False,
         timeout=0.2, child_log=str(log),
     )  # fmt: skip
-    row = _child("torch", args)
+    row = run_child("torch", args)
     assert row == {"system": "torch", "error": ["timed out after 0.2 s"]}
     assert "---- torch ----" in log.read_text()
     _append_jsonl(str(lines), "tiny", 0, row)

@@ -23,11 +23,11 @@ from benchmarks import roundpipe_lib
 from benchmarks.head_to_head import (
     PRESETS,
     _append_jsonl,
-    _child,
     aggregate,
     ds_config,
     format_table,
     lib_loss_agreement,
+    run_child,
     run_system,
 )
 
@@ -73,7 +73,7 @@ def test_lib_config_takes_the_other_systems_settings_from_the_ds_config() -> Non
 
 def test_on_cpu_roundpipe_lib_is_a_skipped_row_with_its_reason_and_notes(tmp_path: Path) -> None:
     # explicit CPU devices: the parent skips it without starting a process
-    row = _child("roundpipe_lib", _args())
+    row = run_child("roundpipe_lib", _args())
     assert row["skipped"] == roundpipe_lib.SKIP_REASON and row["differences"]
     # no devices named (the child decides): the child's run_system skips without CUDA
     got = run_system("roundpipe_lib", dict(PRESETS["tiny"]), _args(devices=None))
@@ -102,7 +102,7 @@ def test_lib_losses_are_compared_with_rp_engine_async() -> None:
 
 def test_a_spent_time_budget_skips_a_system_without_starting_it() -> None:
     start = time.monotonic()
-    row = _child("torch", _args(deadline=time.monotonic() + 5))
+    row = run_child("torch", _args(deadline=time.monotonic() + 5))
     assert row["skipped"].startswith("no time left") and time.monotonic() - start < 1
 
 

@@ -193,6 +193,7 @@ READS = {  # id: (micro-batches read, transform of the loss given to backward)
     "before-backward": ({(1, "forward"), (6, "forward")}, None),
     "after-backward": ({(2, "backward"), (9, "backward")}, None),
     "every-micro-batch": ({(i, "forward") for i in range(STEPS * GAS)}, None),
+    "after-every-backward": ({(i, "backward") for i in range(STEPS * GAS)}, None),
     "affine-loss": (set(), lambda loss: 2 * loss - 1),  # stays deferred
     "squared-loss": (set(), lambda loss: loss * loss / 5),  # needs the value: runs alone
 }

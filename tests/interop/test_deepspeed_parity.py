@@ -17,6 +17,7 @@ from models import random_batch, tiny_qwen3
 from subprocess_helpers import run_json
 
 import rp_engine
+from benchmarks.head_to_head import loader_dataset
 
 SPEC = {
     "layers": 4,
@@ -80,3 +81,48 @@ def test_losses_counters_lr_match_deepspeed(
             continue  # staleness 1: losses differ from DeepSpeed's after the first step
         assert_close_named(a["loss"], b["loss"], f"loss at {k}", rtol=1e-4, atol=0)
         torch.testing.assert_close(a["backward"], b["backward"], rtol=1e-4, atol=0)
+
+
+def _own_loop(engine: object, batches: list[dict], shape: str) -> list[float]:
+    """DeepSpeed's loop with its losses read as ``shape`` says; every loss, in order."""
+    held = []
+    for mb, batch in enumerate(batches):
+        loss = engine(**batch).loss  # type: ignore[operator]
+        if shape == "before_backward":
+            float(loss.detach())
+        engine.backward(loss)  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]
+        if shape == "every_10th" and mb % 10 == 9:
+            float(loss.detach())
+        held.append(loss)
+    return [float(x.detach()) for x in held]
+
+
+@pytest.mark.parametrize("shape", ["before_backward", "every_10th", "engine_loader"])
+def test_every_loop_shape_keeps_deepspeeds_losses(deepspeed_rows: list[dict], shape: str) -> None:
+    """The loss read before each backward, every 10th micro-step, or (``record``'s shape, the
+    test above) after each step; or the micro-batches taken from the loader ``initialize``
+    returns: the losses are DeepSpeed's (sync), whichever runs the engine chose."""
+    model = tiny_qwen3(0, layers=SPEC["layers"])
+    batches = [
+        random_batch(SPEC["vocab"], batch=SPEC["mbs"], seq=SPEC["seq"], seed=100 + i)
+        for i in range(SPEC["micro_batches"])
+    ]
+    cfg = {**SPEC["config"], "roundpipe": {"devices": "cpu:2", "async_optimizer": False}}
+    data = loader_dataset(batches) if shape == "engine_loader" else None
+    engine, _, loader, _ = rp_engine.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg, training_data=data
+    )
+    try:
+        if shape == "engine_loader":  # its loss read after each step, as a logging loop does
+            ours = [row["loss"] for row in record(engine, loader, backward_ret=_backward)]
+        else:
+            ours = _own_loop(engine, batches, shape)
+    finally:
+        engine.destroy()
+    want = [row["loss"] for row in deepspeed_rows]
+    assert_close_named(ours, want, f"losses ({shape})", rtol=1e-4, atol=0)
+
+
+def _backward(engine: object, loss: torch.Tensor) -> torch.Tensor:
+    return engine.backward(loss)  # type: ignore[attr-defined,no-any-return]
