@@ -13,9 +13,15 @@ backward recomputes from must be the one the forward saw, not the one it overwro
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import assert_same_weights, config, engine_for, reference_losses
@@ -90,7 +96,9 @@ def test_sequential_with_in_place_ops_right_after_the_cuts() -> None:
 
 def test_sequential_whose_first_layer_writes_the_micro_batch_in_place() -> None:
     """The last backward stage recomputes from the micro-batch: a first layer that doubles it
-    gets a copy (the caller's batch is left as it is, as DeepSpeed's pipeline clones it)."""
+    must not change it (nor the caller's batch: DeepSpeed's pipeline clones it). CPU virtual
+    devices copy every upload, so this holds here without InPlaceGuard; on a GPU a batch already
+    on the device is not copied, and the guard's copy is what keeps it."""
     torch.manual_seed(0)
     model = nn.Sequential(Doubled(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     model.loss_fn = F.cross_entropy  # type: ignore[assignment]
@@ -246,3 +254,81 @@ def test_in_place_scaling_of_a_deferred_loss() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_in_place_guard_learns_which_layers_write_their_input() -> None:
+    """A layer first gets a copy and its versions tell; a writer keeps getting copies; a layer
+    that did not write gets the kept input itself, and a later write by it raises (the input
+    kept for the recomputation would be lost) instead of training on wrong gradients."""
+    from rp_engine.runtime.inplace import InPlaceGuard, versions
+
+    guard = InPlaceGuard()
+
+    def call(layer: int, write: bool) -> dict[str, torch.Tensor]:
+        kept = {"hidden": torch.ones(3)}
+        given = guard.given(layer, kept)
+        before = versions(given)
+        if write:
+            given["hidden"].mul_(2.0)
+        guard.after(layer, kept, given, before)
+        assert torch.equal(kept["hidden"], torch.ones(3)) or given is kept
+        return given if given is not kept else kept
+
+    assert guard.writes(0) is None
+    call(0, write=True)
+    call(1, write=False)
+    assert guard.writes(0) is True and guard.writes(1) is False
+    assert call(0, write=True)["hidden"][0] == 2.0  # a copy again; the kept input unchanged
+    call(1, write=False)
+    with pytest.raises(RuntimeError, match="layer 1 wrote its input in place"):
+        call(1, write=True)
+
+
+_PIPELINE_SCRIPT = """
+import copy, os, socket, torch, torch.nn.functional as F
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+import deepspeed
+from deepspeed.pipe import LayerSpec, PipelineModule
+from torch import nn
+from engine_helpers import assert_same_weights, config, engine_for, reference_losses
+from test_inplace_after_cut import Doubled, batches, adamw
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+specs = [LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 8, 8),
+         LayerSpec(nn.ReLU, inplace=True), LayerSpec(nn.Linear, 8, 8), LayerSpec(Doubled),
+         LayerSpec(nn.Linear, 8, 8)]
+pm = PipelineModule(specs, num_stages=1, loss_fn=F.cross_entropy, partition_method="uniform")
+ref = nn.Sequential(*[copy.deepcopy(f) for f in pm.forward_funcs])
+data = batches(6)
+engine = engine_for(pm, config(devices=2, gas=2, fwd_cuts=[3, 3], bwd_cuts=[1, 2, 3]))
+it = iter(data)
+got = [float(engine.train_batch(it)) for _ in range(3)]
+engine.synchronize()
+engine.destroy()
+want = reference_losses(ref, data, steps=3, gas=2, make_optimizer=adamw,
+                        loss_of=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+assert_same_weights(pm, ref)
+print("PIPELINE-INPLACE-OK", got)
+"""
+
+
+@pytest.mark.slow  # the first DeepSpeed init_distributed on a machine compiles its shm op (~60 s)
+def test_pipeline_module_with_in_place_ops_after_the_cuts() -> None:
+    """A DeepSpeed PipelineModule (its layers run as a LayerSpec list's): the ReLU(inplace)
+    starts a forward stage and the recomputed backward stage, the doubling the head stage. A
+    subprocess: the process group and DeepSpeed's comm globals must not leak into other tests."""
+    root = Path(__file__).resolve().parents[2]
+    paths = [root, root / "tests" / "support", Path(__file__).resolve().parent]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in paths))
+    env.setdefault(
+        "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rp_engine" / "torch_extensions")
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_PIPELINE_SCRIPT)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PIPELINE-INPLACE-OK" in result.stdout
