@@ -42,6 +42,7 @@ import torch
 from rp_engine.engine.deferred import DeferredValue, Leaf, derivative
 from rp_engine.engine.fused_lm_head import fused_output
 from rp_engine.engine.window import Entry, FactorModel, Prefetch, ReadyGate, Window
+from rp_engine.model.base import writable
 from rp_engine.model.module import rebuild_outputs
 from rp_engine.plan.actions import Op
 from rp_engine.runtime.run_state import Resume
@@ -174,6 +175,7 @@ class ImperativeLoop:
             value = _to(value, self.device)
             if key.startswith("hidden."):  # a floating output: it may carry the loss's gradient
                 value = leaves[key] = value.detach().requires_grad_(True)
+                return writable(value)  # not the leaf: the caller may scale it in place
             return value
 
         out = rebuild_outputs(result.outputs[0], leaf)

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from rp_engine.model.grad_buffers import GradBuffers
+from rp_engine.model.sq_norm import sq_norm
 
 if TYPE_CHECKING:
     from rp_engine.device.base import Event
@@ -495,9 +496,9 @@ class HostStore:
         total = 0.0
         for hp in self.layers[layer].owned:
             if self.grads.has(hp.slot):
-                # one read of the gradient, no temporary copy (torch sums fp32 pairwise)
+                # one read of the gradient, no temporary copy; float64 to fp32 rounding
                 with self.grads.reading(hp.slot) as buf:
-                    total += float(torch.linalg.vector_norm(buf)) ** 2
+                    total += sq_norm(buf)
         return total
 
     # --- versions -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rp_engine.model.base import HeadModule, State, grad_keys
+from rp_engine.model.base import HeadModule, State, grad_keys, writable
 
 __all__ = [
     "FunctionBlock",
@@ -110,8 +110,8 @@ class LossHead(HeadModule):
         self, state: State, *, grad_scale: float = 1.0
     ) -> tuple[torch.Tensor, State]:
         leaves = {k: state[k].detach().requires_grad_() for k in grad_keys(state)}
-        with torch.enable_grad():
-            loss = self.forward({**state, **leaves})
+        with torch.enable_grad():  # the layer gets non-leaves: it may write them in place
+            loss = self.forward({**state, **{k: writable(v) for k, v in leaves.items()}})
             if loss.requires_grad:
                 torch.autograd.backward(loss * grad_scale)
         # integer inputs (token ids), or values the loss does not depend on: no gradient

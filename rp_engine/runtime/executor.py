@@ -64,11 +64,12 @@ import torch
 
 from rp_engine.device.base import ComputeTimer, Device, DeviceError, Event, StreamRole
 from rp_engine.device.cpu import sigint_deferred
-from rp_engine.model.base import grad_keys
+from rp_engine.model.base import grad_keys, writable
 from rp_engine.model.host_store import GradLanding
 from rp_engine.plan.actions import Action, Op, Plan
 from rp_engine.plan.memory import cross_run_gates
 from rp_engine.runtime.grad_norm import device_norms, sole_downloads, sq_norms_by_owner
+from rp_engine.runtime.inplace import InPlaceGuard, versions
 from rp_engine.runtime.replica import Replica
 from rp_engine.runtime.stages import StageMap
 from rp_engine.runtime.staging import HostStaging
@@ -146,6 +147,7 @@ class Executor:
         # per device: host memory for the downloads that cannot land in their fp32 buffer
         self._staging = dict(staging) if staging is not None else staging_pools(self.devices)
         self._saved_at = stages.saved_inputs()
+        self._inplace = InPlaceGuard()  # layers writing a kept input in place get a copy
         # the last run issued: its plan, FREE events and compute ends per device (the seam)
         self._previous: tuple[Plan, dict[_GroupKey, Event], dict[int, list[Event]]] | None = None
         self._handlers: dict[Op, Callable[[_Ctx, Action], None]] = {
@@ -518,7 +520,10 @@ class Executor:
                 for layer in layers:
                     if layer in saves:  # a backward stage's input: kept for its recompute
                         ctx.acts[_Saved(saves[layer], m)] = state
-                    state = self._call(ctx, device, layer, state, m, weights)
+                    if layer in saves or (layer == 0 and train):  # the batch: read again too
+                        state = self._call_keeping(ctx, device, layer, state, m, weights)
+                    else:
+                        state = self._call(ctx, device, layer, state, m, weights)
             if state is not x_in:  # a pass-through stage hands its input on unchanged
                 _free(device, x_in)
                 _track(device, state)
@@ -537,6 +542,17 @@ class Executor:
                 label=f"{a}.save{j}",
                 trace=self._trace(ctx, self.devices[a.device], "d2h_act", a),
             )
+
+    def _call_keeping(
+        self, ctx: _Ctx, device: Device, layer: int, kept: State, m: int, weights: WeightUpload
+    ) -> State:
+        """``layer``'s forward on an input that a recomputation reads again: the layer gets a
+        copy when it may write its input in place (runtime/inplace.py)."""
+        given = self._inplace.given(layer, kept)
+        before = versions(given)
+        out = self._call(ctx, device, layer, given, m, weights)
+        self._inplace.after(layer, kept, given, before)
+        return out
 
     def _head(self, ctx: _Ctx, a: Action) -> None:
         layers, train = self.stages.bwd[0], ctx.spec.train
@@ -581,7 +597,7 @@ class Executor:
             ctx.head_out = _HeadOut(a.device, grads, None, m)
             return
         with torch.enable_grad():
-            y = x
+            y = _writable(x) if blocks else x
             for layer in blocks:
                 y = self._call(ctx, device, layer, y, m, weights)
             loss, grad = head_module.forward_backward(
@@ -635,7 +651,9 @@ class Executor:
             x = _with_grad_input(ctx.acts.pop(x_key))
             grad_out = ctx.acts.pop(g_key)
             with torch.enable_grad():
-                y = x
+                y = _writable(x)
+                if layers[0] == 0 and self._inplace.writes(0) is not False:
+                    y = self._inplace.given(0, y)  # the user's micro-batch: left as it is
                 for layer in layers:  # recompute, same RNG seeds as the forward
                     y = self._call(ctx, device, layer, y, m, weights)
                 _backprop(y, grad_out)
@@ -932,6 +950,14 @@ def _with_grad_input(state: State) -> State:
     for k in grad_keys(out):
         out[k].requires_grad_(True)
     return out
+
+
+def _writable(x: State) -> State:
+    """The stage's input as its first layer gets it: each leaf of ``_with_grad_input`` as a
+    non-leaf over the same storage (model/base.py ``writable``), so that the layer may write it
+    in place (``nn.ReLU(inplace=True)``); the gradients still collect in the leaves."""
+    keys = set(grad_keys(x))
+    return {k: writable(v) if k in keys else v for k, v in x.items()}
 
 
 def _detached_grad_keys(state: State) -> State:

@@ -17,13 +17,10 @@ imperative loop's runs when a read split its window) and data parallel (the norm
 
 The device norm is of exactly the values the host accumulates: the downloaded tensor,
 converted to fp32 (``buf.copy_(grad)`` on the host, ``dtype=torch.float32`` here), with the
-same loss scale. Per parameter the device reduces in fp32 as ``torch.linalg.vector_norm`` does
-on the host; the squares are summed on the host in double, in the same way as
-``HostStore.grad_sq_norm``. The two differ only by the order of each parameter's fp32
-reduction (none for fp32 gradients on CPU virtual devices: the same kernel) and of the sum of
-squares: within 1e-6 relative for the tests' tensors; for tensors of millions of elements,
-torch's CPU fp32 reduction itself drifts by 1e-5 to 1e-4 from a float64 one, on either side
-(benchmarks/RESULTS.md).
+same loss scale. Both match the float64 norm to fp32 rounding, as DeepSpeed's does: on the host
+and on CPU virtual devices each parameter's squared norm is ``model/sq_norm.py``'s (fp32 rows,
+summed in float64), on a GPU torch's fp32 tree reduction; the squares are summed on the host in
+double, in the same way as ``HostStore.grad_sq_norm``.
 
 Safety net: a sole owner whose buffer already held a contribution of the step when this
 download lands (a run wrongly taken for the whole step) keeps the host pass.
@@ -39,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from rp_engine.model.grad_buffers import CONVERT_CHUNK, converted_chunks
+from rp_engine.model.sq_norm import sq_norm
 from rp_engine.plan.actions import Action, Op, Plan
 
 __all__ = ["sole_downloads", "device_norms", "sq_norms_by_owner"]
@@ -68,30 +66,32 @@ def sole_downloads(
 
 @torch.no_grad()
 def device_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One fp32 L2 norm per gradient (at least one), as one tensor on the gradients' device.
-    Queue it on the stream that then downloads the gradients: it reads them with fp32
+    """One L2 norm per gradient (at least one), as one tensor on the gradients' device. Queue
+    it on the stream that then downloads the gradients: it reads them with (at least) fp32
     accumulation whatever their dtype (bf16, fp16 or fp32).
 
-    On a GPU it is one multi-tensor kernel. On a CPU virtual device, torch's reduction of a
-    bf16/fp16 tensor with an fp32 dtype runs about 30x slower than over fp32 (62 ms vs 2 ms for
-    16M elements, one thread), so half gradients are first converted chunk by chunk into a
-    per-thread fp32 scratch (8 ms), as ``GradBuffers`` does for its adds.
+    On a GPU it is one multi-tensor kernel (fp32, a tree reduction: within about 1e-7 of the
+    float64 norm). On a CPU virtual device torch's fp32 reduction drifts far more over long
+    tensors (model/sq_norm.py), so each norm is ``sq_norm``'s, float64 (the tensor's dtype).
+    A bf16/fp16 gradient's reduction with an fp32 dtype runs about 30x slower than over fp32 on
+    a CPU (62 ms vs 2 ms for 16M elements, one thread), so half gradients are first converted
+    chunk by chunk into a per-thread fp32 scratch (8 ms), as ``GradBuffers`` does for its adds.
     """
-    if grads[0].device.type != "cpu" or all(g.dtype == torch.float32 for g in grads):
+    if grads[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(list(grads), 2, dtype=torch.float32))
-    return torch.tensor([_chunked_norm(g) for g in grads], dtype=torch.float32)
+    return torch.tensor([math.sqrt(_chunked_sq_norm(g)) for g in grads], dtype=torch.float64)
 
 
 _local = threading.local()  # per-thread conversion scratch (download threads live long)
 
 
-def _chunked_norm(g: torch.Tensor) -> float:
+def _chunked_sq_norm(g: torch.Tensor) -> float:
     if g.dtype == torch.float32:
-        return float(torch.linalg.vector_norm(g))
+        return sq_norm(g)
     sq = 0.0
     for _, tmp in converted_chunks(g.reshape(-1), _local, CONVERT_CHUNK):
-        sq += float(torch.linalg.vector_norm(tmp)) ** 2
-    return math.sqrt(sq)
+        sq += sq_norm(tmp)
+    return sq
 
 
 def sq_norms_by_owner(norms: Sequence[float], owners: Sequence[int]) -> dict[int, float]:
