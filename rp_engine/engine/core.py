@@ -151,6 +151,9 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             batch_size=cfg.train_batch_size, flags=TimerFlags.from_raw(cfg.raw),
             rank0=self.global_rank == 0, memory=self._device_memory,
         )  # fmt: skip
+        if cfg.steps_per_print:  # progress asked for: the plan is its first line
+            layers = f"{self.seq.kind}, {len(list(self.seq.modules()))} layers"
+            self._progress.note(f"rp_engine plan ({layers}): {self.planner.summary()}")
         # DeepSpeed's config getters answered by DeepSpeed itself (ds_surface.py)
         self._ds_view = DeepSpeedConfigView(
             cfg.raw, micro_batch=cfg.train_micro_batch_size_per_gpu,

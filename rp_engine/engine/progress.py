@@ -234,6 +234,10 @@ class Progress:
         if self.rank0:  # stdout, as DeepSpeed's print_dist: no logging configuration needed
             print(prefix + text, flush=True)
 
+    def note(self, text: str) -> None:
+        """A line the user must see once (the plan at initialize), on rank 0's stdout."""
+        self._print(text)
+
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` is a progress step."""
         return self.every is not None and self.every > 0 and step % self.every == 0

@@ -199,8 +199,11 @@ def test_progress_lines_reach_the_terminal_with_logging_untouched() -> None:
     assert len(re.findall(r"^\[Rank 0\] time \(ms\) \| fwd: [\d.]+ \| bwd: ", out, re.M)) == 4
     # train_batch: PipelineEngine's line at its progress step
     assert re.search(r"^steps: 6 loss: [\d.]+ iter time \(s\): [\d.]+ samples/sec: ", out, re.M)
-    # item 7: what a user must know reaches stderr as a WARNING, no logging configured
+    # item 7: what a user must know reaches the terminal, no logging configured: the ignored
+    # ZeRO settings as a WARNING on stderr, the plan as the first progress line
     assert "ZeRO partitioning settings are not used" in proc.stderr
+    plan = re.search(r"^\[Rank 0\] rp_engine plan \(hf:qwen3, \d+ layers\): schedule=", out, re.M)
+    assert plan is not None and plan.start() < out.index("step=2"), out
 
 
 # --- item 6: no warning at save for parameters that never receive a gradient --------------------
@@ -280,3 +283,24 @@ def test_roundpipe_engine_keeps_its_own_names() -> None:
     """The data table never shadows a name the engine defines itself."""
     own = {n for n in dir(RoundPipeEngine) if not n.startswith("_")}
     assert not own & set(GAPS), own & set(GAPS)
+
+
+class _TwoLinears(torch.nn.Module):
+    """Nothing repeated to split at: rp_engine falls back to the whole module as one layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
+def test_the_whole_module_fallback_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from rp_engine.model.layers import to_layers
+
+    with caplog.at_level(logging.WARNING, logger="rp_engine"):
+        seq = to_layers(_TwoLinears())
+    assert seq.layering is not None and seq.layering.strategy == "whole_module"
+    (record,) = [r for r in caplog.records if "whole_module" in r.getMessage()]
+    assert record.levelno == logging.WARNING
