@@ -100,6 +100,7 @@ class DeepSpeedAccessors:
     enable_backward_allreduce = True
     dont_change_device = False
     warn_unscaled_loss = True
+    mpu = None  # no model-parallel unit: DeepSpeed's value when initialize gets none
     losses = None  # DeepSpeed's per-step loss holder (None after each step there too)
     loaded_checkpoint_dp_world_size: int | None = None
     loaded_checkpoint_mp_world_size: int | None = None

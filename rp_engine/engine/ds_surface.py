@@ -86,7 +86,7 @@ GAPS: Mapping[str, str] = {
             "allreduce_no_retain buffered_allreduce_fallback sparse_all_gather sparse_allreduce "
             "sparse_allreduce_bucket sparse_allreduce_no_retain coalesce_grad_reduction "
             "data_parallel_group seq_data_parallel_group expert_data_parallel_group "
-            "all_to_all_group get_sequence_parallel_group mpu dist_backend use_ds_comm"
+            "all_to_all_group get_sequence_parallel_group dist_backend use_ds_comm"
         ).split(),
         _ALLREDUCE,
     ),
