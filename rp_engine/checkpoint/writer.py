@@ -453,7 +453,9 @@ def _state_of(inner: Any, key: str, master: torch.Tensor) -> torch.Tensor | None
 
 def _check_shared(key: str, value: Any, per_param: list[dict[str, Any]], unit: _FlatUnit) -> None:
     # A flat partition has one value of `step` etc.; rp_engine steps all parameters together,
-    # so they agree unless a parameter never received a gradient.
+    # so they agree unless a parameter never received a gradient (an unused layer, a frozen
+    # branch): DeepSpeed's flat group has one value for them all and says nothing, so neither
+    # does rp_engine at its default level (debug: the value kept is the first parameter's).
     differ = [
         name
         for st, (name, _, _) in zip(per_param, unit.params, strict=True)
@@ -461,7 +463,7 @@ def _check_shared(key: str, value: Any, per_param: list[dict[str, Any]], unit: _
     ]
     missing = [n for st, (n, _, _) in zip(per_param, unit.params, strict=True) if not st]
     if differ or missing:
-        log.warning(
+        log.debug(
             "optimizer state %r differs across the parameters of one flat group (%s) or is "
             "missing (%s); the checkpoint keeps the first parameter's value for all of them",
             key,

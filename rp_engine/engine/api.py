@@ -9,6 +9,7 @@ files are written and read by rp_engine/checkpoint/ (imported on first use: it p
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import torch
 
 from rp_engine.engine.loop import LoopMisuseError
 from rp_engine.engine.module_view import ModuleView
+from rp_engine.engine.progress import Progress, ThroughputTimer, WallClockTimers
 from rp_engine.model.host_store import HostStore
 from rp_engine.runtime.counters import StepCounters
 from rp_engine.storage.build import Tiers
@@ -83,11 +85,26 @@ class DeepSpeedAccessors:
     optimizer: Any  # what DeepSpeed's engine.optimizer is (optim/build.py returned_optimizer)
     stepper: OptimizerStepper
     training: bool
+    _progress: Progress
+    client_optimizer: Any
     _published_step = 0  # global_steps when the newest weights were last published
     _in_no_sync = False  # inside ``no_sync()``: step() raises there, as DeepSpeed's
     _stale_noted = False
     mp_world_size = 1
     _finalizer: weakref.finalize
+    # DeepSpeed's engine attributes with one value here (no MoE, sequence or pipeline
+    # parallelism across processes; gradients always averaged and reduced by the engine)
+    sequence_parallel_size = 1
+    has_moe_layers = False
+    pipeline_parallelism = False
+    gradient_average = True
+    enable_backward_allreduce = True
+    dont_change_device = False
+    warn_unscaled_loss = True
+    mpu = None  # no model-parallel unit: DeepSpeed's value when initialize gets none
+    losses = None  # DeepSpeed's per-step loss holder (None after each step there too)
+    loaded_checkpoint_dp_world_size: int | None = None
+    loaded_checkpoint_mp_world_size: int | None = None
 
     micro_steps = _counter("micro_steps")
     global_steps = _counter("global_steps")
@@ -238,6 +255,151 @@ class DeepSpeedAccessors:
 
     def zero_optimization_stage(self) -> int:
         return self._config.zero.stage
+
+    def steps_per_print(self) -> int | None:
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
+    def dynamic_loss_scale(self) -> bool:
+        """fp16's dynamic loss scaling (``loss_scale`` 0), as DeepSpeed's (whatever fp16)."""
+        return self._config.fp16.loss_scale == 0
+
+    def managed_gradient_accumulation(self) -> bool:
+        return self._config.managed_gradient_accumulation
+
+    def dataloader_drop_last(self) -> bool:
+        return self._config.dataloader_drop_last
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: the config's, else the compute dtype."""
+        named = self._config.communication_data_type
+        if named is not None:
+            return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(named, torch.float32)
+        if self.fp16_enabled():
+            return torch.float16
+        return torch.bfloat16 if self.bfloat16_enabled() else torch.float32
+
+    def optimizer_name(self) -> str | None:
+        """The client optimizer's class name, else the config's optimizer type (lower case, as
+        DeepSpeed's parsed config has it)."""
+        if self.client_optimizer is not None:
+            return type(self.client_optimizer).__name__
+        opt = self._config.optimizer
+        return None if opt is None else opt.type.lower()
+
+    def get_mom(self) -> list[Any]:
+        """Each group's momentum (SGD, RMSprop) or Adam betas, as DeepSpeed's."""
+        key = "momentum" if (self.optimizer_name() or "").lower() in ("sgd", "rmsprop") else "betas"
+        return [g.get(key, 0.0) for g in self.host_optimizer.param_groups]
+
+    def get_type(self) -> list[Any]:
+        return [g.get("type", 0.0) for g in self.host_optimizer.param_groups]
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """The wall clock timers' last values in ms (with ``wall_clock_breakdown``; engine/
+        progress.py says what they cover)."""
+        return self._progress.wall_clock_cache
+
+    # --- DeepSpeed's engine attributes over this engine's parts --------------------------------
+    @property
+    def tput_timer(self) -> ThroughputTimer:
+        """DeepSpeed's throughput timer (``update_epoch_count()``, ``avg_samples_per_sec()``...)."""
+        return self._progress.tput_timer
+
+    @property
+    def timers(self) -> WallClockTimers:
+        """DeepSpeed's ``SynchronizedWallClockTimer``: ``timers(name).start()/stop()/elapsed()``."""
+        return self._progress.timers
+
+    @property
+    def engine_timers_cache(self) -> dict[str, float]:
+        return self._progress.wall_clock_cache
+
+    @property
+    def inside_no_sync_ctxt(self) -> bool:
+        return self._in_no_sync
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        return self.dp_world_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    def get_model_parallel_rank(self) -> int:
+        return 0  # no tensor or pipeline model parallelism across processes
+
+    def get_tensor_parallel_rank(self) -> int:
+        return 0
+
+    @property
+    def is_compiled(self) -> bool:
+        return False  # DeepSpeed's engine.compile() is not supported (ds_surface.GAPS)
+
+    def is_deepcompile_active(self) -> bool:
+        return False
+
+    def empty_partition_cache(self) -> None:
+        """Nothing is partitioned: no cache to empty (DeepSpeed's call is a no-op then too)."""
+
+    def collect_python_gc(self) -> int:
+        """Run Python's cyclic garbage collector now (DeepSpeed's safe-boundary hook)."""
+        return gc.collect()
+
+    @staticmethod
+    def is_map_style_dataset(obj: Any) -> bool:
+        return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+    @staticmethod
+    def is_iterable_style_dataset(obj: Any) -> bool:
+        return isinstance(obj, torch.utils.data.IterableDataset)
+
+    def deepspeed_io(
+        self, dataset: Any, batch_size: int | None = None, route: str = "train",
+        pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
+        num_local_io_workers: int | None = None,
+    ) -> Any:  # fmt: skip
+        """DeepSpeed's loader over ``dataset`` (as ``initialize(training_data=)`` builds it):
+        the micro-batch size, ``dataloader_drop_last`` and a distributed sampler. A batch size
+        other than the micro-batch size, a sampler or workers are refused, naming the fix."""
+        from rp_engine.data import build_dataloader
+
+        mbs = self.train_micro_batch_size_per_gpu()
+        if (batch_size not in (None, mbs)) or data_sampler is not None or num_local_io_workers:
+            raise ValueError(
+                f"deepspeed_io(batch_size={batch_size}, data_sampler={data_sampler!r}, "
+                f"num_local_io_workers={num_local_io_workers}): rp_engine's loader takes "
+                f"micro-batches of train_micro_batch_size_per_gpu ({mbs}) with its own sampler in "
+                "this process; build a torch DataLoader yourself for anything else"
+            )
+        return build_dataloader(dataset, self._config, collate_fn)
+
+    def module_state_dict(
+        self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The module's state_dict with the newest weights (waits for a step in flight)."""
+        self.synchronize()
+        with self.store.materialized(writable=False):  # weights on NVMe: read into RAM here
+            sd = self._module.state_dict(
+                destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
+        if exclude_frozen_parameters:
+            for name, p in self._module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's deprecated name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def zero_nvme_offload_optimizer(self) -> bool:
+        """Whether the optimizer state is swapped to NVMe (rp_engine's optimizer tier)."""
+        return self.nvme_tier is not None
 
     # --- modes --------------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Any:

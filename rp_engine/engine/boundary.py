@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rp_engine.config import DSConfig
+    from rp_engine.engine.progress import Progress
     from rp_engine.monitor import Monitor
     from rp_engine.optim.nonfinite import NonFiniteGuard
     from rp_engine.optim.optimizer import HostOptimizer
@@ -80,8 +81,12 @@ class OptimizerBoundary:
         host_optimizer: HostOptimizer
         stepper: OptimizerStepper
 
+        skipped_steps: int
+        _progress: Progress
+
         def train_batch_size(self) -> int: ...
         def get_lr(self) -> list[float]: ...
+        def get_mom(self) -> list[Any]: ...
         def _note_stale_model(self) -> None: ...
 
     def _apply_boundary(
@@ -110,6 +115,10 @@ class OptimizerBoundary:
             norm = None if done is None else done.grad_norm
             of = "" if done is None or done.step == step else f" (of step {done.step})"
             log.info("step %d lr %s grad_norm %s%s", step, self.get_lr(), norm, of)
+        # DeepSpeed's progress line (printed on rank 0 at steps_per_print steps: progress.py)
+        self._progress.boundary(
+            step, skipped=self.skipped_steps + int(overflow), lr=self.get_lr(), mom=self.get_mom()
+        )
         self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], samples)])
         if in_flight is not False:  # an assumed-applied step is judged when it closes
             self._guard.conclude(step, result)

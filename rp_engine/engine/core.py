@@ -35,9 +35,20 @@ from rp_engine.device.cuda import pinned_empty
 from rp_engine.distributed import data_parallel, dp_world
 from rp_engine.engine.api import DeepSpeedAccessors
 from rp_engine.engine.boundary import OptimizerBoundary, boundary_in_flight_ok
+from rp_engine.engine.ds_surface import CONFIG_ACCESSORS, GAPS, DeepSpeedConfigView, DeepSpeedGap
 from rp_engine.engine.loop import FORWARD_OPS, ImperativeLoop
 from rp_engine.engine.module_view import view_or_value
 from rp_engine.engine.pipeline import InFlightBox, PipelinedIterations
+from rp_engine.engine.progress import (
+    BACKWARD_GLOBAL,
+    BACKWARD_MICRO,
+    FORWARD_GLOBAL,
+    FORWARD_MICRO,
+    STEP_GLOBAL,
+    STEP_MICRO,
+    Progress,
+    TimerFlags,
+)
 from rp_engine.engine.window import ReadyGate, Window
 from rp_engine.host_preflight import check_tiers
 from rp_engine.model.batches import BatchAdapter, compute_dtype
@@ -107,8 +118,8 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self._config = cfg
         self.config = dict(cfg.raw)
         summary = cfg.offload_summary()
-        if summary:
-            log.info(summary)
+        if summary:  # the user must know their ZeRO settings do not do what they say
+            log.warning(summary)
         # DeepSpeed casts the module at initialize; the host copy *is* the compute weights.
         model.to(compute_dtype(cfg))
         self._module = model  # read through the `module` property, which waits for the optimizer
@@ -140,6 +151,23 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             self.pool.close()
             raise
         self._counters = StepCounters(cfg.gradient_accumulation_steps, cfg.train_batch_size)
+        # DeepSpeed's names for what initialize was given
+        self.client_lr_scheduler = lr_scheduler
+        self.training_data = training_data
+        self.collate_fn = collate_fn
+        self._progress = Progress(
+            steps_per_print=cfg.steps_per_print, wall_clock_breakdown=cfg.wall_clock_breakdown,
+            batch_size=cfg.train_batch_size, flags=TimerFlags.from_raw(cfg.raw),
+            rank0=self.global_rank == 0, memory=self._device_memory,
+        )  # fmt: skip
+        if cfg.steps_per_print:  # progress asked for: the plan is its first line
+            layers = f"{self.seq.kind}, {len(list(self.seq.modules()))} layers"
+            self._progress.note(f"rp_engine plan ({layers}): {self.planner.summary()}")
+        # DeepSpeed's config getters answered by DeepSpeed itself (ds_surface.py)
+        self._ds_view = DeepSpeedConfigView(
+            cfg.raw, micro_batch=cfg.train_micro_batch_size_per_gpu,
+            gas=cfg.gradient_accumulation_steps,
+        )  # fmt: skip
         self._last: StepResult | None = None
         self._timeline: list[TimelineRecord] = []
         self._window = Window()  # the imperative loop's open accumulation window (loop.py)
@@ -326,6 +354,50 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             staging=self._staging,
         )
 
+    # --- DeepSpeed's timers around the training calls (engine/progress.py) ---------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        progress = self._progress
+        progress.tput_timer.start()  # as DeepSpeed's forward (its loader starts it otherwise)
+        progress.start(FORWARD_MICRO, FORWARD_GLOBAL)
+        try:
+            return super().forward(*inputs, **kwargs)
+        finally:
+            progress.stop(FORWARD_MICRO, FORWARD_GLOBAL)
+
+    def backward(
+        self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True, **kwargs: Any
+    ) -> torch.Tensor:
+        self._progress.start(BACKWARD_MICRO, BACKWARD_GLOBAL)
+        try:
+            return super().backward(loss, retain_graph, scale_wrt_gas, **kwargs)
+        finally:
+            self._progress.stop(BACKWARD_MICRO, BACKWARD_GLOBAL)
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        boundary = self.is_gradient_accumulation_boundary() or not self._managed()
+        self._progress.start(STEP_MICRO, STEP_GLOBAL)
+        try:
+            super().step(lr_kwargs)
+        finally:
+            self._progress.stop(STEP_MICRO, STEP_GLOBAL)
+        self._progress.after_step(boundary=boundary)
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        self._progress.start_train_batch()
+        loss = super().train_batch(data_iter)
+        batch = self.train_batch_size()
+        self._progress.after_train_batch(self.global_steps, float(loss), batch_size=batch)
+        return loss
+
+    def _device_memory(self) -> tuple[int, int]:
+        """(allocated, peak allocated) bytes on the first compute device, for the throughput
+        line's MemAllocated (0 on CPU devices, as DeepSpeed's CPU accelerator reports)."""
+        if self.pool.kind != "cuda":
+            return 0, 0
+        return torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(
+            self.device
+        )
+
     # --- PipelineEngine API (train_batch: pipeline.py) ----------------------------------------
     def eval_batch(
         self,
@@ -373,6 +445,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self, plan: Plan, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
     ) -> Any:
         self._drain_pipeline()
+        self._sync_mode()
         if closes_step:
             self.stepper.open_step(step)
         kw.setdefault("microbatch_offset", self.micro_steps)
@@ -393,6 +466,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             raise
         gas = self.gradient_accumulation_steps()
         self._guard.observe(result.losses, spec.microbatch_offset, gas)
+        self._progress.observe_losses(result.losses)  # floats the run returned: nothing forced
         if closes_step:
             self._last = self.stepper.close_step(step=step, skip=self._guard.force_skip())
         self._timeline = result.timeline
@@ -413,8 +487,19 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             "run failed: gradients accumulated for step %d were discarded", self.global_steps + 1
         )
 
+    def _sync_mode(self) -> None:
+        """The layers run in the module's own mode (``model.eval()``: dropout off), as DeepSpeed
+        runs the module itself. The executor takes each layer's mode from the layer modules,
+        and the wrappers to_layers builds around the model's parts are not its submodules, so
+        ``model.train()/.eval()`` does not reach them: their own flag is set here before each
+        run (not recursively: the model's submodules already carry the caller's modes)."""
+        mode = self._module.training
+        for layer in self.seq.modules():
+            layer.training = mode
+
     def _eval_run(self, batches: list[Any], **kw: Any) -> Any:
         self._drain_pipeline()
+        self._sync_mode()
         step = self.global_steps + 1
         spec = RunSpec(
             plan=self.planner.plan(len(batches), ops=FORWARD_OPS), batches=batches,
@@ -468,6 +553,11 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # does (engine.generate(...), engine.config attributes of HF models...).
         if name == "module" or name.startswith("__") or "_finalizer" not in self.__dict__:
             raise AttributeError(name)  # (also while __init__ runs: hasattr must not recurse)
+        # DeepSpeedEngine's own names never reach the module: answered, or refused (ds_surface)
+        if name in CONFIG_ACCESSORS:
+            return self.__dict__["_ds_view"].accessor(name)
+        if name in GAPS:
+            raise DeepSpeedGap(name)
         module = self.__dict__["_module"]
         # What reads weights (methods: save_pretrained, state_dict, generate...; tensors) sees
         # the newest ones; plain attributes (config, dtype...) and submodules (model.model) do

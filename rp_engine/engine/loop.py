@@ -73,6 +73,8 @@ class ImperativeLoop:
     _prefetch: Prefetch | None = None  # an announced window (expect_micro_batches)
     _factor_model = FactorModel()  # a prefetched window's predicted factors (window.py)
     _in_no_sync = False  # api.py's no_sync()
+    # the last forward ran in eval mode with grad enabled: (batch, share, loss leaf) for backward
+    _eval_forward: tuple[dict[str, Any], float, torch.Tensor] | None = None
 
     if TYPE_CHECKING:  # provided by RoundPipeEngine
         stepper: OptimizerStepper
@@ -140,10 +142,10 @@ class ImperativeLoop:
         share = self._batches.token_share(batch, num_items)
         if not (self._module.training and torch.is_grad_enabled()):
             result = self._eval_run([batch], token_stats=fused)
-            loss = torch.tensor(result.losses[0], device=self.device) * share
+            value = torch.tensor(result.losses[0], device=self.device)
             if fused:
-                return fused_output(loss, result.token_stats[0], leaf=None)
-            return self._batches.wrap_loss(loss)
+                return fused_output(value * share, result.token_stats[0], leaf=None)
+            return self._batches.wrap_loss(self._eval_loss(batch, share, value))
         self._before_new_entry()
         known = self._from_prefetch(batch, num_items, fused)
         if known is not None:
@@ -157,6 +159,29 @@ class ImperativeLoop:
         entry.leaf = Leaf(_resolver(self, entry), _placeholder(self.device))
         # the caller's loss is what the model returns: the head's mean times the token share
         return self._batches.wrap_loss(DeferredValue(entry.leaf, entry.leaf.placeholder) * share)
+
+    def _eval_loss(self, batch: dict[str, Any], share: float, value: torch.Tensor) -> Any:
+        """An eval-mode forward's loss. With grad enabled DeepSpeed runs autograd whatever the
+        module's mode, so a backward of it trains with the module's mode (dropout off): the loss
+        is then a leaf the caller's graph reaches, and its backward adds the micro-batch to the
+        window (:meth:`_adopt_eval_forward`), whose schedule runs it again, with gradients."""
+        self._eval_forward = None
+        if not torch.is_grad_enabled() or self.host_optimizer.empty:
+            return value * share
+        self._eval_forward = (batch, share, value.requires_grad_(True))
+        return value * share
+
+    def _adopt_eval_forward(self) -> Entry | None:
+        """backward() after an eval-mode forward with grad enabled: that micro-batch joins the
+        window as an entry whose value is known (as a prefetched one's), ready at its backward."""
+        if self._eval_forward is None:
+            return None
+        batch, share, leaf = self._eval_forward
+        self._before_new_entry()  # (clears _eval_forward)
+        self._cancel_prefetch()  # a prefetched window's factors do not cover this micro-batch
+        entry = self._window.add(Entry(batch, share, self._next_microbatch()))
+        entry.real_leaf = leaf
+        return entry
 
     def _forward_outputs(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A module model's forward: its own return value, rebuilt from the head's outputs
@@ -230,6 +255,7 @@ class ImperativeLoop:
         backward raised) is given up here, without counting a step, as DeepSpeed's counters
         never saw it (the optimizer is back at the step before: its run reopens that step);
         then the last entry, if its backward never came, is settled."""
+        self._eval_forward = None  # a backward from here on is this forward's
         if self._window.failed is not None:
             self._window.close()
         self._settle_open_entry()
@@ -259,7 +285,7 @@ class ImperativeLoop:
         to our loss scales the gradients. At the accumulation boundary the window runs."""
         self._need_optimizer("backward")
         self.stepper.check()
-        entry = self._window.last()
+        entry = self._adopt_eval_forward() or self._window.last()
         if entry is None or not entry.awaits_backward:
             raise RuntimeError("engine.backward() needs a preceding engine.forward() in train mode")
         entry.backward_called = True

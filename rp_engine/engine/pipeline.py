@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from rp_engine.autotune import ProfileCheck
     from rp_engine.config import DSConfig
     from rp_engine.data import DataFeed
+    from rp_engine.engine.progress import Progress
     from rp_engine.monitor import Monitor
     from rp_engine.optim.nonfinite import NonFiniteGuard
     from rp_engine.optim.optimizer import HostOptimizer
@@ -142,6 +143,7 @@ class PipelinedIterations:
         _feed: DataFeed
         _guard: NonFiniteGuard
         _last: StepResult | None
+        _progress: Progress
         _stats_open: RunStats
         _step_stats: RunStats | None
 
@@ -170,6 +172,7 @@ class PipelinedIterations:
         def _boundary_state(self) -> BoundaryState: ...
         def _skipped_late(self, step: int, before: BoundaryState, result: StepResult) -> None: ...
         def _make_executor(self) -> Executor: ...
+        def _sync_mode(self) -> None: ...
         def _stats_dict(self) -> dict[str, Any]: ...
         def _dp_mean(self, value: float) -> float: ...
         def _window_lost(self, error: BaseException) -> None: ...
@@ -229,6 +232,7 @@ class PipelinedIterations:
         window). The boundary is applied by the caller (``_apply_in_flight``)."""
         step = self.global_steps + 1
         first = self.micro_steps if first_microbatch is None else first_microbatch
+        self._sync_mode()  # (a run in flight was issued in the same mode: train_batch sets it)
         self.stepper.open_step(step)
         spec = RunSpec(
             plan=self.planner.plan(len(batches)), batches=batches,
@@ -258,6 +262,7 @@ class PipelinedIterations:
             self._abort_pipeline()
             raise
         self._guard.observe(losses, first, self.gradient_accumulation_steps())
+        self._progress.observe_losses(losses)  # the progress line's loss (floats: nothing forced)
         current.skip = self._guard.force_skip()
         return losses
 

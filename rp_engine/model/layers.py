@@ -91,8 +91,10 @@ def to_layers(
         return _checked(LayerSequence(prefix, blocks, head, root, kind))
     # any other module: traced pieces (b) or the whole module (c), its outputs to the caller
     module_blocks, out_head, layering = module_layers(model, split_points=split_points)
-    log.info("rp_engine: %s model: %s (%s)", type(model).__name__, layering.strategy,
-             layering.reason)  # fmt: skip
+    # the whole module as one layer is a fallback the user must see (no pipelining of it)
+    level = logging.WARNING if layering.strategy == "whole_module" else logging.INFO
+    log.log(level, "rp_engine: %s model: %s (%s)", type(model).__name__, layering.strategy,
+            layering.reason)  # fmt: skip
     return _checked(
         LayerSequence(None, module_blocks, out_head, model, f"module:{layering.strategy}", layering)
     )

@@ -479,20 +479,18 @@ class Planner:
             **rounds,
         )
 
+    def summary(self) -> str:
+        """The plan in use in one line: schedule, devices, micro-batches, cuts, estimate."""
+        est = "" if self.est_iteration_ms is None else f", est. {self.est_iteration_ms:.3g} ms"
+        return (
+            f"schedule={self.schedule} devices={self.num_devices} microbatches="
+            f"{self.num_microbatches} fwd_cuts={list(self.fwd_cuts)} "
+            f"bwd_cuts={list(self.bwd_cuts)}{est}"
+        )
+
     def _log_plan(self, what: str) -> None:
         """Log the plan in use once: its cuts, estimate and the start of its device grid."""
-        est = "" if self.est_iteration_ms is None else f", est. {self.est_iteration_ms:.3g} ms"
-        log.info(
-            "%s: schedule=%s devices=%d microbatches=%d fwd_cuts=%s bwd_cuts=%s%s\n%s",
-            what,
-            self.schedule,
-            self.num_devices,
-            self.num_microbatches,
-            list(self.fwd_cuts),
-            list(self.bwd_cuts),
-            est,
-            format_grid(self.compute_plan(), limit=12),
-        )
+        log.info("%s: %s\n%s", what, self.summary(), format_grid(self.compute_plan(), limit=12))
 
     # --- plans --------------------------------------------------------------------------------
     def plan(
