@@ -20,6 +20,7 @@ nothing of the engine: ``fresh`` is a callable.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,7 +69,7 @@ class ModuleView:
     def __iter__(self) -> Iterator[Any]:
         target, fresh = _parts(self)
         for item in target:  # type: ignore[attr-defined]
-            yield view_or_value(item, fresh, lambda item=item: item)
+            yield view_or_value(item, fresh, functools.partial(_same, item))
 
     def __getitem__(self, key: Any) -> Any:
         target, fresh = _parts(self)
@@ -89,6 +90,10 @@ class ModuleView:
 
     def __hash__(self) -> int:
         return hash(_parts(self)[0])
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _parts(view: ModuleView) -> tuple[nn.Module, Callable[[], None]]:
