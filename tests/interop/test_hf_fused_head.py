@@ -64,17 +64,25 @@ def test_train_fields_and_gradients_match_trl(model_and_batch) -> None:  # type:
     gradients equal those of TRL's fused head on the host model."""
     model, batch = model_and_batch
     ref = _trl_reference(model)
-    engine = engine_for(model, config(gas=2, roundpipe={"head_chunk_tokens": 7}))
+    cfg = config(gas=2, roundpipe={"head_chunk_tokens": 7})
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}  # the step applies -gradient
+    engine = engine_for(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
-        out = engine(**batch, fused_lm_head=True)
+        out = engine(**batch, fused_lm_head=True)  # its forward runs now: TRL reads it at once
         theirs = ref(**batch, fused_lm_head=True)
         _assert_fields_match(out, theirs)
         num_items = int(out.label_mask.sum()) + 9  # the whole accumulation window's count
         loss = -out.log_probs.sum() / num_items
-        engine.backward(loss)  # not a boundary (GAS 2): the gradients wait in the host store
+        engine.backward(loss)  # not a boundary (GAS 2): its backward is queued for the window
+        engine.step()
         (-theirs.log_probs.sum() / num_items / 2).backward()  # engine.backward divides by GAS
+        # a second micro-batch that adds nothing (its loss times 0) closes the window
+        engine.backward(engine(**batch, fused_lm_head=True).log_probs.sum() * 0.0)
+        engine.step()
+        engine.synchronize()
         for name, p in ref.named_parameters():
-            ours = engine.store.grad_buffer(dict(model.named_parameters())[name])
+            ours = before[name] - dict(model.named_parameters())[name].detach()
             assert_close_named(ours, p.grad, name, rtol=1e-4, atol=1e-6)
     finally:
         engine.destroy()
