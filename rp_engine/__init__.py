@@ -58,6 +58,9 @@ def initialize(
     Works in a plain single process: no launcher environment, no mpi4py. ``auto_values`` fills
     Hugging Face ``"auto"`` placeholders (see ``rp_engine.config.hf_auto_values``). Raises
     ``PreflightError`` when the model's host state would not fit in memory (host_preflight.py).
+    A model built under ``deepspeed.zero.Init`` (or Transformers' ``HfDeepSpeedConfig``) is taken
+    over from its ZeRO-3 partitions layer by layer first (model/zero3.py); a parameter that holds
+    no data for its shape raises ``EmptyParameterError`` naming it.
     """
     from rp_engine.autotune import advise_batch
     from rp_engine.config import load_config, load_raw_config, resolve_config_arg

@@ -13,10 +13,11 @@ a plain ``nn.Module`` before it is cut into layers:
   of blocks, and each other module with parameters of its own), its parameters are gathered
   with DeepSpeed's own ``all_gather`` (it swaps NVMe partitions in and, with several ranks,
   collects every rank's shard; every rank walks the layers in the same order);
-- each gathered weight becomes the parameter's ordinary ``.data`` (the same ``nn.Parameter``
-  object, so optimizer groups built from ``model.parameters()`` still hold it; shape, dtype and
-  ``requires_grad`` kept), copied out of DeepSpeed's buffer only where that buffer is larger than
-  the weight or is a reused NVMe swap buffer;
+- each gathered weight becomes the parameter's ordinary ``.data`` in host memory (the same
+  ``nn.Parameter`` object, so optimizer groups built from ``model.parameters()`` still hold it;
+  shape, dtype and ``requires_grad`` kept), copied out of DeepSpeed's buffer only where that
+  buffer is larger than the weight, is a reused NVMe swap buffer, or is on a GPU
+  (``remote_device`` none);
 - DeepSpeed's partition is released as soon as the layer is done (swap buffer returned, swap
   file deleted, ``ds_tensor`` dropped) with every DeepSpeed attribute of the parameter, so at
   most one layer exists twice at any time and the whole model never does.
@@ -122,7 +123,7 @@ def materialize_layer(params: list[tuple[str, nn.Parameter]]) -> int:
         return 0
     # DeepSpeed's gather (what GatheredParameters does on entry), without its re-partition on
     # exit: NVMe partitions are swapped in, every rank's shard collected, ``.data`` is the weight
-    todo[0].all_gather(param_list=todo)  # type: ignore[operator]
+    todo[0].all_gather(param_list=todo)  # type: ignore[attr-defined]
     done = 0
     for param in todo:
         shape = tuple(param.ds_shape)  # type: ignore[attr-defined]
@@ -131,7 +132,13 @@ def materialize_layer(params: list[tuple[str, nn.Parameter]]) -> int:
             raise RuntimeError(f"ZeRO-3 gather gave shape {tuple(data.shape)}, expected {shape}")
         partition = param.ds_tensor  # type: ignore[attr-defined]
         in_swap_buffer = getattr(partition, "final_location", None) is not None  # NVMe
-        if in_swap_buffer or data.untyped_storage().nbytes() != data.numel() * data.element_size():
+        if data.device.type != "cpu":
+            # remote_device none on a GPU (or a persisted small parameter): the weights live in
+            # host memory under rp_engine
+            data = data.to("cpu")
+        elif (
+            in_swap_buffer or data.untyped_storage().nbytes() != data.numel() * data.element_size()
+        ):
             # the swap buffer is reused for the next layer; a padded shard keeps its padding
             data = data.clone(memory_format=torch.contiguous_format)
         _release(param)

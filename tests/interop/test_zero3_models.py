@@ -65,19 +65,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     ("case", "offload"),
-    [("hf", "cpu"), ("hf", "nvme"), ("init", "nvme")],
-    ids=["HfDeepSpeedConfig-cpu", "HfDeepSpeedConfig-nvme", "zero.Init-nvme"],
+    [("hf", "cpu"), ("hf", "nvme"), ("init", "nvme"), ("init", "none")],
+    ids=["HfDeepSpeedConfig-cpu", "HfDeepSpeedConfig-nvme", "zero.Init-nvme", "zero.Init-none"],
 )
 def test_zero3_model_trains_as_the_model_loaded_normally(
     model_dir: Path, tmp_path: Path, case: str, offload: str
 ) -> None:
     """``HfDeepSpeedConfig(ds)`` before ``from_pretrained``, or ``with deepspeed.zero.Init(
-    remote_device="nvme", config_dict_or_path=ds)``: the partitioned model trains with the
-    losses of the same weights loaded normally (same config: with ``offload_param`` nvme the
+    remote_device="nvme" / None, config_dict_or_path=ds)``: the partitioned model trains with
+    the losses of the same weights loaded normally (same config: with ``offload_param`` nvme the
     engine's parameter tier holds the weights in both runs)."""
     spec = {
         "case": case,
-        "remote_device": offload,
+        "remote_device": None if offload == "none" else offload,
         "model_dir": str(model_dir),
         "vocab": VOCAB,
         "micro_batches": MICRO_BATCHES,

@@ -29,8 +29,9 @@ def _partitioned(model: torch.nn.Module) -> bool:
 
 
 def _train(model: torch.nn.Module, spec: dict[str, Any]) -> list[float]:
-    import rp_engine
     from models import random_batch
+
+    import rp_engine
 
     engine, _, _, _ = rp_engine.initialize(
         model=model, model_parameters=model.parameters(), config=spec["config"]
