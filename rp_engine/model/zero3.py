@@ -119,8 +119,29 @@ def materialize_layer(params: list[tuple[str, nn.Parameter]]) -> int:
     """Gather one layer's ZeRO-3 partitions into ordinary ``.data`` and free DeepSpeed's copy;
     returns the bytes materialised. Parameters not partitioned are left as they are."""
     todo = [p for _, p in params if is_partitioned(p)]
-    if not todo:
-        return 0
+    return sum(_materialize(chunk) for chunk in _swap_chunks(todo))
+
+
+def _swap_chunks(params: list[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
+    """``params`` in gathers DeepSpeed can serve: each swaps at most as many NVMe partitions in
+    as its swapper has buffers free (``offload_param.buffer_count``, 5 by default; a decoder block
+    has more weights), since the takeover hands each buffer back before the next gather."""
+    chunk: list[nn.Parameter] = []
+    swapped = 0
+    for param in params:
+        on_nvme = getattr(param.ds_tensor, "final_location", None) is not None  # type: ignore[attr-defined]
+        swapper = getattr(param, "nvme_swapper", None)
+        room = max(1, swapper.available_swap_in_buffers()) if swapper is not None else 0
+        if on_nvme and chunk and swapped >= room:
+            yield chunk
+            chunk, swapped = [], 0
+        chunk.append(param)
+        swapped += on_nvme
+    if chunk:
+        yield chunk
+
+
+def _materialize(todo: list[nn.Parameter]) -> int:
     # DeepSpeed's gather (what GatheredParameters does on entry), without its re-partition on
     # exit: NVMe partitions are swapped in, every rank's shard collected, ``.data`` is the weight
     todo[0].all_gather(param_list=todo)  # type: ignore[attr-defined]

@@ -22,13 +22,17 @@ import rp_engine
 from rp_engine.model.zero3 import EmptyParameterError, layer_groups
 
 VOCAB = 128
+# DeepSpeed swaps a partition to NVMe from 1 MiB on (smaller ones stay in RAM): at hidden 512
+# the q/o (512x512) and MLP weights of each block are swapped, the k/v and norms are not
+HIDDEN = 512
 MICRO_BATCHES = 6  # GAS 2: 3 optimizer steps
 
 
 def _config(offload: str, nvme_path: Path) -> dict[str, Any]:
     offload_param: dict[str, Any] = {"device": offload}
     if offload == "nvme":
-        offload_param["nvme_path"] = str(nvme_path)
+        # 2 swap buffers of 1M elements: a decoder block's 5 swapped weights take 3 gathers
+        offload_param.update(nvme_path=str(nvme_path), buffer_count=2, buffer_size=2**20)
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
@@ -40,7 +44,7 @@ def _config(offload: str, nvme_path: Path) -> dict[str, Any]:
 
 
 def _losses_loaded_normally(config: dict[str, Any]) -> list[float]:
-    model = tiny_qwen3(0, layers=2)
+    model = tiny_qwen3(0, layers=2, hidden=HIDDEN)
     engine, _, _, _ = rp_engine.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -59,7 +63,7 @@ def _losses_loaded_normally(config: dict[str, Any]) -> list[float]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny_qwen3")
-    tiny_qwen3(0, layers=2).save_pretrained(path)
+    tiny_qwen3(0, layers=2, hidden=HIDDEN).save_pretrained(path)
     return path
 
 
@@ -85,7 +89,14 @@ def test_zero3_model_trains_as_the_model_loaded_normally(
     }
     (tmp_path / "child_nvme").mkdir()
     (tmp_path / "ours_nvme").mkdir()
-    theirs = run_json("zero3_child.py", spec, timeout=900)
+    child = run_json("zero3_child.py", spec, timeout=900)
+    # a plain module afterwards: no DeepSpeed attribute, torch's own linear, no swap file left
+    assert child["ds_params"] == []
+    assert child["linear_restored"]
+    assert child["swap_files"] == 0
+    if offload == "nvme":
+        assert child["swap_files_before"] > 0  # the partitions were on NVMe indeed
+    theirs = child["losses"]
     ours = _losses_loaded_normally(_config(offload, tmp_path / "ours_nvme"))
     assert len(theirs) == MICRO_BATCHES
     # same weights, same engine: equal up to the thread count's rounding (child: 1 thread)

@@ -6,7 +6,8 @@ process.
 Cases (``spec["case"]``):
 - ``"hf"``: Transformers' ``HfDeepSpeedConfig(ds)`` alive, then ``from_pretrained`` of a saved
   tiny causal LM (Transformers builds it inside ``zero.Init``); trains ``spec["micro_batches"]``
-  micro-steps with DeepSpeed's loop; prints the losses;
+  micro-steps with DeepSpeed's loop; prints the losses and what is left of DeepSpeed's
+  partitions (``_deepspeed_leftovers``);
 - ``"init"``: the same model's class built inside ``deepspeed.zero.Init(remote_device=...,
   config_dict_or_path=ds)`` directly, its weights copied in under ``GatheredParameters`` (how a
   user loads a state dict into such a model); trains and prints the losses likewise;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,14 +30,17 @@ def _partitioned(model: torch.nn.Module) -> bool:
     return all(p.numel() == 0 and hasattr(p, "ds_tensor") for p in model.parameters())
 
 
-def _train(model: torch.nn.Module, spec: dict[str, Any]) -> list[float]:
+def _train(model: torch.nn.Module, spec: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's loop on rp_engine; the losses, and what the takeover left of DeepSpeed."""
     from models import random_batch
 
     import rp_engine
 
+    swapped = _swap_files(spec)  # DeepSpeed's partitions on NVMe before the takeover
     engine, _, _, _ = rp_engine.initialize(
         model=model, model_parameters=model.parameters(), config=spec["config"]
     )
+    left = {**_deepspeed_leftovers(model, spec), "swap_files_before": swapped}
     try:
         losses = []
         for i in range(spec["micro_batches"]):
@@ -45,10 +50,29 @@ def _train(model: torch.nn.Module, spec: dict[str, Any]) -> list[float]:
             losses.append(float(loss.detach()))
     finally:
         engine.destroy()
-    return losses
+    return {"losses": losses, **left}
 
 
-def _hf(spec: dict[str, Any]) -> list[float]:
+def _deepspeed_leftovers(model: torch.nn.Module, spec: dict[str, Any]) -> dict[str, Any]:
+    """After initialize: parameters still carrying DeepSpeed attributes, whether zero.Init's
+    ``torch.nn.functional.linear`` replacement is gone, and DeepSpeed's NVMe swap files left."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    return {
+        "ds_params": [
+            n for n, p in model.named_parameters() if any(k.startswith("ds_") for k in vars(p))
+        ],
+        "linear_restored": torch.nn.functional.linear is not zero3_linear_wrap,
+        "swap_files": _swap_files(spec),
+    }
+
+
+def _swap_files(spec: dict[str, Any]) -> int:
+    nvme = spec["config"]["zero_optimization"]["offload_param"].get("nvme_path")
+    return len(list(Path(nvme, "zero_stage_3").rglob("*.swp"))) if nvme else 0
+
+
+def _hf(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
@@ -57,12 +81,12 @@ def _hf(spec: dict[str, Any]) -> list[float]:
         spec["model_dir"], attn_implementation="eager", dtype=torch.float32
     )
     assert _partitioned(model), "Transformers did not build the model under zero.Init"
-    losses = _train(model.train(), spec)
+    result = _train(model.train(), spec)
     del keep
-    return losses
+    return result
 
 
-def _init(spec: dict[str, Any]) -> list[float]:
+def _init(spec: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
     from transformers import AutoModelForCausalLM
 
