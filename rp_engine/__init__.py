@@ -58,6 +58,9 @@ def initialize(
     Works in a plain single process: no launcher environment, no mpi4py. ``auto_values`` fills
     Hugging Face ``"auto"`` placeholders (see ``rp_engine.config.hf_auto_values``). Raises
     ``PreflightError`` when the model's host state would not fit in memory (host_preflight.py).
+    A model built under ``deepspeed.zero.Init`` (or Transformers' ``HfDeepSpeedConfig``) is taken
+    over from its ZeRO-3 partitions layer by layer first (model/zero3.py); a parameter that holds
+    no data for its shape raises ``EmptyParameterError`` naming it.
     """
     from rp_engine.autotune import advise_batch
     from rp_engine.config import load_config, load_raw_config, resolve_config_arg
@@ -72,6 +75,7 @@ def initialize(
     if mpu is not None or mesh_param is not None:
         raise ValueError("model parallelism (mpu / mesh_param) is not supported by rp_engine")
     world = _data_parallel_world(distributed_port, dist_init_required)
+    _take_over_weights(model)
     source = resolve_config_arg(args, config, config_params)
     # DeepSpeed's autotuning block: the advisor fills "auto" batch sizes (autotune.py); the
     # caller's own auto_values win
@@ -90,6 +94,20 @@ def initialize(
         collate_fn=collate_fn,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _take_over_weights(model: Any) -> None:
+    """Whole weights in every parameter before anything sizes or cuts the model: a model built
+    under ``deepspeed.zero.Init`` (or Transformers' ``HfDeepSpeedConfig``) is gathered from its
+    ZeRO-3 partitions layer by layer (model/zero3.py); a parameter that still holds no data for
+    its shape is refused by name. A LayerSpec list builds its modules later (model/layers.py)."""
+    import torch
+
+    from rp_engine.model.zero3 import check_parameter_storage, take_over
+
+    if isinstance(model, torch.nn.Module):
+        take_over(model)
+        check_parameter_storage(model)
 
 
 def _data_parallel_world(port: int, dist_init_required: bool | None) -> int:

@@ -2,7 +2,9 @@
 
 ``to_layers`` (layers.py) dispatches to the adapters: ``hf.py`` (Hugging Face causal LMs) and
 ``sequential.py`` (nn.Sequential, DeepSpeed PipelineModule / LayerSpec lists). ``base.py`` holds
-the shared types. Nothing here imports the runtime, the engine or the config.
+the shared types. ``zero3.py`` turns a model built under DeepSpeed's ``zero.Init`` back into a
+plain module, layer by layer, before it is cut (``initialize`` calls it). Nothing here imports
+the runtime, the engine or the config.
 """
 
 from rp_engine.model.base import HeadModule, LayerSequence, State, batch_to_dict
