@@ -285,10 +285,9 @@ def test_in_place_guard_learns_which_layers_write_their_input() -> None:
 
 
 _PIPELINE_SCRIPT = """
-import copy, os, socket, torch, torch.nn.functional as F
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                  LOCAL_RANK="0")
+import copy, torch, torch.nn.functional as F
+from subprocess_helpers import single_process_group_env
+single_process_group_env()
 import deepspeed
 from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn

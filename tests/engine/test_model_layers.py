@@ -414,10 +414,9 @@ def test_layer_spec_list_with_tied_layers() -> None:
 
 
 _PIPELINE_SCRIPT = """
-import os, socket, torch, torch.nn.functional as F
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                  LOCAL_RANK="0")
+import torch, torch.nn.functional as F
+from subprocess_helpers import single_process_group_env
+single_process_group_env()
 import deepspeed
 from deepspeed.pipe import PipelineModule
 from models import tied_lm_layer_specs
