@@ -223,6 +223,7 @@ class ImperativeLoop:
                 self.planner.plan(1, ops=FORWARD_OPS), [entry.batch], step=self.global_steps + 1,
                 defer_head=True, closes_step=False, token_stats=entry.fused,
                 microbatch_offset=entry.micro_step,
+                keep_weights=self.planner.keeps_forward_weights(),  # for the window's next read
             )  # fmt: skip
         except BaseException as exc:
             self._window_lost(exc)

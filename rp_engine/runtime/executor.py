@@ -38,6 +38,15 @@ consumer. So a device never holds more than ``walk_peak`` over the two runs back
 (``plan.memory.consecutive``), the bound the planner validates when iterations overlap; work
 already done at issue time is not waited for.
 
+A window's forward runs (``RunSpec.keep_weights``: the imperative loop runs a micro-batch's
+forward alone when its loss is read) keep their forward slots' weights on the device instead of
+freeing them, and the window's next forward run on the same device at the same weight version
+uses them instead of its UPLOAD (``Executor._kept``): the weights do not change within a window,
+so a loop that reads every loss uploads them once per window, not once per read. Such an UPLOAD
+moves no byte (the run's stats count what the devices did; the plan, what a cold run would). Any
+other run releases them first. The planner allows it only where every forward weight fits beside
+the plan's validated peak (``Planner.keeps_forward_weights``).
+
 Errors: any exception on any stream comes back from ``finish`` (or ``losses``, ``run``) in the
 caller's thread as a DeviceError naming the device and the action ("F2.3@1"). ``run`` then resets
 the pool itself; after ``finish`` or ``losses`` the caller calls ``reset`` (which discards a run
@@ -148,6 +157,9 @@ class Executor:
         self._staging = dict(staging) if staging is not None else staging_pools(self.devices)
         self._saved_at = stages.saved_inputs()
         self._inplace = InPlaceGuard()  # layers writing a kept input in place get a copy
+        # a window's forward weights, by (device, forward slot), at _kept_version (docstring)
+        self._kept: dict[tuple[int, int], WeightUpload] = {}
+        self._kept_version: int | None = None
         # the last run issued: its plan, FREE events and compute ends per device (the seam)
         self._previous: tuple[Plan, dict[_GroupKey, Event], dict[int, list[Event]]] | None = None
         self._handlers: dict[Op, Callable[[_Ctx, Action], None]] = {
@@ -190,6 +202,9 @@ class Executor:
     def _start(self, spec: RunSpec) -> RunHandle:
         ctx = _Ctx(spec)
         plan = spec.plan
+        if not spec.keep_weights or spec.version != self._kept_version:
+            self.release_kept()
+        self._kept_version = spec.version
         for a in plan.actions:
             if a.is_compute:
                 ups = [d for d in plan.deps[a] if d.op is Op.UPLOAD]
@@ -378,6 +393,23 @@ class Executor:
         action = Action(Op.DOWNLOAD, num_fwd, microbatch, carry.head_device)
         self._download_grads(ctx, device, lambda: grads, head_layers, done, action=action)
 
+    def release_kept(self) -> None:
+        """Release the weights a window's forward runs kept (module docstring), after their
+        last use (FIFO on the compute stream that used them)."""
+        for (index, _), weights in self._kept.items():
+            device = self.devices[index]
+            device.stream(StreamRole.COMPUTE).submit(
+                functools.partial(weights.release, device), label="kept.release"
+            )
+        self._kept.clear()
+
+    def _drop_kept(self) -> None:
+        """The kept weights released now (the streams are drained or stopped)."""
+        for (index, _), weights in self._kept.items():
+            with contextlib.suppress(Exception):
+                weights.release(self.devices[index])
+        self._kept.clear()
+
     def release(self, carry: Carry) -> None:
         """Drop a forward run's carry whose backward will never run (the imperative loop's
         forward without backward): its device tensors stop counting. The run has finished, so
@@ -401,9 +433,11 @@ class Executor:
                 device.reset()
                 # drained: no copy writes the staging buffers a failed run kept out any more
                 self._staging[device.index].reclaim()
+        self._drop_kept()
         self._replicas_reset()
 
     def close(self) -> None:
+        self._drop_kept()
         self._replicas.clear()
         self._previous = None
         for staging in self._staging.values():
@@ -420,6 +454,10 @@ class Executor:
         memory the plan frees first (prefetch depth) and for the layers' weight versions."""
         key = _GroupKey.of(a)
         layers = self._slot_layers(ctx.spec.plan, a.stage)
+        kept = self._kept.pop((a.device, a.stage), None) if ctx.spec.keep_weights else None
+        if kept is not None:  # this window's weights, left here by its last forward run
+            ctx.groups[key] = _Group(kept, layers)
+            return
         seen: dict[int, torch.Tensor] = {}
         for layer in layers:
             hl = self.store.layers[layer]
@@ -493,6 +531,10 @@ class Executor:
         key = _GroupKey.of(a)
         group = ctx.groups.pop(key)
         device = self.devices[a.device]
+        if ctx.spec.keep_weights and a.stage < ctx.spec.plan.num_fwd_stages:
+            self._kept[(a.device, a.stage)] = group.weights  # for the window's next forward
+            ctx.freed[key] = device.stream(StreamRole.COMPUTE).record()  # its last use
+            return
         downloads = any(d.op is Op.DOWNLOAD for d in ctx.spec.plan.deps[a])
         stream = device.stream(StreamRole.D2H if downloads else StreamRole.COMPUTE)
         if downloads and group.last_compute is not None:

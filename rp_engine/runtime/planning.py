@@ -166,6 +166,7 @@ class Planner:
         self._round_fitted = False
         self.residency = True  # weights may stay on a device between groups of a slot
         self.resident: tuple[int, ...] = ()  # slots the plans in use keep (chosen with the cuts)
+        self._keeps_forward: dict[Any, bool] = {}  # keeps_forward_weights() by plan
         self.boundary_bytes = 0  # one boundary state, once measured
         self.num_devices = num_devices
         self.num_microbatches = num_microbatches
@@ -532,6 +533,21 @@ class Planner:
         if ops is None and not resumed:
             self.last_plan = lowered
         return lowered
+
+    def keeps_forward_weights(self) -> bool:
+        """Whether a window's forward runs (the imperative loop's loss reads) may keep the
+        forward slots' weights on their devices until the window's next run (the executor's
+        module docstring): always without a device budget; with one, when every forward weight
+        fits beside the plan's validated peak (one device may end up holding them all)."""
+        budget = self.memory_budget_bytes
+        if budget is None:
+            return True
+        key = (self.fwd_cuts, self.bwd_cuts, self.round_size, self.prefetch_depth, self.resident)
+        if self._keeps_forward.get(key) is None:
+            costs = self._estimate()
+            forward = sum(costs.param_bytes) + costs.prefix_param_bytes  # every block's
+            self._keeps_forward[key] = self.validated_peak() + forward <= budget
+        return self._keeps_forward[key]
 
     def byte_costs(self) -> LayerCosts:
         """Layer costs with the model's real byte sizes (times are the estimate): what the

@@ -92,6 +92,9 @@ class RunSpec:
     factors: Sequence[float] | None = None
     closes_step: bool = False  # report layers ready to the optimizer when their grads land
     defer_head: bool = False  # keep the head's gradients on the device (imperative loop)
+    # a window's forward run (the imperative loop's read): its forward slots' weights stay on
+    # their devices for the window's next forward run at the same version (Executor._kept)
+    keep_weights: bool = False
     microbatch_offset: int = 0  # global micro-batch number of batches[0] (RNG seeds)
     # or each micro-batch's own global number (the loop's window, where an entry run alone
     # before leaves a gap); default offset + index

@@ -2,9 +2,11 @@
 
 A read runs the forward of the micro-batch it needs, alone, and nothing more: its backward
 waits for the window's one schedule, where the resumed micro-batches run their backward stages
-and the unread ones run whole. The devices' own counts show it: a step's weight uploads are
-train_batch's plus one forward run's per micro-batch that had to run early (before this change
-a read also ran that micro-batch's backward, or the whole window so far, on its own). With the
+and the unread ones run whole. The forward weights uploaded for the window's first read stay on
+the devices for its next reads (the weights do not change within a window). The devices' own
+counts show it: a step's weight uploads are train_batch's plus one forward run's for the first
+read and the head's slot for each further one (before this change a read also ran that
+micro-batch's backward, or the whole window so far, on its own, each uploading every weight). With the
 loader ``initialize(training_data=)`` returns, each window is announced ahead and runs as one
 schedule at its first forward: every read pattern uploads what train_batch uploads. Losses,
 gradient norms and weights are those of the loop that reads nothing.
@@ -88,6 +90,10 @@ def _train(pattern: str, *, engine_loader: bool, async_optimizer: bool = False) 
             ("bwd_uploads", engine.planner.plan(GAS, ops=BACKWARD_OPS)),
         ):
             out[key] = sum(1 for a in plan.actions if a.op is Op.UPLOAD)
+        fwd = engine.planner.plan(1, ops=FORWARD_OPS)
+        out["head_uploads"] = sum(
+            1 for a in fwd.actions if a.op is Op.UPLOAD and a.stage >= fwd.num_fwd_stages
+        )
     finally:
         engine.destroy()
     out["losses"] = [float(x) for x in out["losses"]]
@@ -113,7 +119,10 @@ def test_a_read_costs_one_forward_pass(unread: dict[str, Any], pattern: str) -> 
         # the window's run: whole micro-batches upload train_batch's weights; with every
         # micro-batch resumed it has backward stages only
         window_run = got["bwd_uploads"] if len(early) == GAS else unread["uploads"][step]
-        want = len(early) * got["fwd_uploads"] + window_run
+        # the first read uploads the forward weights, which stay for the window's next reads
+        # (the executor's kept weights): those upload the head's slot only
+        reads = got["fwd_uploads"] + (len(early) - 1) * got["head_uploads"] if early else 0
+        want = reads + window_run
         assert got["uploads"][step] == want, (step, early, got["uploads"], unread["uploads"])
         assert got["runs"][step] == len(early) + 1  # the forwards, then ONE for the window
     assert unread["runs"] == [1] * STEPS
