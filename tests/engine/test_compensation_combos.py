@@ -90,7 +90,8 @@ def test_predict_composes_and_leaves_the_masters_true(case: str, method: str) ->
         assert losses != none_losses
         if case == "fp16-overflow":  # the boundary this case is about did happen
             assert 0 < engine.skipped_steps < steps - 3, engine.skipped_steps
-        module = engine.module  # drains; publishes the masters over any prediction
+        engine.module.state_dict()  # a weight read through it drains; publishes the masters
+        module = engine.module  # (over any prediction), then it is the model itself
         trained = list(engine.store.owned_params())
         assert trained
         for hp in trained:
