@@ -36,7 +36,8 @@ from benchmarks.calibration import (
     layer_costs,
     solve_overhead,
 )
-from benchmarks.head_to_head import PRESETS, _overhead_run, build_model
+from benchmarks.calibration_runs import overhead_run
+from benchmarks.common import PRESETS, build_model
 from rp_engine.plan.advise import advise, format_table, score_point
 from rp_engine.plan.shapes import Shape
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "async_optimizer": True, "global_norm": True,
     }  # fmt: skip
     batch = {**preset, "mbs": DEFAULT["micro_batch"], "seq": SEQ, "gas": DEFAULT["grad_accum"]}
-    tiny_costs, tiny_rate, tiny_ms, _ = _overhead_run(batch, plan, DEVICES)
+    tiny_costs, tiny_rate, tiny_ms, _ = overhead_run(batch, plan, DEVICES)
     overhead = solve_overhead(tiny_costs, cpu_machine(DEVICES, None, tiny_rate), tiny_ms, **plan)[
         "overhead_ms"
     ]
