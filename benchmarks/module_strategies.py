@@ -53,7 +53,7 @@ SYSTEMS = ("traced", "whole_module", "traced_train_batch", "whole_module_train_b
 RP_SYSTEMS = ("traced", "whole_module", "traced_train_batch", "whole_module_train_batch")
 # a split point no model has: rp_engine refuses the trace and runs strategy (c) (module.py)
 FORCE_WHOLE = "__whole_module__"
-DEFAULT_JSON = Path(__file__).resolve().parent / "module_strategies.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "data" / "module_strategies.json"
 
 
 class Block(nn.Module):

@@ -78,7 +78,7 @@ from typing import Any
 
 from benchmarks.common import machine_info, one_rank_env
 
-DEFAULT_JSON = Path(__file__).resolve().parent / "nvme_bench.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "data" / "nvme_bench.json"
 DEFAULT_DIR = "/tmp/rp_nvme_bench"
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20

@@ -1,7 +1,7 @@
 """The advisor on CPU virtual devices: its configuration against rp-train's default, run side by
 side for the same model and tokens per step.
 
-    python -m benchmarks.advise_cpu [--steps 6] [--repeats 2] [--json out.json]
+    python -m benchmarks.studies.advise_cpu [--steps 6] [--repeats 2] [--json out.json]
 
 - Model: the head-to-head's quick model (``cpu-small``: Qwen3 shape, hidden 256, 6 layers, 4 heads,
   vocabulary 1,024, fp32, random weights), sequences of 128 tokens, AdamW lr 1e-4, clipping 1.0,
