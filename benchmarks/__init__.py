@@ -1,1 +1,1 @@
-"""Benchmarks of rp_engine: ``python -m benchmarks.head_to_head``, ``python -m benchmarks.projection``."""
+"""Benchmarks of rp_engine: benchmarks/README.md lists them, RESULTS.md has the figures."""

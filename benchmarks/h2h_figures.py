@@ -56,7 +56,7 @@ def simulated(result: dict[str, Any], prefix: str) -> list[str]:
     compute times, overhead and core share recorded by the run (its last repeat), byte sizes from the
     preset's model, the run's plan."""
     from benchmarks import calibration as cal
-    from benchmarks.head_to_head import PRESETS, build_model
+    from benchmarks.common import PRESETS, build_model
     from rp_engine.plan.partition import LayerCosts
 
     preset = PRESETS[result["config"]["model"]]

@@ -40,18 +40,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import roundpipe_lib
+from benchmarks.calibration_runs import in_engine_costs, overhead_run, plan_run
+from benchmarks.common import (
+    PRESETS,
+    batches,
+    build_model,
+    child_json,
+    ds_config,
+    loader_dataset,
+    machine_info,
+    one_rank_env,
+)
 from benchmarks.host_load import CoreShare
-from rp_engine.optim.jit_cache import with_own_ninja
 
 SYSTEMS = (
     "deepspeed", "roundpipe", "roundpipe_auto", "roundpipe_loop", "roundpipe_sync", "mobius",
@@ -68,87 +76,6 @@ LOSS_RTOL = 1e-3
 # sanity bound (a mis-scaled loss or a wrong data order is off by far more)
 LIB_LOSS_RTOL_BF16 = 2e-2
 MIN_CHILD_S = 30.0  # with --time-budget: no system's process starts with less time left
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # Qwen3-1.7B (public config), random weights: 1.72 B parameters; the GPU configuration
-    "qwen3-1.7b": {
-        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 151936, "tie_word_embeddings": True, "mbs": 4, "seq": 1024, "gas": 4,
-        "dtype": "bf16", "device_memory_gb": 24,
-    },
-    # Qwen3-8B shape: 16 GB of bf16 weights, does not train in 24 GB without offload
-    "qwen3-8b": {
-        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 151936, "tie_word_embeddings": False, "mbs": 4, "seq": 1024, "gas": 4,
-        "dtype": "bf16", "device_memory_gb": 24,
-    },
-    # the --quick CPU model: big enough that weights cost link time, small enough for 2 cores
-    "cpu-small": {
-        "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "vocab_size": 1024, "tie_word_embeddings": True, "mbs": 2, "seq": 128, "gas": 4,
-        "dtype": "fp32", "device_memory_gb": None,
-    },
-    # the test's model
-    "tiny": {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": 256, "tie_word_embeddings": True, "mbs": 2, "seq": 32, "gas": 4,
-        "dtype": "fp32", "device_memory_gb": None,
-    },
-}  # fmt: skip
-_RUN_KEYS = ("mbs", "seq", "gas", "dtype", "device_memory_gb")
-
-
-def ds_config(preset: dict[str, Any], *, devices: str | None, pcie_gbps: float | None) -> dict:
-    """The one config every system reads (DeepSpeed ignores the "roundpipe" section)."""
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": preset["mbs"],
-        "gradient_accumulation_steps": preset["gas"],
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95]}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-        },
-        # DeepSpeed trains on through a NaN in bf16/fp32; "ignore" is the same behaviour, and
-        # it lets rp_engine overlap consecutive iterations (README "Overlapping iterations")
-        "roundpipe": {"devices": devices, "on_nonfinite": "ignore"},
-    }
-    if preset["dtype"] == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if preset["device_memory_gb"]:
-        cfg["roundpipe"]["device_memory_gb"] = preset["device_memory_gb"]
-    if pcie_gbps:
-        cfg["roundpipe"]["pcie_gbps"] = pcie_gbps
-    return cfg
-
-
-def build_model(preset: dict[str, Any]) -> Any:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(**{k: v for k, v in preset.items() if k not in _RUN_KEYS}, use_cache=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(config)
-
-
-def batches(preset: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    import torch
-
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, preset["vocab_size"], (preset["mbs"], preset["seq"]), generator=gen)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
 
 
 # ---- one system, in its own process ----------------------------------------------------------
@@ -301,14 +228,6 @@ def _torch(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tu
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     return step, sync, dict, _nothing
-
-
-def one_rank_env() -> None:
-    """The launcher variables of a one-process DeepSpeed run (world size 1), where unset."""
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
 
 
 def _deepspeed(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
@@ -468,20 +387,6 @@ def roundpipe_setup(
 READS = ("after_step", "before_backward", "every_10th")
 
 
-def loader_dataset(data: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The samples of ``data`` (micro-batches of dicts) as a map-style data set that the loader
-    ``initialize(training_data=)`` builds (DeepSpeed's: a ``DistributedSampler``, shuffled with
-    seed 0) hands out as exactly ``data``, in order: sample j sits at the sampler's j-th index."""
-    from torch.utils.data import DistributedSampler
-
-    rows = [{k: v[i] for k, v in b.items()} for b in data for i in range(len(b["input_ids"]))]
-    order = list(DistributedSampler(rows, num_replicas=1, rank=0))
-    items: list[dict[str, Any]] = [{} for _ in rows]
-    for j, index in enumerate(order):
-        items[index] = rows[j]
-    return items
-
-
 def _calibrate(
     engine: Any,
     model: Any,
@@ -495,11 +400,11 @@ def _calibrate(
     - compute: each compute action's body through the executor's own path, as CPU time. Timed
       in isolation, by part (``executor_timing.executor_costs``), then rescaled per kind of slot
       to the CPU time the same actions took inside the engine on the same plan, run again with
-      this model and no emulated link (``_plan_run``); never the measured run's own figures;
+      this model and no emulated link (``plan_run``); never the measured run's own figures;
     - the link model, and the share of the cores other sessions left the run over its measured
       window (``host_load.CoreShare``);
     - the per-action host overhead, solved on the same plan run with a near-zero-compute model
-      whose compute is taken the same way (``_overhead_run``, ``calibration.solve_overhead``).
+      whose compute is taken the same way (``overhead_run``, ``calibration.solve_overhead``).
 
     For comparison: the isolated executor path alone, the plain layer timing
     (``calibration.layer_costs``), without the other sessions, without the overhead; as a
@@ -523,9 +428,9 @@ def _calibrate(
     window_share = getattr(args, "core_share", None) or CoreShare()  # over this run's window
     cores, k_max = float(os.cpu_count() or 1), n + 2  # devices, host overhead, optimizer
     share = window_share.shares(cores, k_max)
-    twin, _, _, spans = _plan_run(preset, shape, n, warmup=2, steps=3)
-    plain, timing, costs, engine_factors = _in_engine_costs(twin, preset, shape, n, spans)
-    tiny_costs, tiny_rate, tiny_ms, tiny_share = _overhead_run(preset, shape, n)
+    twin, _, _, spans = plan_run(preset, shape, n, warmup=2, steps=3)
+    plain, timing, costs, engine_factors = in_engine_costs(twin, preset, shape, n, spans)
+    tiny_costs, tiny_rate, tiny_ms, tiny_share = overhead_run(preset, shape, n)
     tiny_machine = cal.cpu_machine(n, None, tiny_rate, host_share=tiny_share.shares(cores, k_max))
     solved = cal.solve_overhead(tiny_costs, tiny_machine, tiny_ms, **shape)
     solved["host_share"] = list(tiny_machine.host_share)
@@ -576,86 +481,6 @@ def _calibrate(
         "cpu_adam_params_per_s": rate,
         "machine": machine.name,
     }
-
-
-OVERHEAD_SHAPE = {  # the near-zero-compute model of the overhead run: the layers, no FLOPs
-    "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 64,
-}  # fmt: skip
-
-
-def _plan_run(
-    preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int, steps: int
-) -> tuple[Any, float, CoreShare, list[tuple[str, float]]]:
-    """The engine on the measured run's plan (``shape``: schedule, cuts, round size, optimizer
-    mode; same devices, micro-batches, tokens, layer count) with ``preset``'s model and no
-    emulated link. Returns the model, the ms per step (timed between two synchronisations, as
-    the real run), the cores other sessions left it meanwhile, and the CPU time of each compute
-    action's body in the timed steps (``executor_timing.compute_cpu_spans``)."""
-    import rp_engine
-    from benchmarks import calibration as cal
-    from benchmarks.executor_timing import compute_cpu_spans
-
-    cfg = ds_config(preset, devices=f"cpu:{num_devices}", pcie_gbps=None)
-    cfg["roundpipe"].update(
-        async_optimizer=shape["async_optimizer"],
-        schedule=shape["schedule"],
-        round_size=shape["round_size"],
-    )
-    if shape["schedule"] != "mobius":  # Mobius binds its blocks itself (the same cuts)
-        cfg["roundpipe"].update(fwd_cuts=list(shape["fwd_cuts"]), bwd_cuts=list(shape["bwd_cuts"]))
-    model = build_model(preset)
-    engine, _, _, _ = rp_engine.initialize(model=model, config=cfg)
-    wall = cal.default_threads(num_devices) > 1  # the compute thread alone holds its CPU time
-    try:
-        it = iter(batches(preset, (warmup + steps) * preset["gas"]))
-        for _ in range(warmup):
-            engine.train_batch(it)
-        engine.synchronize()
-        with CoreShare() as load, compute_cpu_spans(wall) as spans:
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.train_batch(it)
-            engine.synchronize()
-            ms = (time.perf_counter() - start) / steps * 1e3
-        ran = (tuple(engine.planner.fwd_cuts), tuple(engine.planner.bwd_cuts))
-    finally:
-        engine.destroy()
-    if ran != (tuple(shape["fwd_cuts"]), tuple(shape["bwd_cuts"])):
-        raise RuntimeError(f"a calibration run planned {ran}, not the measured run's cuts")
-    return model, ms, load, spans
-
-
-def _in_engine_costs(
-    model: Any, preset: dict[str, Any], shape: dict[str, Any], num_devices: int, spans: list
-) -> tuple[Any, Any, Any, dict[str, float]]:
-    """``model``'s plain layer costs, its executor-path costs (isolated, by part) and the same
-    rescaled, per kind of slot, to the CPU time its compute actions took inside the engine
-    (``spans``: ``calibration.in_run_costs``), with the factors."""
-    from benchmarks import calibration as cal
-    from benchmarks.executor_timing import executor_costs
-
-    threads = cal.default_threads(num_devices)
-    plain = cal.layer_costs(model, preset["mbs"], preset["seq"], threads=threads)
-    timing = executor_costs(model, plain, preset["mbs"], preset["seq"], threads=threads)
-    costs, factors = cal.in_run_costs(timing.costs, shape["fwd_cuts"], shape["bwd_cuts"], spans)
-    return plain, timing, costs, factors
-
-
-def _overhead_run(
-    preset: dict[str, Any], shape: dict[str, Any], num_devices: int, warmup: int = 2, steps: int = 6
-) -> tuple[Any, float, float, CoreShare]:
-    """``_plan_run`` with a near-zero-compute model (``OVERHEAD_SHAPE``): returns its compute
-    costs as they ran in the engine (``_in_engine_costs``, so the fixed per-action parts of a
-    compute body count once: in compute, not in the overhead), its CPU Adam rate, the measured
-    ms per step and the cores other sessions left it."""
-    from benchmarks import calibration as cal
-
-    tiny = {**preset, **OVERHEAD_SHAPE}
-    model, ms, load, spans = _plan_run(tiny, shape, num_devices, warmup, steps)
-    _, _, costs, _ = _in_engine_costs(model, tiny, shape, num_devices, spans)
-    rate = cal.cpu_adam_rate(sum(p.numel() for p in model.parameters()))
-    return costs, rate, ms, load
 
 
 def _roundpipe_lib(preset: dict, data: list, cuda: bool, args: argparse.Namespace) -> tuple:
@@ -719,54 +544,6 @@ def run_child(
     if not args.calibrate:
         cmd += ["--no-calibrate"]
     return child_json(cmd, system, timeout=timeout, child_log=args.child_log)
-
-
-def child_json(
-    cmd: list[str], system: str, *, timeout: float | None, child_log: str | None
-) -> dict[str, Any]:
-    """Run one system's process (``cmd``, from the repository root) and return the dict of its
-    last ``JSON:`` line, or ``{"system", "error"}`` when it failed or ran past ``timeout``."""
-    root = Path(__file__).resolve().parent.parent
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-        # DeepSpeed's JIT ops are built by this environment's ninja, as make builds them:
-        # another ninja first on PATH would rebuild every op in the shared cache
-        "PATH": with_own_ninja(os.environ.get("PATH", "")),
-    }
-    # OpenMP threads that spin at barriers are preempted on a shared, oversubscribed machine
-    # (DeepSpeed's step went from 0.3 s to 6-10 s here); sleeping waits treat every system alike
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, cwd=root, env=env, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as exc:  # killed: the next system still gets its turn
-        _log_child(child_log, system, _text(exc.stderr))
-        # a row printed before the process hung (in a library's exit handlers, say) stands
-        done = [ln for ln in _text(exc.stdout).splitlines() if ln.startswith("JSON:")]
-        if done:
-            return {**json.loads(done[-1][5:]), "killed_after_row": f"{timeout:g} s"}
-        return {"system": system, "error": [f"timed out after {timeout:g} s"]}
-    _log_child(child_log, system, proc.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")]
-    if proc.returncode or not lines:
-        return {"system": system, "error": proc.stderr.strip().splitlines()[-8:]}
-    return json.loads(lines[-1][5:])
-
-
-def _text(out: str | bytes | None) -> str:
-    """A timed-out child's captured output (bytes or None, whatever ``text`` asked)."""
-    if isinstance(out, bytes):
-        return out.decode(errors="replace")
-    return out or ""
-
-
-def _log_child(child_log: str | None, system: str, stderr: str) -> None:
-    """Append a child's whole stderr to ``--child-log`` (DeepSpeed's set-up logs, tracebacks)."""
-    if child_log:
-        with open(child_log, "a") as f:
-            f.write(f"---- {system} ----\n{stderr}\n")
 
 
 def _append_jsonl(path: str, model: str, repeat: int, row: dict[str, Any]) -> None:
@@ -859,20 +636,6 @@ def lib_loss_agreement(systems: dict[str, Any], *, fp32: bool = True) -> dict[st
     rtol = LOSS_RTOL if fp32 else LIB_LOSS_RTOL_BF16
     return {"checked": True, "against": "roundpipe", "rel": rel, "max_rel": max(rel),
             "rtol": rtol, "ok": max(rel) <= rtol}  # fmt: skip
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    info = {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "processor": platform.processor() or platform.machine(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def format_table(result: dict[str, Any]) -> str:

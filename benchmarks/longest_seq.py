@@ -61,7 +61,7 @@ PUBLISHED: dict[str, dict[str, str]] = {
 def probe_preset(model: str, seq: int, budget_gib: float, layers: int | None) -> dict[str, Any]:
     """The head-to-head preset ``model`` at micro-batch 1 x ``seq`` tokens, one micro-batch per
     step, ``device_memory_gb`` = the budget, optionally ``layers`` decoder layers."""
-    from benchmarks.head_to_head import PRESETS
+    from benchmarks.common import PRESETS
 
     preset = dict(PRESETS[model])
     preset.update(mbs=1, seq=seq, gas=1, device_memory_gb=budget_gib)
@@ -83,7 +83,7 @@ def run_probe(
     probe is its own process, which ends right after)."""
     import torch
 
-    from benchmarks.head_to_head import batches, build_model, ds_config
+    from benchmarks.common import batches, build_model, ds_config
 
     cuda = devices.startswith("cuda")
     budget = int(budget_gib * GIB)
@@ -203,7 +203,7 @@ def advisor_prediction(preset: dict[str, Any], budget_gib: float) -> int | None:
 
 def _child_probe(seq: int, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     """One probe in its own process; a crash or timeout is a failed probe with the reason."""
-    from benchmarks.head_to_head import child_json
+    from benchmarks.common import child_json
 
     cmd = [sys.executable, "-m", "benchmarks.longest_seq", "--probe", str(seq)]
     cmd += ["--model", args.model, "--budget-gib", str(args.budget_gib)]
@@ -245,7 +245,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--model", default="qwen3-1.7b", help="a head_to_head preset")
+    p.add_argument("--model", default="qwen3-1.7b", help="a preset of benchmarks/common.py")
     p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     p.add_argument("--budget-gib", type=float, default=24.0, help="device memory budget, GiB")
     p.add_argument("--devices", default="cuda", help="rp_engine devices: cuda or cpu:N")

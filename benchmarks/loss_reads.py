@@ -29,12 +29,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import PRESETS, machine_info
 from benchmarks.head_to_head import (
-    PRESETS,
     READS,
     SETUP,
     aggregate,
-    machine_info,
     roundpipe_setup,
     run_child,
     run_system,

@@ -7,7 +7,7 @@ The model is a plain ``nn.Module`` that is not a Hugging Face model: a residual 
 (``embed`` Linear, ``--blocks`` pre-norm residual MLP blocks in an ``nn.ModuleList``, a final
 LayerNorm and ``out`` Linear; ``forward(x, y)`` returns the cross-entropy). Three systems train
 it with DeepSpeed's own loop (``loss = engine(x, y); engine.backward(loss); engine.step()``),
-from the same weights (one seed), data, optimizer and ds_config (``head_to_head.ds_config``:
+from the same weights (one seed), data, optimizer and ds_config (``common.ds_config``:
 ZeRO-3, params and optimizer offloaded to CPU, AdamW, clipping 1.0):
 
 - ``traced``: rp_engine, its default for this model, strategy (b): torch.fx traces the model and
@@ -46,14 +46,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.head_to_head import child_json, ds_config, machine_info, one_rank_env
+from benchmarks.common import child_json, ds_config, machine_info, one_rank_env
 from benchmarks.host_load import CoreShare
 
 SYSTEMS = ("traced", "whole_module", "traced_train_batch", "whole_module_train_batch", "deepspeed")
 RP_SYSTEMS = ("traced", "whole_module", "traced_train_batch", "whole_module_train_batch")
 # a split point no model has: rp_engine refuses the trace and runs strategy (c) (module.py)
 FORCE_WHOLE = "__whole_module__"
-DEFAULT_JSON = Path(__file__).resolve().parent / "module_strategies.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "data" / "module_strategies.json"
 
 
 class Block(nn.Module):

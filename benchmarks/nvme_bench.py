@@ -76,9 +76,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks.head_to_head import machine_info, one_rank_env
+from benchmarks.common import machine_info, one_rank_env
 
-DEFAULT_JSON = Path(__file__).resolve().parent / "nvme_bench.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "data" / "nvme_bench.json"
 DEFAULT_DIR = "/tmp/rp_nvme_bench"
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -517,7 +517,7 @@ def run_child(spec: dict[str, Any], timeout: float, child_log: str | None) -> di
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    # sleeping OpenMP waits on a shared 2-core machine (benchmarks/head_to_head.py, child_json)
+    # sleeping OpenMP waits on a shared 2-core machine (benchmarks/common.py, child_json)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault(
         "TORCH_EXTENSIONS_DIR",

@@ -49,7 +49,7 @@ DS_ADAM_EPS, DS_ADAM_WEIGHT_DECAY = 1e-8, 0.0
 
 def lib_config(preset: dict[str, Any], ds: dict[str, Any]) -> dict[str, Any]:
     """The library's arguments for ``preset``, read from ``ds``, the ds_config every other
-    system runs with (``head_to_head.ds_config(preset, devices=None, pcie_gbps=None)``), so
+    system runs with (``common.ds_config(preset, devices=None, pcie_gbps=None)``), so
     they cannot drift from the other systems': micro-batch, accumulation, dtype, AdamW
     hyper-parameters, clipping, the device budget. JSON-able (it goes into the row).
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import calibration
+from benchmarks.common import PRESETS, build_model
 from benchmarks.executor_timing import PARTS, executor_costs
-from benchmarks.head_to_head import PRESETS, build_model
 from benchmarks.host_load import CoreShare, other_sessions_demand, water_fill
 
 TINY = PRESETS["tiny"]
@@ -78,8 +78,8 @@ def test_compute_cpu_spans_record_every_compute_action_of_a_step() -> None:
     """Inside the block each compute action the engine runs is recorded once (its text and
     its CPU time); outside it the executor is untouched."""
     import rp_engine
+    from benchmarks.common import batches, ds_config
     from benchmarks.executor_timing import compute_cpu_spans
-    from benchmarks.head_to_head import batches, ds_config
     from rp_engine.plan.actions import Op, parse_action
     from rp_engine.runtime.executor import Executor
 

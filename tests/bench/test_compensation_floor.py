@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.compensation_floor import VARIANTS, Terms, avx2_fma, load, main
+from benchmarks.studies.compensation_floor import VARIANTS, Terms, avx2_fma, load, main
 from rp_engine.optim import publish_kernel
 
 pytestmark = pytest.mark.skipif(

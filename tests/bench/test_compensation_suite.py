@@ -1,6 +1,6 @@
 """Issue 43: ``staleness_compensation: "auto"`` is chosen by its worst case.
 
-The suite's runs (benchmarks/compensation_suite.py) follow the engine's resolution of "auto"
+The suite's runs (benchmarks/studies/compensation_suite.py) follow the engine's resolution of "auto"
 (``rp_engine.optim.stepper.staleness_compensation``), so these tests judge the engine's rule:
 
 - on issue 43's own task (a small Qwen2 on synthetic sequences at 2e-3, no clipping, no
@@ -10,8 +10,8 @@ The suite's runs (benchmarks/compensation_suite.py) follow the engine's resoluti
 - where staleness costs (a plain-MLP regression, a wider Qwen3 on text with warm-up), "auto"
   closes at least half of plain async's gap to sync. With "auto" resolving to "none" this fails;
 - the suite's loop is the pure-PyTorch reference the engine is tested against
-  (benchmarks/staleness_reference.py; tests/engine/test_compensation_combos.py): the same losses
-  on the reference's own task, so the suite measures the engine's methods.
+  (benchmarks/studies/staleness_reference.py; tests/engine/test_compensation_combos.py): the same
+  losses on the reference's own task, so the suite measures the engine's methods.
 
 Each run is a few seconds of pure PyTorch on one thread.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import compensation_suite as suite
-from benchmarks import staleness_reference as reference
-from benchmarks.compensation_tasks import TASKS, Task, lm_loss
+from benchmarks.studies import compensation_suite as suite
+from benchmarks.studies import staleness_reference as reference
+from benchmarks.studies.compensation_tasks import TASKS, Task, lm_loss
 from rp_engine.train.cli import batches, build_tiny_model
 
 TOL = suite.TOLERANCE

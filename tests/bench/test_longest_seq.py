@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.head_to_head import PRESETS
+from benchmarks.common import PRESETS
 from benchmarks.longest_seq import advisor_prediction, format_table, probe_preset, search
 
 

@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks import roundpipe_lib
+from benchmarks.common import PRESETS, ds_config
 from benchmarks.head_to_head import (
-    PRESETS,
     _append_jsonl,
     aggregate,
-    ds_config,
     format_table,
     lib_loss_agreement,
     run_child,
@@ -159,7 +158,7 @@ import roundpipe.device as device
 device.get_min_gpu_memory = lambda: 24.0
 import torch
 from roundpipe.models import qwen3
-from benchmarks.head_to_head import PRESETS, batches, build_model
+from benchmarks.common import PRESETS, batches, build_model
 from benchmarks.roundpipe_lib import adapt_qwen3_preset
 
 preset = PRESETS["tiny"]

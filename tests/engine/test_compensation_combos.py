@@ -6,8 +6,8 @@ when the publish predicts), LoRA (only the adapters are stepped and predicted), 
 
 With the tier the result must be the host-resident one bit for bit, as for every other mode
 (test_nvme_tier.py). With and without clipping, "lookahead" and "lookahead_dc" equal the
-pure-PyTorch forms of benchmarks/staleness_reference.py (torch AdamW, the staleness-1 rule and the
-publish written out in plain tensor operations), to rounding. With LoRA and fp16 loss scaling
+pure-PyTorch forms of benchmarks/studies/staleness_reference.py (torch AdamW, the staleness-1 rule and
+the publish written out in plain tensor operations), to rounding. With LoRA and fp16 loss scaling
 there is no other implementation to equal, so the checks are: prediction is active (the losses
 leave "none"'s once a predicted version is read), training stays finite, and afterwards the
 module holds the true masters, not a prediction.
@@ -25,7 +25,7 @@ from engine_helpers import assert_close_named, config, engine_for, train_with_no
 from models import lora_qwen3, tiny_qwen3
 from nvme_helpers import nvme_config, run, train
 
-from benchmarks import staleness_reference as reference
+from benchmarks.studies import staleness_reference as reference
 from rp_engine.optim.stepper import staleness_compensation
 from rp_engine.train.cli import batches, build_tiny_model
 
@@ -119,14 +119,14 @@ def test_delay_compensation_with_the_parameter_tier_equals_host_resident(tmp_pat
         assert torch.equal(tier["weights"][name], w), name
 
 
-# --- against the pure-PyTorch reference (benchmarks/staleness_reference.py) ---------------------
+# --- against the pure-PyTorch reference (benchmarks/studies/staleness_reference.py) -------------
 # Its model and data (a 2-layer, hidden-64 tiny Qwen3 in fp32, corpus windows of 32 tokens,
 # micro-batch 4 x accumulation 4), torch AdamW at lr 2e-3 without weight decay; "dce:0.01" is
 # "lookahead_dc" as the engine computes it (rho 0.01, the norm kept per 64K block).
 REF_STEPS, REF_LR, REF_SEED = 5, 2e-3, 0
 FORMS = {"lookahead": "lookahead", "lookahead_dc": "dce:0.01"}
 # "auto": the form of the method it resolves to (issue 43: "lookahead", chosen on
-# benchmarks/compensation_suite.py), so the engine's "auto" is checked to run that method
+# benchmarks/studies/compensation_suite.py), so the engine's "auto" is checked to run that method
 FORMS["auto"] = FORMS[staleness_compensation("auto", async_mode=True, can_predict=True,
                                              data_parallel=False)]  # fmt: skip
 # The gradient norms are about 2-3 over these steps: 0.5 clips every step (asserted; coefficient

@@ -3,7 +3,7 @@
 A learnable task (byte-level LM on the standard library's documentation, the rp-train default
 data), a small model, 60 steps: both runs learn, and the async run's tail stays close to the
 sync run's. The long claim (300 steps, a learning-rate sweep, within 2 % at fine-tuning rates)
-is a benchmark: ``benchmarks/engine_bench.py convergence`` (figures in RESULTS.md).
+is a benchmark: ``benchmarks/studies/engine_bench.py convergence`` (figures in RESULTS.md).
 """
 
 from __future__ import annotations

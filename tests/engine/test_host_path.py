@@ -728,7 +728,7 @@ def test_adam_kernel_calls_are_bounded_slices_so_other_threads_get_the_gil(
     """DeepSpeed's binding holds the GIL for a whole ``adam_update`` call, so a pipeline thread
     waits at most one call: every call must cover at most ``slice_elems`` elements, and one
     step of n elements takes ceil(n / slice) calls. Counted, not timed; the pause a Python
-    thread sees is measured in benchmarks/host_path_bench.py gil (RESULTS.md). The GIL-free
+    thread sees is measured in benchmarks/studies/host_path_bench.py gil (RESULTS.md). The GIL-free
     call (``roundpipe.release_gil``) is sliced the same way (each slice's publish reads it
     from cache)."""
     n, size = 10_000, 1024

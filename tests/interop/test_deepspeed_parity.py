@@ -17,7 +17,7 @@ from models import random_batch, tiny_qwen3
 from subprocess_helpers import run_json
 
 import rp_engine
-from benchmarks.head_to_head import loader_dataset
+from benchmarks.common import loader_dataset
 
 SPEC = {
     "layers": 4,

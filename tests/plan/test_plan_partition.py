@@ -180,7 +180,7 @@ def test_small_shapes_partition_and_validate(layers: int, n: int, m: int) -> Non
 
 
 def test_partition_search_on_94_layers_finishes() -> None:
-    # the time is reported by benchmarks/bubble_table.py, never asserted here
+    # the time is reported by benchmarks/studies/bubble_table.py, never asserted here
     rng = random.Random(94)
     costs = LayerCosts(
         fwd_ms=[rng.uniform(8, 12) for _ in range(94)],

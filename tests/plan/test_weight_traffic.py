@@ -138,7 +138,7 @@ def test_the_prefetch_bound_agrees_with_validate(
 @pytest.mark.slow
 def test_the_advisor_finds_the_235b_best_on_the_4090() -> None:
     """The case the depth-0 copies and the whole-step rounds fixed: the advisor chose 1 x 64
-    (64), simulated 18 % below 2 x 64 (64), the best of benchmarks/advise_grid.py's
+    (64), simulated 18 % below 2 x 64 (64), the best of benchmarks/studies/advise_grid.py's
     exhaustive search (its pass 1 never passed the latter on)."""
     shape, machine = SHAPES["qwen3-235b-lora"], load_machine("rtx4090_pcie4_8x")
     best = advise(shape, machine, top=1)[0]

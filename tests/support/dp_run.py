@@ -7,7 +7,7 @@ over all ranks), ``async``, ``clip``, ``save_dir`` / ``save_at`` (checkpoint aft
 ``load_dir`` (resume from its latest), ``out`` (folder for ``weights_rank{r}.pt``),
 ``timeout_s`` (process-group timeout), ``stall_rank`` (that rank stops taking part after
 initialize: the others' collectives time out), ``seq`` / ``hidden`` / ``layers`` (model and
-batch size, for benchmarks/dp_scaling.py), ``imperative`` (DeepSpeed's forward / backward /
+batch size, for benchmarks/studies/dp_scaling.py), ``imperative`` (DeepSpeed's forward / backward /
 step loop instead of ``train_batch``). Rank 0 prints ``JSON:{...}`` (losses, step times).
 """
 

@@ -62,7 +62,9 @@ ONLY: Mapping[str, frozenset[str]] = {
 ABOVE = ("benchmarks", "tests", "launch")
 # benchmarks that reuse the test suite's helpers (module -> why); nothing else imports tests/
 BENCHMARKS_IMPORTING_TESTS: Mapping[str, str] = {
-    "benchmarks.reliability": "its fault scenarios build engines from tests/support's tiny models",
+    "benchmarks.studies.reliability": (
+        "its fault scenarios build engines from tests/support's tiny models"
+    ),
 }
 
 Edge = tuple[str, str, int]  # (importer, imported, line)

@@ -245,7 +245,8 @@ def test_config_key_and_resolution() -> None:
     assert "roundpipe.staleness_compensation" in text
     choices = ('"none"', '"auto"', '"predict"', '"lookahead"', '"lookahead_dc"')
     assert all(c in text for c in choices), text
-    # issue 43: "auto" is "lookahead", chosen by its worst case (benchmarks/compensation_suite.py)
+    # issue 43: "auto" is "lookahead", chosen by its worst case
+    # (benchmarks/studies/compensation_suite.py)
     assert (
         staleness_compensation("auto", async_mode=True, can_predict=True, data_parallel=False)
         == "lookahead"

@@ -1,10 +1,10 @@
 """How cheap can staleness compensation get on this CPU? (issue 28's cost target)
 
-    python -m benchmarks.compensation_floor [--elems 8388608] [--repeats 12] [--out F.json]
+    python -m benchmarks.studies.compensation_floor [--elems 8388608] [--repeats 12] [--out F.json]
 
 ``engine_bench.py compensation_cost`` times the engine's layer step with compensation on and
 off. This one asks what any implementation could reach here: hand-vectorized AVX2 + FMA variants
-of the fused compensated step (``benchmarks/csrc/compensation_floor.c``, compiled with the
+of the fused compensated step (``benchmarks/studies/csrc/compensation_floor.c``, compiled with the
 engine's own kernel flags), timed interleaved with DeepSpeed's ``adam_update`` + cast ("off",
 what the engine runs without compensation) and with what it runs with compensation, on one
 tensor of ``--elems`` fp32 masters stepped in the engine's 2M-element slices on all cores. Each

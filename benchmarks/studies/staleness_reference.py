@@ -41,7 +41,7 @@ Each run also reports the held-out loss of its final masters (``held_out_loss``:
 the same for every run), the quality of what it produces apart from the weights its
 iterations happened to read.
 
-    python -m benchmarks.staleness_reference --lr 2e-3 --modes sync,stale,predict,lookahead
+    python -m benchmarks.studies.staleness_reference --lr 2e-3 --modes sync,stale,predict,lookahead
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """Host-path benchmarks: gradient accumulation into the fp32 arena and the optimizer step tail.
 
-    python benchmarks/host_path_bench.py accumulate   # bf16 -> fp32 GB/s: old add_ vs arena
-    python benchmarks/host_path_bench.py tail         # sync step tail, old vs new, N-param store
-    python benchmarks/host_path_bench.py all          # both, then the 1.7B projection
-    python benchmarks/host_path_bench.py gil          # a Python thread's longest pause during
-                                                      # CPU Adam: sliced vs one kernel call
-    python benchmarks/host_path_bench.py norm         # the step's squared norm: host pass over
-                                                      # the fp32 gradients vs device-side norms
-    python benchmarks/host_path_bench.py grad_alloc   # host memory allocated per step for the
-                                                      # gradient downloads: a baseline commit's
-                                                      # code vs this tree's (engine runs)
+    python benchmarks/studies/host_path_bench.py BENCH [options], BENCH one of:
+
+    accumulate  bf16 -> fp32 GB/s: old add_ vs arena
+    tail        sync step tail, old vs new, N-param store
+    all         both, then the 1.7B projection
+    gil         a Python thread's longest pause during CPU Adam: sliced vs one kernel call
+    norm        the step's squared norm: host pass over the fp32 gradients vs device-side norms
+    grad_alloc  host memory allocated per step for the gradient downloads: a baseline commit's
+                code vs this tree's (engine runs)
 
 Old and new run interleaved in one process (A B A B ...), so machine noise hits both alike;
 "grad_alloc" counts bytes, not time: it runs the baseline commit's rp_engine (``git archive``)
@@ -495,7 +494,7 @@ def _staging_bytes(engine: Any) -> int:
 
 def _baseline_tree(ref: str, into: str) -> str:
     """``rp_engine`` of commit ``ref`` extracted under ``into`` (for PYTHONPATH)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     archive = subprocess.run(
         ["git", "-C", root, "archive", ref, "rp_engine"], check=True, capture_output=True
     ).stdout
@@ -506,7 +505,7 @@ def _baseline_tree(ref: str, into: str) -> str:
 def bench_grad_alloc(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per run configuration: the baseline commit's code and this tree's, each in its own
     process (same model, batches and steps), side by side."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"before": _baseline_tree(args.baseline, tmp), "after": here}

@@ -5,7 +5,7 @@ the output), then times the partition search on a 94-layer model (reported, neve
 and prints the markdown section "## Schedule simulation (Qwen3-1.7B bubble table)". With
 ``--write`` the section replaces its namesake in benchmarks/RESULTS.md (other sections kept).
 
-    .venv/bin/python benchmarks/bubble_table.py --write
+    .venv/bin/python benchmarks/studies/bubble_table.py --write
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: benchmarks/studies/)
 COSTS = "benchmarks/costs/qwen3_1_7b.json"
 SECTION = "## Schedule simulation (Qwen3-1.7B bubble table)"
 BOUND_8 = "3,3,4,4,4,4,4,2"
@@ -180,7 +179,7 @@ def table() -> str:
         f"{t_async:.2f} s (async objective)."
     )
     lines.append("")
-    lines.append("Table produced by `.venv/bin/python benchmarks/bubble_table.py --write`.")
+    lines.append("Table produced by `.venv/bin/python benchmarks/studies/bubble_table.py --write`.")
     return "\n".join(lines) + "\n"
 
 
@@ -202,7 +201,7 @@ def main() -> None:
     text = table()
     print(text)
     if args.write:
-        write_section(text, HERE / "RESULTS.md")
+        write_section(text, ROOT / "benchmarks" / "RESULTS.md")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Data-parallel scaling on this machine: 1 process vs 2 processes (gloo, localhost), side by side.
 
-    python benchmarks/dp_scaling.py [--reps 3] [--steps 6] [--hidden 256] [--layers 4] [--seq 64]
+    python benchmarks/studies/dp_scaling.py [--reps 3] [--steps 6] [--hidden 256] [--layers 4] \
+        [--seq 64]
 
 Each repetition runs one process on the whole global batch (GAS 4; with 1 and with 2 torch
 threads), then ``torchrun --nproc_per_node 2`` with GAS 2 per rank (the same global batch, 1
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: benchmarks/studies/)
 TESTS = ROOT / "tests" / "support"  # dp_run.py and its helpers
 
 

@@ -10,7 +10,7 @@ as a side-by-side ratio. rp_engine runs plain ``Trainer`` and ``RoundPipeTrainer
 fused LM head), plain SFTTrainer on both sides; also Trainer's ``eval_runtime`` (rp_engine:
 evaluation through the engine).
 
-    .venv/bin/python benchmarks/hf_trainer_bench.py [--devices cpu:2] [--steps 8] [--trl]
+    .venv/bin/python benchmarks/studies/hf_trainer_bench.py [--devices cpu:2] [--steps 8] [--trl]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: benchmarks/studies/)
 TESTS = ROOT / "tests" / "support"  # the Trainer/TRL children and their helpers
 SHARED = Path(os.environ.get("RP_SHARED_DIR", ROOT.parent / "shared"))
 FIXTURE = SHARED / "fixtures" / "ds_configs" / "hf_zero3_offload_auto.json"

@@ -1,4 +1,4 @@
-"""The tasks of the staleness-compensation suite (benchmarks/compensation_suite.py, issue 43).
+"""The tasks of the staleness-compensation suite (studies/compensation_suite.py, issue 43).
 
 A task is everything one training run needs apart from the compensation method: a model
 builder, a stream of micro-batches, the loss, and the optimizer's regime (learning rate,

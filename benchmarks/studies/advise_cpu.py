@@ -1,7 +1,7 @@
 """The advisor on CPU virtual devices: its configuration against rp-train's default, run side by
 side for the same model and tokens per step.
 
-    python -m benchmarks.advise_cpu [--steps 6] [--repeats 2] [--json out.json]
+    python -m benchmarks.studies.advise_cpu [--steps 6] [--repeats 2] [--json out.json]
 
 - Model: the head-to-head's quick model (``cpu-small``: Qwen3 shape, hidden 256, 6 layers, 4 heads,
   vocabulary 1,024, fp32, random weights), sequences of 128 tokens, AdamW lr 1e-4, clipping 1.0,
@@ -36,7 +36,8 @@ from benchmarks.calibration import (
     layer_costs,
     solve_overhead,
 )
-from benchmarks.head_to_head import PRESETS, _overhead_run, build_model
+from benchmarks.calibration_runs import overhead_run
+from benchmarks.common import PRESETS, build_model
 from rp_engine.plan.advise import advise, format_table, score_point
 from rp_engine.plan.shapes import Shape
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "async_optimizer": True, "global_norm": True,
     }  # fmt: skip
     batch = {**preset, "mbs": DEFAULT["micro_batch"], "seq": SEQ, "gas": DEFAULT["grad_accum"]}
-    tiny_costs, tiny_rate, tiny_ms, _ = _overhead_run(batch, plan, DEVICES)
+    tiny_costs, tiny_rate, tiny_ms, _ = overhead_run(batch, plan, DEVICES)
     overhead = solve_overhead(tiny_costs, cpu_machine(DEVICES, None, tiny_rate), tiny_ms, **plan)[
         "overhead_ms"
     ]

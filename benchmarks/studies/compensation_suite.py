@@ -1,10 +1,10 @@
 """The staleness-compensation suite that ``"auto"`` is chosen on (issue 43).
 
-Every task of benchmarks/compensation_tasks.py is trained once per method and seed (a seed
+Every task of benchmarks/studies/compensation_tasks.py is trained once per method and seed (a seed
 fixes the model and the batches, the same for every method), in a pure-PyTorch loop with the engine's staleness-1 rule: a copy
 of the model holds the weights an iteration reads, which miss the previous iteration's update
 (iteration t reads w_{t-2}, or the prediction published for it). The forms are those of
-benchmarks/staleness_reference.py, which the engine equals to rounding
+benchmarks/studies/staleness_reference.py, which the engine equals to rounding
 (tests/engine/test_compensation_combos.py):
 
 - ``sync``: no staleness; ``stale``: plain async, the masters published as they are;
@@ -26,9 +26,10 @@ a method closes. The criteria "auto" is chosen by (``summary``): on every task n
 plain async by more than ``TOLERANCE`` of its loss, and on average closing at least half of
 plain async's gap (over the tasks where that gap exceeds ``TOLERANCE``).
 
-    python -m benchmarks.compensation_suite --jsonl suite.jsonl   # every task, method, seed
-    python -m benchmarks.compensation_suite --tasks seq-qwen2-2e-3 --methods stale,auto --seeds 0
-    python -m benchmarks.compensation_suite --table-from suite.jsonl   # the table again
+    python -m benchmarks.studies.compensation_suite --jsonl suite.jsonl   # every task, method, seed
+    python -m benchmarks.studies.compensation_suite --tasks seq-qwen2-2e-3 \
+        --methods stale,auto --seeds 0
+    python -m benchmarks.studies.compensation_suite --table-from suite.jsonl   # the table again
 
 Prints one JSON line per run (and appends it to ``--jsonl``), then a markdown table (every task,
 every method, the gap to sync; where ``auto`` lands) and each method against the criteria. One
@@ -49,8 +50,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.compensation_tasks import TASKS, Task
-from benchmarks.staleness_reference import _engine_dc, _published, read_iteration
+from benchmarks.studies.compensation_tasks import TASKS, Task
+from benchmarks.studies.staleness_reference import _engine_dc, _published, read_iteration
 from rp_engine.optim.delay_compensation import RHO
 from rp_engine.optim.stepper import staleness_compensation
 

@@ -1,7 +1,7 @@
 /* How cheap can staleness compensation get on this CPU? Hand-vectorized AVX2 + FMA variants of
  * rp_engine's fused step (optim/csrc/publish.c, rp_adam_bf16 with AdamW), each one pass per
- * block over the same arrays, so that benchmarks/compensation_floor.py can time, side by side
- * with DeepSpeed's adam_update + cast ("off"):
+ * block over the same arrays, so that benchmarks/studies/compensation_floor.py can time, side by
+ * side with DeepSpeed's adam_update + cast ("off"):
  *
  *   la 0: no look-ahead (the cast of the new masters), 1: the look-ahead to ~23 bits (what the
  *         engine computes), 2: the look-ahead with the raw 12-bit rsqrt / rcp (below the

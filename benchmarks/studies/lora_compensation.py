@@ -34,8 +34,8 @@ Output: one PNG (the three loss curves, raw and smoothed, final-20-step means in
 and each async curve's smoothed relative gap to sync), and a JSON summary on stdout (and in
 ``--json``): final means, relative gaps vs sync, steps, seconds per run.
 
-    python -m benchmarks.lora_compensation                  # 300 steps each
-    python -m benchmarks.lora_compensation --steps 100 --json /tmp/lora.json
+    python -m benchmarks.studies.lora_compensation                  # 300 steps each
+    python -m benchmarks.studies.lora_compensation --steps 100 --json /tmp/lora.json
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ __all__ = [
     "main",
 ]
 
-DEFAULT_PNG = Path("benchmarks/lora_compensation.png")
+DEFAULT_PNG = Path("benchmarks/data/lora_compensation.png")
 LICENSES = Path("/usr/share/common-licenses")
 FINAL_WINDOW = 20  # steps averaged for the "final" loss (the curves are noisy step to step)
 SMOOTH = 10  # moving-average window of the plotted smoothed curves

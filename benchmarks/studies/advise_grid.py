@@ -1,7 +1,7 @@
 """The configuration advisor against exhaustion of its full grid, for the projection's four shapes
 on both machine presets.
 
-    python -m benchmarks.advise_grid [--max-micro-batch 4] [--json out.json]
+    python -m benchmarks.studies.advise_grid [--max-micro-batch 4] [--json out.json]
 
 Exhaustion: every grid point (micro-batch 1, 2, 4, ... up to ``--max-micro-batch`` while one
 micro-batch fits a device; accumulation 4 .. 64, powers of two; every round size dividing it

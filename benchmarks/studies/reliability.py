@@ -1,9 +1,11 @@
 """Errors at the door, tried as a new user would: each bad input and what the user sees.
 
-    python benchmarks/reliability.py table    # markdown rows: bad input -> error type and message
-    python benchmarks/reliability.py guard    # cost of on_nonfinite "raise" vs "ignore" (clip 0)
-    python benchmarks/reliability.py journal  # cost of the step journal, on vs off
-    python benchmarks/reliability.py faults   # markdown rows: each fault -> what the user sees
+    python benchmarks/studies/reliability.py BENCH, BENCH one of:
+
+    table    markdown rows: bad input -> error type and message
+    guard    cost of on_nonfinite "raise" vs "ignore" (clip 0)
+    journal  cost of the step journal, on vs off
+    faults   markdown rows: each fault -> what the user sees
 
 ``table`` runs every bad input of issue 13 item 4 on a tiny Qwen3 (2 layers, vocab 128, cpu:2)
 and prints what ``rp_engine`` raises, and whether the engine's weights stayed as they were.
@@ -27,8 +29,7 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR",
     os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions"),

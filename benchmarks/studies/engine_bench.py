@@ -1,18 +1,19 @@
 """Engine benchmarks on this machine (CPU virtual devices), measured side by side in one run.
 
-    python benchmarks/engine_bench.py overhead      # rp_engine cpu:1 vs plain PyTorch + recompute
-    python benchmarks/engine_bench.py async         # async vs sync optimizer, emulated PCIe
-    python benchmarks/engine_bench.py adam          # DeepSpeedCPUAdam vs torch AdamW, params/s
-    python benchmarks/engine_bench.py memory        # host bytes per trainable parameter
-    python benchmarks/engine_bench.py convergence   # sync vs async (+compensation) loss (PNG)
-    python benchmarks/engine_bench.py compensation_cost  # layer step+publish, prediction on/off
-    python benchmarks/engine_bench.py timeline      # PNG of one 4-device iteration
-    python benchmarks/engine_bench.py rounds        # one upload per round vs per micro-batch
-    python benchmarks/engine_bench.py residency     # weights kept on the device across rounds
-    python benchmarks/engine_bench.py overlap       # overlapping iterations on vs off
-                                                    # [--on-nonfinite raise|ignore|skip]
-    python benchmarks/engine_bench.py gil --hidden 512  # GIL wait per step: CPU Adam's binding
-                                                    # vs the GIL-free call (release_gil)
+    python benchmarks/studies/engine_bench.py BENCH [options], BENCH one of:
+
+    overhead           rp_engine cpu:1 vs plain PyTorch + recompute
+    async              async vs sync optimizer, emulated PCIe
+    adam               DeepSpeedCPUAdam vs torch AdamW, params/s
+    memory             host bytes per trainable parameter
+    convergence        sync vs async (+compensation) loss (PNG)
+    compensation_cost  layer step+publish, prediction on/off
+    timeline           PNG of one 4-device iteration
+    rounds             one upload per round vs per micro-batch
+    residency          weights kept on the device across rounds
+    overlap            overlapping iterations on vs off [--on-nonfinite raise|ignore|skip]
+    gil                GIL wait per step (e.g. --hidden 512): CPU Adam's binding vs the GIL-free
+                       call (release_gil)
 
 Every figure is a ratio of runs interleaved in one process (A B A B ...), so machine noise
 hits both sides alike. Results are printed as JSON lines; RESULTS.md quotes them with the command.
@@ -33,8 +34,9 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: benchmarks/studies/)
+DATA = ROOT / "benchmarks" / "data"  # the figures it writes
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR",
     os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions"),
@@ -252,9 +254,9 @@ def convergence(args: argparse.Namespace) -> dict[str, Any]:
                 if "+" in m
             },
         }
-    png = HERE / "convergence_async_vs_sync.png"
+    png = DATA / "convergence_async_vs_sync.png"
     _plot_curves(curves, png)
-    out["png"] = str(png.relative_to(HERE.parent))
+    out["png"] = str(png.relative_to(ROOT))
     return out
 
 
@@ -359,12 +361,12 @@ def timeline(args: argparse.Namespace) -> dict[str, Any]:
         engine.train_batch(data)
     records = engine.last_timeline()
     engine.destroy()
-    png = HERE / "timeline_cpu4.png"
+    png = DATA / "timeline_cpu4.png"
     result = measured_result(records, schedule="rp_engine cpu:4")
     write_png(result, png, title="rp_engine: one measured iteration on 4 CPU virtual devices")
     return {
         "bench": "timeline",
-        "png": str(png.relative_to(HERE.parent)),
+        "png": str(png.relative_to(ROOT)),
         "actions": len(records),
         "measured_bubble": result.bubble_ratio,
     }
