@@ -120,6 +120,12 @@ class WeightUpload:
         """Gradients accumulated on the device by the slot's micro-batches, by id(host param)."""
         return dict(self._grads)
 
+    def take_grads(self) -> dict[int, torch.Tensor]:
+        """``grads()``, handed over: the next micro-batches accumulate into new tensors (the
+        weights may serve another run while the taker still holds these)."""
+        grads, self._grads = self._grads, {}
+        return grads
+
     def release(self, device: Device) -> None:
         """Drop the weights and the accumulated gradients (after their download)."""
         for t in self.tensors.values():

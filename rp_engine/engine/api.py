@@ -471,6 +471,7 @@ class DeepSpeedAccessors:
             "grad_d2h_bytes": st.grad_d2h_bytes,
             "activation_bytes": st.activation_bytes,
             "uploads": st.uploads,
+            "kept_uploads": st.kept_uploads,
             "downloads": st.downloads,
             "seconds": st.seconds,
             "busy_s": dict(st.busy_s),

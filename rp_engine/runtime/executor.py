@@ -39,13 +39,15 @@ consumer. So a device never holds more than ``walk_peak`` over the two runs back
 already done at issue time is not waited for.
 
 A window's forward runs (``RunSpec.keep_weights``: the imperative loop runs a micro-batch's
-forward alone when its loss is read) keep their forward slots' weights on the device instead of
-freeing them, and the window's next forward run on the same device at the same weight version
-uses them instead of its UPLOAD (``Executor._kept``): the weights do not change within a window,
-so a loop that reads every loss uploads them once per window, not once per read. Such an UPLOAD
-moves no byte (the run's stats count what the devices did; the plan, what a cold run would). Any
-other run releases them first. The planner allows it only where every forward weight fits beside
-the plan's validated peak (``Planner.keeps_forward_weights``).
+forward alone when its loss is read) keep their slots' weights on the device instead of freeing
+them (the deferred head's gradients handed to the carry first), and the next runs at the same
+weight version use them where an UPLOAD of the same slot lands on the same device
+(``Executor._kept``): the weights do not change within a window, so a loop that reads every loss
+uploads them about once per window, not once per read. Such an UPLOAD moves no byte
+(``RunStats.kept_uploads`` counts it: uploads + kept_uploads is the plan's count). A run that
+keeps nothing releases what it did not use; a new version releases everything. The planner
+allows it only where every weight fits beside the plan's validated peak
+(``Planner.keeps_forward_weights``).
 
 Errors: any exception on any stream comes back from ``finish`` (or ``losses``, ``run``) in the
 caller's thread as a DeviceError naming the device and the action ("F2.3@1"). ``run`` then resets
@@ -202,7 +204,7 @@ class Executor:
     def _start(self, spec: RunSpec) -> RunHandle:
         ctx = _Ctx(spec)
         plan = spec.plan
-        if not spec.keep_weights or spec.version != self._kept_version:
+        if spec.version != self._kept_version:
             self.release_kept()
         self._kept_version = spec.version
         for a in plan.actions:
@@ -217,8 +219,9 @@ class Executor:
             # once every stage using the weight has landed its part
             due: dict[int, int] = {}
             slots = [a.stage for a in plan.actions if a.op is Op.DOWNLOAD]
-            # each resumed micro-batch's carried head gradients come down too
-            slots += [plan.num_fwd_stages] * len(spec.resumes)
+            # the resumed micro-batches' carried head gradients come down too, one download
+            # per head device (``_fold_head_grads``)
+            slots += [plan.num_fwd_stages] * len({r.carry.head_device for r in spec.resumes})
             for slot in slots:
                 for layer in self._touched(self._slot_layers(plan, slot)):
                     due[layer] = due.get(layer, 0) + 1
@@ -232,14 +235,20 @@ class Executor:
         # resets them at its start), and a reset here would keep only the newest run's peak.
         for device in self.devices:
             ctx.base[device.index] = device.timer()
+        heads: dict[int, list[Resume]] = {}
         for microbatch, resume in enumerate(spec.resumes):
             self._resume_from(ctx, resume, microbatch)
+            heads.setdefault(resume.carry.head_device, []).append(resume)
+        for resumes in heads.values():
+            self._fold_head_grads(ctx, resumes)
         self._follow_previous(ctx)
         for action in plan.actions:
             self._handlers[action.op](ctx, action)
         self._previous = (plan, ctx.freed, ctx.computed)
         # Streams are FIFO: an event recorded on each now completes when this run's work on it
         # is done, whatever a later run queues behind it.
+        if not spec.keep_weights:  # kept weights this run did not use are not needed again
+            self.release_kept()
         ends = [d.stream(role).record() for d in self.devices for role in StreamRole]
         return RunHandle(ctx, ends)
 
@@ -361,17 +370,16 @@ class Executor:
         return self.stages.bwd[slot - plan.num_fwd_stages]
 
     def _resume_from(self, ctx: _Ctx, resume: Resume, microbatch: int) -> None:
-        """Start micro-batch ``microbatch`` of a backward run from a forward run's carry: scale
-        the head's gradients by the factor the user's loss implies, queue their download, hand
-        grad_in to stage 1. The carry's own micro-batch number (its forward run's) is renamed."""
+        """Start micro-batch ``microbatch`` of a backward run from a forward run's carry: hand
+        grad_in, scaled by the factor the user's loss implies, to stage 1 (the head's gradients
+        come down in ``_fold_head_grads``). The carry's own micro-batch number (its forward
+        run's) is renamed."""
         carry = resume.carry
         device = self.devices[carry.head_device]
         compute = device.stream(StreamRole.COMPUTE)
         factor = resume.head_factor
 
         def scale() -> None:
-            for g in carry.head_grads.values():
-                g.mul_(factor)
             for g in (carry.grad_in or {}).values():
                 g.mul_(factor)
 
@@ -387,11 +395,38 @@ class Executor:
         elif carry.grad_in is not None:
             ctx.acts[key] = carry.grad_in
             ctx.act_where[key] = (carry.head_device, done)
-        head_layers = self.stages.bwd[0]  # their downloads are due (``start``)
-        grads = carry.head_grads
+
+    def _fold_head_grads(self, ctx: _Ctx, resumes: Sequence[Resume]) -> None:
+        """The head's gradients of the resumed micro-batches whose head ran on one device,
+        each scaled by its factor and added up there (fp32 once there are two, as a head group
+        accumulates its micro-batches), then downloaded once: a window whose every loss was
+        read moves the head's gradients once, as train_batch does, not once per read."""
+        head_device = resumes[0].carry.head_device
+        device = self.devices[head_device]
+        compute = device.stream(StreamRole.COMPUTE)
+        folded: dict[int, torch.Tensor] = {}
+
+        def fold() -> None:
+            for resume in resumes:
+                for key, g in resume.carry.head_grads.items():
+                    acc = folded.get(key)
+                    if acc is None:
+                        folded[key] = g.mul_(resume.head_factor)
+                        continue
+                    if acc.dtype != torch.float32:
+                        device.free(acc, used_by=())
+                        acc = folded[key] = acc.float()
+                        device.track(acc)
+                    acc.add_(g, alpha=resume.head_factor)
+                    device.free(g, used_by=())
+                resume.carry.head_grads.clear()  # folded: released with the download
+
+        compute.submit(fold, label="H.fold")
+        done = compute.record()
         num_fwd = len(self.stages.fwd)
-        action = Action(Op.DOWNLOAD, num_fwd, microbatch, carry.head_device)
-        self._download_grads(ctx, device, lambda: grads, head_layers, done, action=action)
+        action = Action(Op.DOWNLOAD, num_fwd, 0, head_device)
+        head_layers = self.stages.bwd[0]  # their downloads are due (``start``)
+        self._download_grads(ctx, device, lambda: folded, head_layers, done, action=action)
 
     def release_kept(self) -> None:
         """Release the weights a window's forward runs kept (module docstring), after their
@@ -454,9 +489,10 @@ class Executor:
         memory the plan frees first (prefetch depth) and for the layers' weight versions."""
         key = _GroupKey.of(a)
         layers = self._slot_layers(ctx.spec.plan, a.stage)
-        kept = self._kept.pop((a.device, a.stage), None) if ctx.spec.keep_weights else None
+        kept = self._kept.pop((a.device, a.stage), None)
         if kept is not None:  # this window's weights, left here by its last forward run
             ctx.groups[key] = _Group(kept, layers)
+            ctx.stats.kept_uploads += 1
             return
         seen: dict[int, torch.Tensor] = {}
         for layer in layers:
@@ -517,7 +553,7 @@ class Executor:
             assert ctx.head_out is not None, "the head's forward run left no carry"
             taken = ctx.head_out.grads  # the carry's dict (filled on the compute stream)
             compute = device.stream(StreamRole.COMPUTE)
-            compute.submit(lambda: taken.update(group.weights.grads()), label=f"{a}.keep")
+            compute.submit(lambda: taken.update(group.weights.take_grads()), label=f"{a}.keep")
             group.last_compute = compute.record()  # the FREE must not run before this
             return
         self._download_grads(
@@ -531,8 +567,8 @@ class Executor:
         key = _GroupKey.of(a)
         group = ctx.groups.pop(key)
         device = self.devices[a.device]
-        if ctx.spec.keep_weights and a.stage < ctx.spec.plan.num_fwd_stages:
-            self._kept[(a.device, a.stage)] = group.weights  # for the window's next forward
+        if ctx.spec.keep_weights:  # for the window's next runs (the head's grads: handed on)
+            self._kept[(a.device, a.stage)] = group.weights
             ctx.freed[key] = device.stream(StreamRole.COMPUTE).record()  # its last use
             return
         downloads = any(d.op is Op.DOWNLOAD for d in ctx.spec.plan.deps[a])

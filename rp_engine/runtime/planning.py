@@ -535,18 +535,18 @@ class Planner:
         return lowered
 
     def keeps_forward_weights(self) -> bool:
-        """Whether a window's forward runs (the imperative loop's loss reads) may keep the
-        forward slots' weights on their devices until the window's next run (the executor's
-        module docstring): always without a device budget; with one, when every forward weight
-        fits beside the plan's validated peak (one device may end up holding them all)."""
+        """Whether a window's forward runs (the imperative loop's loss reads) may keep their
+        slots' weights on their devices for the window's next runs (the executor's module
+        docstring): always without a device budget; with one, when every weight fits beside the
+        plan's validated peak (one device may end up holding them all)."""
         budget = self.memory_budget_bytes
         if budget is None:
             return True
         key = (self.fwd_cuts, self.bwd_cuts, self.round_size, self.prefetch_depth, self.resident)
         if self._keeps_forward.get(key) is None:
             costs = self._estimate()
-            forward = sum(costs.param_bytes) + costs.prefix_param_bytes  # every block's
-            self._keeps_forward[key] = self.validated_peak() + forward <= budget
+            weights = sum(costs.param_bytes) + costs.prefix_param_bytes + costs.head_param_bytes
+            self._keeps_forward[key] = self.validated_peak() + weights <= budget
         return self._keeps_forward[key]
 
     def byte_costs(self) -> LayerCosts:

@@ -92,8 +92,8 @@ class RunSpec:
     factors: Sequence[float] | None = None
     closes_step: bool = False  # report layers ready to the optimizer when their grads land
     defer_head: bool = False  # keep the head's gradients on the device (imperative loop)
-    # a window's forward run (the imperative loop's read): its forward slots' weights stay on
-    # their devices for the window's next forward run at the same version (Executor._kept)
+    # a window's forward run (the imperative loop's read): its slots' weights stay on their
+    # devices for the window's next runs at the same version (Executor._kept)
     keep_weights: bool = False
     microbatch_offset: int = 0  # global micro-batch number of batches[0] (RNG seeds)
     # or each micro-batch's own global number (the loop's window, where an entry run alone
@@ -161,7 +161,8 @@ class RunStats:
     d2h_bytes: int = 0
     weight_h2d_bytes: int = 0
     grad_d2h_bytes: int = 0
-    uploads: int = 0  # weight uploads (one per UPLOAD action)
+    uploads: int = 0  # weight uploads (one per UPLOAD action that copied)
+    kept_uploads: int = 0  # UPLOAD actions served by weights a window's forward run kept
     downloads: int = 0  # gradient downloads (one per DOWNLOAD action)
     seconds: float = 0.0  # wall time of the run, issue to its end (overlapping the next one's)
     busy_s: dict[int, float] = field(default_factory=dict)  # per device: compute time
@@ -176,6 +177,7 @@ class RunStats:
         for name in ("h2d_bytes", "d2h_bytes", "weight_h2d_bytes", "grad_d2h_bytes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.uploads += other.uploads
+        self.kept_uploads += other.kept_uploads
         self.downloads += other.downloads
         self.seconds += other.seconds
         for d, s in other.busy_s.items():
