@@ -224,6 +224,7 @@ class ImperativeLoop:
                 defer_head=True, closes_step=False, token_stats=entry.fused,
                 microbatch_offset=entry.micro_step,
                 keep_weights=self.planner.keeps_forward_weights(),  # for the window's next read
+                head_loss_only=self._head_reruns(),
             )  # fmt: skip
         except BaseException as exc:
             self._window_lost(exc)
@@ -233,6 +234,12 @@ class ImperativeLoop:
         if result.token_stats:
             entry.stats = result.token_stats[0]
         return result
+
+    def _head_reruns(self) -> bool:
+        """Whether a read's forward run computes the head's loss only, leaving the head's
+        backward to the window's run (the head stage holds blocks whose backward would run in
+        the read, alone); a module model's head gives the caller its outputs instead."""
+        return not self._batches.seq.returns_outputs
 
     def _forward_alone(self, entry: Entry) -> None:
         """Run the entry's forward now (its value is read, or its caller's loss needs its value
@@ -343,11 +350,16 @@ class ImperativeLoop:
             self._drain_pipeline()  # the loss scale of a step in flight's close (fp16), first
             scale = self.host_optimizer.cur_scale
             entries = resumes + ready
+            rerun = all(
+                e.resume is not None and e.resume.carry.head_input is not None for e in resumes
+            )
             self._land(
-                self.planner.plan(len(entries), resumed=len(resumes)),
-                [e.batch for e in entries], entries, closing=True, resumed=len(resumes),
+                self.planner.plan(len(entries), resumed=len(resumes), rerun_head=rerun),
+                [e.batch for e in entries], entries, closing=True,
+                resumed=0 if rerun else len(resumes),  # (a rerun head reports its loss again)
                 resumes=[_scaled(e.resume, scale) for e in resumes if e.resume is not None],
-                factors=[1.0] * len(resumes) + _factors(ready),  # a resume has its own
+                # the heads that run take the factors: a loss-only read's too
+                factors=[e.factor if rerun else 1.0 for e in resumes] + _factors(ready),
             )  # fmt: skip
         elif ready:
             whole = self._window.runs == 0  # the step's only run, as train_batch's

@@ -221,7 +221,8 @@ class Executor:
             slots = [a.stage for a in plan.actions if a.op is Op.DOWNLOAD]
             # the resumed micro-batches' carried head gradients come down too, one download
             # per head device (``_fold_head_grads``)
-            slots += [plan.num_fwd_stages] * len({r.carry.head_device for r in spec.resumes})
+            carried = {r.carry.head_device for r in spec.resumes if r.carry.head_input is None}
+            slots += [plan.num_fwd_stages] * len(carried)
             for slot in slots:
                 for layer in self._touched(self._slot_layers(plan, slot)):
                     due[layer] = due.get(layer, 0) + 1
@@ -238,7 +239,8 @@ class Executor:
         heads: dict[int, list[Resume]] = {}
         for microbatch, resume in enumerate(spec.resumes):
             self._resume_from(ctx, resume, microbatch)
-            heads.setdefault(resume.carry.head_device, []).append(resume)
+            if resume.carry.head_input is None:  # its head's gradients were computed
+                heads.setdefault(resume.carry.head_device, []).append(resume)
         for resumes in heads.values():
             self._fold_head_grads(ctx, resumes)
         self._follow_previous(ctx)
@@ -302,7 +304,9 @@ class Executor:
         if spec.defer_head and spec.train:
             out = ctx.head_out
             assert out is not None, "a deferred-head run without a HEAD action"
-            carry = Carry(ctx.saved, out.device, out.grads, out.grad_in, out.microbatch)
+            carry = Carry(
+                ctx.saved, out.device, out.grads, out.grad_in, out.microbatch, out.head_input
+            )
         self._measure(ctx)
         timeline, layer_ms, bwd_ms = self._timeline(ctx)
         for r in timeline:  # busy time: the compute spans, on the device's own clock
@@ -388,6 +392,11 @@ class Executor:
         for (stage, _), state in carry.saved.items():
             ctx.saved[(stage, microbatch)] = state
             ctx.saved_ev[(stage, microbatch)] = None  # already on the host
+        if carry.head_input is not None:  # the head runs again here, from its input
+            in_key = _FwdOut(len(self.stages.fwd) - 1, microbatch)
+            ctx.acts[in_key] = carry.head_input
+            ctx.act_where[in_key] = (carry.head_device, None)
+            return
         key = _Grad(1, microbatch)
         grads_of_outputs = resume.output_grads
         if grads_of_outputs is not None:  # a module model: the user's loss seeds the backward
@@ -450,11 +459,13 @@ class Executor:
         forward without backward): its device tensors stop counting. The run has finished, so
         nothing queued still writes them."""
         device = self.devices[carry.head_device]
-        for t in [*carry.head_grads.values(), *(carry.grad_in or {}).values()]:
+        kept = [*carry.head_grads.values(), *(carry.grad_in or {}).values()]
+        kept += [t for t in (carry.head_input or {}).values() if isinstance(t, torch.Tensor)]
+        for t in kept:
             device.free(t)
         carry.head_grads.clear()
         carry.saved.clear()
-        carry.grad_in = None
+        carry.grad_in = carry.head_input = None
 
     def reset(self) -> None:
         """After a failed ``finish`` or ``losses``: discard all work queued on the devices (a
@@ -636,9 +647,9 @@ class Executor:
         layers, train = self.stages.bwd[0], ctx.spec.train
         in_key = _FwdOut(len(self.stages.fwd) - 1, a.microbatch)
         grads: dict[int, torch.Tensor] = {}
-        body = functools.partial(
-            self._head_train if train else self._head_eval, ctx, a, in_key, grads
-        )
+        loss_only = train and ctx.spec.head_loss_only
+        handler = self._head_loss if loss_only else self._head_train if train else self._head_eval
+        body = functools.partial(handler, ctx, a, in_key, grads)
         if train and ctx.spec.defer_head:  # the imperative loop scales them in backward()
             ctx.head_out = _HeadOut(a.device, grads, None, a.microbatch)
         done = self._launch(ctx, a, layers, [in_key], body, backward=train)
@@ -694,6 +705,20 @@ class Executor:
             _track(device, grad_in)
             if spec.defer_head:
                 ctx.head_out = _HeadOut(a.device, grads, grad_in, m)
+
+    def _head_loss(
+        self, ctx: _Ctx, a: Action, in_key: _Key, grads: dict[int, torch.Tensor],
+        device: Device, weights: WeightUpload,
+    ) -> None:  # fmt: skip
+        """A loss read (``RunSpec.head_loss_only``): the head stage's loss as training computes
+        it (its dropout masks: the same seeds), without its backward; the input stays on the
+        device in the carry, for the window's run to run the head from (forward and backward)."""
+        x, m, first = ctx.acts[in_key], a.microbatch, self.stages.bwd[0][0]
+        ctx.acts[in_key] = given = self._inplace.given(first, x)  # ``x`` survives the call
+        before = versions(given)
+        self._head_eval(ctx, a, in_key, grads, device, weights)  # pops ``given``
+        self._inplace.after(first, x, given, before)
+        ctx.head_out = _HeadOut(a.device, grads, None, m, head_input=x)
 
     def _head_eval(
         self, ctx: _Ctx, a: Action, in_key: _Key, grads: dict[int, torch.Tensor],

@@ -500,6 +500,7 @@ class Planner:
         *,
         ops: frozenset[Op] | None = None,
         resumed: int = 0,
+        rerun_head: bool = False,
         nvme_slots: bool | Collection[int] | None = None,
     ) -> Plan:
         """The lowered plan of one iteration (or of its ``ops`` part: the imperative loop runs
@@ -507,7 +508,8 @@ class Planner:
         start device: what the executor runs and what the simulator counts. ``resumed``: the
         first ``resumed`` micro-batches have no forward or head actions (their forwards ran
         before, alone: the imperative loop's window resumes them from their carries while the
-        others run whole, in the same schedule). ``nvme_slots``: the slots read from NVMe
+        others run whole, in the same schedule); with ``rerun_head`` they keep their head actions
+        (their forward runs computed the loss only). ``nvme_slots``: the slots read from NVMe
         before their UPLOADs (default: the planner's)."""
         plan = self._schedule(num_microbatches, self.start_device)
         if ops is None or Op.BWD in ops:  # the iteration (or its backward half) is issued
@@ -518,7 +520,8 @@ class Planner:
                 plan,
                 actions=tuple(
                     a for a in plan.actions
-                    if a.op in keep and (a.op is Op.BWD or a.microbatch >= resumed)
+                    if a.op in keep
+                    and (a.op is Op.BWD or a.microbatch >= resumed or (rerun_head and a.op is Op.HEAD))
                 ),
             )  # fmt: skip
         lowered = schedules.lower(

@@ -95,6 +95,9 @@ class RunSpec:
     # a window's forward run (the imperative loop's read): its slots' weights stay on their
     # devices for the window's next runs at the same version (Executor._kept)
     keep_weights: bool = False
+    # with defer_head: the head computes the loss only (no backward) and the carry keeps its
+    # input; the window's run resumes such a micro-batch at its HEAD (Planner.plan rerun_head)
+    head_loss_only: bool = False
     microbatch_offset: int = 0  # global micro-batch number of batches[0] (RNG seeds)
     # or each micro-batch's own global number (the loop's window, where an entry run alone
     # before leaves a gap); default offset + index
@@ -139,6 +142,9 @@ class Carry:
     head_grads: dict[int, torch.Tensor]
     grad_in: State | None  # d(our loss)/d(each gradient-carrying key of the head's input)
     microbatch: int
+    # a loss-only head (RunSpec.head_loss_only): the head stage's input, on ``head_device``,
+    # from which the window's run runs the head again (forward and backward); no head grads
+    head_input: State | None = None
 
 
 @dataclass(frozen=True)
@@ -281,6 +287,7 @@ class _HeadOut:
     grads: dict[int, torch.Tensor]  # filled on the compute stream (the group's accumulators)
     grad_in: State | None
     microbatch: int
+    head_input: State | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from engine_helpers import assert_same_weights, config
 from models import random_batch, tiny_qwen3
 
 import rp_engine
-from rp_engine.engine.loop import BACKWARD_OPS, FORWARD_OPS
+from rp_engine.engine.loop import FORWARD_OPS
 from rp_engine.plan.actions import Op
 
 GAS, STEPS = 4, 3
@@ -88,10 +88,10 @@ def _train(pattern: str, *, engine_loader: bool, async_optimizer: bool = False) 
             out["kept"].append(stats["kept_uploads"])
             out["norms"].append(engine.get_global_grad_norm())
         engine.synchronize()
-        for key, plan in (
-            ("fwd_uploads", engine.planner.plan(1, ops=FORWARD_OPS)),
-            ("bwd_uploads", engine.planner.plan(GAS, ops=BACKWARD_OPS)),
-        ):
+        plans = {"fwd_uploads": engine.planner.plan(1, ops=FORWARD_OPS)}
+        for k in range(GAS + 1):  # the window's run with k micro-batches read before it
+            plans[f"window_uploads_{k}"] = engine.planner.plan(GAS, resumed=k, rerun_head=True)
+        for key, plan in plans.items():
             out[key] = sum(1 for a in plan.actions if a.op is Op.UPLOAD)
     finally:
         engine.destroy()
@@ -115,11 +115,9 @@ def test_a_read_costs_one_forward_pass(unread: dict[str, Any], pattern: str) -> 
         # a read forces its micro-batch's forward unless the window's run already gave it
         # (the boundary's backward runs the window: a read after the last step() is free)
         early = [mb for mb in window if before(mb) or (after(mb) and mb != window[-1])]
-        # the window's run: whole micro-batches upload train_batch's weights; with every
-        # micro-batch resumed it has backward stages only
-        window_run = got["bwd_uploads"] if len(early) == GAS else unread["uploads"][step]
-        # the plan's UPLOADs: one forward run per early read, then the window's run
-        cold = len(early) * got["fwd_uploads"] + window_run
+        # the plans' UPLOADs: one forward run per early read, then the window's run (the read
+        # micro-batches run their head and backward stages, the others whole)
+        cold = len(early) * got["fwd_uploads"] + got[f"window_uploads_{len(early)}"]
         assert got["uploads"][step] + got["kept"][step] == cold, (step, got, unread)
         # the first read's weights stay on the devices (the executor's kept weights): the
         # further reads upload nothing, and the window's run uploads no more than train_batch
