@@ -174,7 +174,7 @@ class RoundPipeEngine(DeepSpeedAccessors):
             optimizer=self.host_optimizer, boundary=self.boundary, counters=self._counters,
             guard=self._guard, progress=self._progress,
             record=StepRecord(tiers=self.tiers, monitor=self.monitor, counters=self._counters),
-            module=model, layers=list(self.seq.modules()),
+            module=model, layers=self.seq.modules,
             gas=cfg.gradient_accumulation_steps, overlap=self._overlap, autotune=self._autotune,
         )  # fmt: skip
         self.device = self.pool[0].torch_device

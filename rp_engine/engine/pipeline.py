@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -152,7 +152,7 @@ class Pipeline:
         progress: Progress,
         record: StepRecord,
         module: nn.Module,
-        layers: Sequence[nn.Module],
+        layers: Callable[[], Iterable[nn.Module]],
         gas: int,
         overlap: bool,
         autotune: ProfileCheck | None,
@@ -168,7 +168,7 @@ class Pipeline:
         self.progress = progress
         self.record = record
         self.module = module  # its training flag is the layers' mode (sync_mode)
-        self.layers = list(layers)
+        self.layers = layers  # the layer modules the executor runs (LayerSequence.modules)
         self.gas = gas
         self.overlap = overlap  # whether train_batch may leave a run in flight (core.py)
         self.autotune = autotune
@@ -279,7 +279,7 @@ class Pipeline:
         ``model.train()/.eval()`` does not reach them: their own flag is set here before each
         run (not recursively: the model's submodules already carry the caller's modes)."""
         mode = self.module.training
-        for layer in self.layers:
+        for layer in self.layers():
             layer.training = mode
 
     def renew_executor(self) -> None:
