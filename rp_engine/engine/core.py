@@ -7,6 +7,10 @@ Parts, each owned elsewhere::
     host_optimizer: HostOptimizer (DeepSpeedCPUAdam kernel per layer), LR scheduler, LossScaler
     checkpoint/ (DeepSpeed layout), monitor.py (W&B / CSV)
 
+and the engine's own parts, which DeepSpeed's methods delegate to (the package docstring has
+who calls whom): ``engine.loop`` (WindowRunner, loop.py) --> ``engine.pipeline`` (Pipeline,
+pipeline.py; its ``record``, record.py) --> ``engine.boundary`` (Boundary, boundary.py).
+
 Two ways to train, with identical gradients and the same schedule:
 - ``loss = engine(batch); engine.backward(loss); engine.step()`` (DeepSpeed's loop: ``step()``
   after every micro-batch, boundary every GAS micro-batches; the window's micro-batches are
