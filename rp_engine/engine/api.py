@@ -24,7 +24,6 @@ from rp_engine.engine.progress import Progress, ThroughputTimer, WallClockTimers
 from rp_engine.model.host_store import HostStore
 from rp_engine.runtime.counters import StepCounters
 from rp_engine.storage.build import Tiers
-from rp_engine.storage.io_engine import IOStats
 from rp_engine.storage.optimizer_tier import OptimizerTier
 from rp_engine.storage.param_tier import ParamTier
 
@@ -34,9 +33,10 @@ if TYPE_CHECKING:
     from torch import nn
 
     from rp_engine.config import DSConfig
+    from rp_engine.engine.pipeline import Pipeline
     from rp_engine.optim.optimizer import HostOptimizer
-    from rp_engine.optim.stepper import OptimizerStepper, StepResult
-    from rp_engine.runtime.executor import RunStats, TimelineRecord
+    from rp_engine.optim.stepper import OptimizerStepper
+    from rp_engine.runtime.executor import TimelineRecord
 
 __all__ = ["DeepSpeedAccessors", "StepReport"]
 
@@ -72,11 +72,7 @@ class DeepSpeedAccessors:
     _config: DSConfig
     _counters: StepCounters
     _module: nn.Module
-    _last: StepResult | None
-    _step_stats: RunStats | None
-    _timeline: list[TimelineRecord]
-    _nvme_mark: IOStats
-    _nvme_step: IOStats
+    pipeline: Pipeline  # the runs on the executor and the last step's record (pipeline.py)
     nvme_tier: OptimizerTier | None
     param_tier: ParamTier | None
     tiers: Tiers
@@ -89,7 +85,6 @@ class DeepSpeedAccessors:
     client_optimizer: Any
     _published_step = 0  # global_steps when the newest weights were last published
     _in_no_sync = False  # inside ``no_sync()``: step() raises there, as DeepSpeed's
-    _stale_noted = False
     mp_world_size = 1
     _finalizer: weakref.finalize
     # DeepSpeed's engine attributes with one value here (no MoE, sequence or pipeline
@@ -134,13 +129,10 @@ class DeepSpeedAccessors:
         dp = self.stepper.dp
         return dp.mean(value) if dp is not None else value
 
-    def _drain_pipeline(self) -> None:
-        """Finish a training run still in flight (pipeline.py overrides it)."""
-
     def synchronize(self) -> None:
         """Finish the run and the optimizer steps in flight and publish the newest weights to
         the module; the NVMe tier's write-backs are on disk too."""
-        self._drain_pipeline()
+        self.pipeline.drain()
         self.stepper.synchronize()
         self.tiers.flush()
         self._published_step = self.global_steps
@@ -162,7 +154,7 @@ class DeepSpeedAccessors:
 
     def _module_is_stale(self) -> bool:
         """Whether an optimizer step the module does not show yet may be in flight."""
-        stale = self.stepper.async_mode or getattr(self, "_inflight", None) is not None
+        stale = self.stepper.async_mode or self.pipeline.inflight is not None
         # after destroy() the weights are already the newest
         return stale and self._published_step != self.global_steps and self._finalizer.alive
 
@@ -170,19 +162,6 @@ class DeepSpeedAccessors:
         """Wait for the steps in flight and publish them to the module, if it is behind."""
         if self._module_is_stale():
             self.synchronize()
-
-    def _note_stale_model(self) -> None:
-        """Once, at the first async step: say how to read the model object itself."""
-        if self._stale_noted or not self.stepper.async_mode:
-            return
-        self._stale_noted = True
-        log.warning(
-            "async_optimizer: each optimizer step finishes in the background while the next "
-            "iteration runs, so the model object passed to initialize lags one step behind "
-            "during training. Read it through engine.module (which waits for the step), or call "
-            "engine.synchronize() before using the model object directly (save_pretrained, "
-            "state_dict, evaluation)."
-        )
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The module's Parameter objects, without draining the optimizer (training loops such
@@ -221,8 +200,9 @@ class DeepSpeedAccessors:
         """The last optimizer step's global gradient norm (unscaled, before clipping), as
         DeepSpeed's. With that step still in flight (overlapping ``train_batch`` calls) this
         finishes it first, a drain: read it at logging intervals, or use ``step_report()``."""
-        self._drain_pipeline()
-        return None if self._last is None else self._last.grad_norm
+        self.pipeline.drain()
+        last = self.pipeline.record.last
+        return None if last is None else last.grad_norm
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.host_optimizer.param_groups]
@@ -442,67 +422,24 @@ class DeepSpeedAccessors:
         runs, and per device the compute busy seconds (CUDA: timing events on the compute
         stream) and busy fraction. Empty before the first step. Finishes a step in flight
         first, as ``get_global_grad_norm()`` does."""
-        self._drain_pipeline()
-        return self._stats_dict()
+        self.pipeline.drain()
+        return self.pipeline.record.stats_dict()
 
     def last_timeline(self) -> list[TimelineRecord]:
         """Every stream's spans of the last run: device, action text, start/end s, stream.
         Finishes a step in flight first, as ``get_global_grad_norm()`` does."""
-        self._drain_pipeline()
-        return list(self._timeline)
+        self.pipeline.drain()
+        return list(self.pipeline.record.timeline)
 
     def step_report(self) -> StepReport | None:
         """The newest *finished* step's norm, stats and timeline, without waiting: with
         overlapping iterations that is the step before the last call's (``report.step`` says
         which), so a logger can label it right and keep the overlap. None before the first."""
-        last = self._last
+        record = self.pipeline.record
+        last = record.last
         if last is None:
             return None
-        return StepReport(last.step, last.grad_norm, self._stats_dict(), list(self._timeline))
-
-    def _stats_dict(self) -> dict[str, Any]:
-        st = self._step_stats
-        if st is None:
-            return {}
-        return {
-            "h2d_bytes": st.h2d_bytes,
-            "d2h_bytes": st.d2h_bytes,
-            "weight_h2d_bytes": st.weight_h2d_bytes,
-            "grad_d2h_bytes": st.grad_d2h_bytes,
-            "activation_bytes": st.activation_bytes,
-            "uploads": st.uploads,
-            "kept_uploads": st.kept_uploads,
-            "downloads": st.downloads,
-            "seconds": st.seconds,
-            "busy_s": dict(st.busy_s),
-            "busy_fraction": {
-                d: (b / st.seconds if st.seconds > 0 else 0.0) for d, b in st.busy_s.items()
-            },
-            **self._nvme_stats(),
-        }
-
-    def _close_nvme_window(self) -> None:
-        """A step closed: the NVMe tier's traffic since the previous close is this step's."""
-        if self.tiers:
-            now = self.tiers.stats
-            self._nvme_step, self._nvme_mark = now.minus(self._nvme_mark), now
-
-    def _nvme_stats(self) -> dict[str, Any]:
-        """The NVMe tier's traffic between the last two step closes (with the asynchronous
-        optimizer that is mostly the previous step's state streaming through), and the bytes
-        written in total (SSD wear): every write finished when asked, not at the last close,
-        so after ``synchronize()`` all of them (the last step's write-backs, and with the
-        asynchronous optimizer the earlier steps' still in flight at that close, included).
-        Empty without the tier."""
-        if not self.tiers:
-            return {}
-        io = self._nvme_step
-        return {
-            "nvme_read_bytes": io.read_bytes,
-            "nvme_write_bytes": io.write_bytes,
-            "nvme_busy_s": io.busy_s,
-            "nvme_total_write_bytes": self.tiers.stats.write_bytes,
-        }
+        return StepReport(last.step, last.grad_norm, record.stats_dict(), list(record.timeline))
 
     # --- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(

@@ -11,7 +11,7 @@ step t's last gradients are still landing, so its boundary is applied *in flight
 * otherwise the step is assumed applied, and the boundary remembers what it changed (the
   scheduler's state, every group's hyper-parameters, the loss scaler's state). If its close
   then finds a non-finite gradient norm or an fp16 overflow (a step skipped *late*),
-  :meth:`_skipped_late` puts them back, applies the skipped boundary instead (fp16: the scale
+  :meth:`Boundary.skipped_late` puts them back, applies the skipped boundary instead (fp16: the scale
   drops), counts the step as skipped and re-freezes the next open step's hyper-parameters,
   which is exactly where DeepSpeed would have been. "raise" raises from the call that finished
   the step (the next ``train_batch``, after its own boundary) or, if a drain finished it, the
@@ -19,7 +19,7 @@ step t's last gradients are still landing, so its boundary is applied *in flight
   steps. With no training call left (``destroy()``, exit), the error is logged instead.
 
 fp16: the next run was issued with the loss scale of before the overflow. DeepSpeed would have
-run it with the lowered scale, so pipeline.py runs it again (``_reissue``): one extra
+run it with the lowered scale, so pipeline.py runs it again (``Pipeline.reissue``): one extra
 iteration per overflow (a handful at the start of training, then one per ``loss_scale_window``
 at most), and every loss, gradient and weight stays DeepSpeed's.
 
@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rp_engine.config import DSConfig
     from rp_engine.engine.progress import Progress
     from rp_engine.monitor import Monitor
     from rp_engine.optim.nonfinite import NonFiniteGuard
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from rp_engine.optim.stepper import OptimizerStepper, StepResult
     from rp_engine.runtime.counters import StepCounters
 
-__all__ = ["OptimizerBoundary", "BoundaryState", "boundary_in_flight_ok"]
+__all__ = ["Boundary", "BoundaryState", "boundary_in_flight_ok"]
 
 log = logging.getLogger("rp_engine")
 
@@ -66,87 +66,121 @@ def boundary_in_flight_ok(scheduler: Any, *, can_skip: bool) -> bool:
     return restorable or not can_skip
 
 
-class OptimizerBoundary:
-    """``_apply_boundary`` and its late-skip repair, mixed into ``RoundPipeEngine``."""
+class Boundary:
+    """The engine's optimizer boundary (``engine.boundary``): applies one, drained or in flight,
+    and repairs one whose step closed skipped late. It calls only the parts it is given; the
+    pipeline (pipeline.py) and the imperative loop (loop.py) call it, the caller advancing the
+    counters with what :meth:`apply` returns."""
 
-    if TYPE_CHECKING:  # provided by RoundPipeEngine
-        _config: DSConfig
-        _counters: StepCounters
-        _guard: NonFiniteGuard
-        _last: StepResult | None
-        global_steps: int
-        global_samples: int
-        lr_scheduler: Any
-        monitor: Monitor
-        host_optimizer: HostOptimizer
-        stepper: OptimizerStepper
+    def __init__(
+        self,
+        *,
+        optimizer: HostOptimizer,
+        scheduler: Any,
+        stepper: OptimizerStepper,
+        counters: StepCounters,
+        guard: NonFiniteGuard,
+        progress: Progress,
+        monitor: Monitor,
+        steps_per_print: int | None,
+        batch_size: int,
+        momentum: Callable[[], list[Any]],
+    ) -> None:
+        self.optimizer = optimizer
+        self.scheduler = scheduler  # engine.lr_scheduler reads and sets it
+        self.stepper = stepper
+        self.counters = counters
+        self.guard = guard
+        self.progress = progress
+        self.monitor = monitor
+        self.steps_per_print = steps_per_print
+        self.batch_size = batch_size  # DeepSpeed's train_batch_size: the samples of a step
+        self.momentum = momentum  # engine.get_mom (which key depends on the optimizer's name)
+        self._stale_noted = False
 
-        skipped_steps: int
-        _progress: Progress
+    def lr(self) -> list[float]:
+        """Each group's learning rate (DeepSpeed's ``get_lr``)."""
+        return [g["lr"] for g in self.optimizer.param_groups]
 
-        def train_batch_size(self) -> int: ...
-        def get_lr(self) -> list[float]: ...
-        def get_mom(self) -> list[Any]: ...
-        def _note_stale_model(self) -> None: ...
-
-    def _apply_boundary(
-        self, lr_kwargs: dict[str, Any] | None, *, in_flight: bool | None = None
+    def apply(
+        self,
+        lr_kwargs: dict[str, Any] | None,
+        last: StepResult | None,
+        *,
+        in_flight: bool | None = None,
     ) -> bool:
         """Close an optimizer step: loss scale, LR schedule, logs. Returns whether it applied
         (False: skipped); the caller advances the counters.
 
-        ``in_flight`` None: the step has closed (``self._last`` is its result). True/False: its
-        run is still in flight and the step is known to be skipped (a non-finite loss) / assumed
-        applied (a late skip is repaired by :meth:`_skipped_late`)."""
-        result = self._last if in_flight is None else None
+        ``last`` is the newest closed step's result. ``in_flight`` None: the step has closed
+        (``last`` is its result). True/False: its run is still in flight and the step is known
+        to be skipped (a non-finite loss) / assumed applied (a late skip is repaired by
+        :meth:`skipped_late`)."""
+        result = last if in_flight is None else None
         overflow = bool(result and result.overflow) if in_flight is None else in_flight
-        self.host_optimizer.overflow = overflow
-        self.host_optimizer.loss_scaler.update(overflow)
+        opt = self.optimizer
+        opt.overflow = overflow
+        opt.loss_scaler.update(overflow)
         if not overflow:
-            self.host_optimizer.note_step_applied()  # before any scheduler, the engine's or the user's
-        if not overflow and self.lr_scheduler is not None:
-            self.host_optimizer.step_scheduler(self.lr_scheduler, **(lr_kwargs or {}))
+            opt.note_step_applied()  # before any scheduler, the engine's or the user's
+        if not overflow and self.scheduler is not None:
+            opt.step_scheduler(self.scheduler, **(lr_kwargs or {}))
         self._note_stale_model()
-        step, samples = self.global_steps + 1, self.global_samples + self.train_batch_size()
-        every = self._config.steps_per_print
+        counters = self.counters
+        step, samples = counters.global_steps + 1, counters.global_samples + self.batch_size
+        every = self.steps_per_print
         if every and step % every == 0:
             # in flight: the newest finished step's norm (get_global_grad_norm() would drain)
-            done = self._last
-            norm = None if done is None else done.grad_norm
-            of = "" if done is None or done.step == step else f" (of step {done.step})"
-            log.info("step %d lr %s grad_norm %s%s", step, self.get_lr(), norm, of)
+            norm = None if last is None else last.grad_norm
+            of = "" if last is None or last.step == step else f" (of step {last.step})"
+            log.info("step %d lr %s grad_norm %s%s", step, self.lr(), norm, of)
         # DeepSpeed's progress line (printed on rank 0 at steps_per_print steps: progress.py)
-        self._progress.boundary(
-            step, skipped=self.skipped_steps + int(overflow), lr=self.get_lr(), mom=self.get_mom()
-        )
-        self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], samples)])
+        self.progress.boundary(
+            step, skipped=counters.skipped_steps + int(overflow), lr=self.lr(),
+            mom=self.momentum(),
+        )  # fmt: skip
+        self.monitor.write_events([("Train/Samples/lr", self.lr()[0], samples)])
         if in_flight is not False:  # an assumed-applied step is judged when it closes
-            self._guard.conclude(step, result)
+            self.guard.conclude(step, result)
         return not overflow
 
-    def _boundary_state(self) -> BoundaryState:
-        """What the next boundary will change (taken just before it, for ``_skipped_late``)."""
-        sched = self.lr_scheduler
+    def state(self) -> BoundaryState:
+        """What the next boundary will change (taken just before it, for :meth:`skipped_late`)."""
+        sched = self.scheduler
         state = copy.deepcopy(sched.state_dict()) if sched is not None else None
-        scaler = self.host_optimizer.loss_scaler.state_dict()
-        return BoundaryState(scheduler=state, groups=self.host_optimizer.snapshot(), scaler=scaler)
+        scaler = self.optimizer.loss_scaler.state_dict()
+        return BoundaryState(scheduler=state, groups=self.optimizer.snapshot(), scaler=scaler)
 
-    def _skipped_late(self, step: int, before: BoundaryState, result: StepResult) -> None:
+    def skipped_late(self, step: int, before: BoundaryState, result: StepResult) -> None:
         """Step ``step``, whose boundary was applied in flight as applied, closed skipped (a
         non-finite gradient norm, an fp16 overflow): undo its scheduler step and loss-scale
         update, apply the overflow's update, count it skipped, re-freeze the next step's
         hyper-parameters and let the guard judge it. Its boundary is the latest one (a run is
         finished before the next boundary is applied)."""
-        assert step == self.global_steps, (step, self.global_steps)
-        with self.host_optimizer.hyperparams_lock:  # a torch step may have its groups swapped in
-            if self.lr_scheduler is not None and before.scheduler is not None:
-                self.lr_scheduler.load_state_dict(before.scheduler)
-            for live, frozen in zip(self.host_optimizer.param_groups, before.groups, strict=True):
+        counters, opt = self.counters, self.optimizer
+        assert step == counters.global_steps, (step, counters.global_steps)
+        with opt.hyperparams_lock:  # a torch step may have its groups swapped in
+            if self.scheduler is not None and before.scheduler is not None:
+                self.scheduler.load_state_dict(before.scheduler)
+            for live, frozen in zip(opt.param_groups, before.groups, strict=True):
                 live.update(frozen)
-        self.host_optimizer.overflow = True
-        self.host_optimizer.loss_scaler.load_state_dict(before.scaler)
-        self.host_optimizer.loss_scaler.update(True)  # raises at the minimum scale, as drained
-        self._counters.skipped_steps += 1
-        self._counters.step_applied = False
+        opt.overflow = True
+        opt.loss_scaler.load_state_dict(before.scaler)
+        opt.loss_scaler.update(True)  # raises at the minimum scale, as drained
+        counters.skipped_steps += 1
+        counters.step_applied = False
         self.stepper.refreeze(step + 1)
-        self._guard.conclude(step, result)
+        self.guard.conclude(step, result)
+
+    def _note_stale_model(self) -> None:
+        """Once, at the first async step: say how to read the model object itself."""
+        if self._stale_noted or not self.stepper.async_mode:
+            return
+        self._stale_noted = True
+        log.warning(
+            "async_optimizer: each optimizer step finishes in the background while the next "
+            "iteration runs, so the model object passed to initialize lags one step behind "
+            "during training. Read it through engine.module (which waits for the step), or call "
+            "engine.synchronize() before using the model object directly (save_pretrained, "
+            "state_dict, evaluation)."
+        )

@@ -7,6 +7,10 @@ Parts, each owned elsewhere::
     host_optimizer: HostOptimizer (DeepSpeedCPUAdam kernel per layer), LR scheduler, LossScaler
     checkpoint/ (DeepSpeed layout), monitor.py (W&B / CSV)
 
+and the engine's own parts, which DeepSpeed's methods delegate to (the package docstring has
+who calls whom): ``engine.loop`` (WindowRunner, loop.py) --> ``engine.pipeline`` (Pipeline,
+pipeline.py; its ``record``, record.py) --> ``engine.boundary`` (Boundary, boundary.py).
+
 Two ways to train, with identical gradients and the same schedule:
 - ``loss = engine(batch); engine.backward(loss); engine.step()`` (DeepSpeed's loop: ``step()``
   after every micro-batch, boundary every GAS micro-batches; the window's micro-batches are
@@ -17,9 +21,8 @@ Two ways to train, with identical gradients and the same schedule:
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,11 +37,12 @@ from rp_engine.device.cuda import pin as cuda_pin
 from rp_engine.device.cuda import pinned_empty
 from rp_engine.distributed import data_parallel, dp_world
 from rp_engine.engine.api import DeepSpeedAccessors
-from rp_engine.engine.boundary import OptimizerBoundary, boundary_in_flight_ok
+from rp_engine.engine.boundary import Boundary, boundary_in_flight_ok
 from rp_engine.engine.ds_surface import CONFIG_ACCESSORS, GAPS, DeepSpeedConfigView, DeepSpeedGap
-from rp_engine.engine.loop import FORWARD_OPS, ImperativeLoop
+from rp_engine.engine.loop import LoopMisuseError, WindowRunner
 from rp_engine.engine.module_view import view_or_value
-from rp_engine.engine.pipeline import InFlightBox, PipelinedIterations
+from rp_engine.engine.pipeline import Pipeline
+from rp_engine.engine.prefetch import ReadyGate
 from rp_engine.engine.progress import (
     BACKWARD_GLOBAL,
     BACKWARD_MICRO,
@@ -49,7 +53,7 @@ from rp_engine.engine.progress import (
     Progress,
     TimerFlags,
 )
-from rp_engine.engine.window import ReadyGate, Window
+from rp_engine.engine.record import StepRecord
 from rp_engine.host_preflight import check_tiers
 from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
@@ -64,19 +68,11 @@ from rp_engine.optim.build import (
     returned_optimizer,
 )
 from rp_engine.optim.nonfinite import NonFiniteGuard
-from rp_engine.optim.stepper import OptimizerStepper, StepResult, staleness_compensation
-from rp_engine.plan.actions import Plan
+from rp_engine.optim.stepper import OptimizerStepper, staleness_compensation
 from rp_engine.plan.host_ram import HostRam
 from rp_engine.plan.schedules import SCHEDULES
 from rp_engine.runtime.counters import StepCounters
-from rp_engine.runtime.executor import (
-    Executor,
-    GradSink,
-    RunSpec,
-    RunStats,
-    TimelineRecord,
-    staging_pools,
-)
+from rp_engine.runtime.executor import Executor, GradSink, RunResult, staging_pools
 from rp_engine.runtime.planning import ModelShape, Planner
 from rp_engine.runtime.shutdown import watch
 from rp_engine.storage.build import (
@@ -89,7 +85,6 @@ from rp_engine.storage.build import (
     wants_param_tier,
 )
 from rp_engine.storage.grad_tier import GradTier
-from rp_engine.storage.io_engine import IOStats
 from rp_engine.storage.optimizer_tier import OptimizerTier
 from rp_engine.storage.param_tier import ParamTier
 
@@ -98,10 +93,14 @@ __all__ = ["RoundPipeEngine"]
 log = logging.getLogger("rp_engine")
 
 
-class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, DeepSpeedAccessors):
+class RoundPipeEngine(DeepSpeedAccessors):
     """Drop-in for ``deepspeed.DeepSpeedEngine`` (build it with ``rp_engine.initialize``); the
-    imperative loop is in loop.py, train_batch (overlapping iterations) in pipeline.py,
-    accessors and checkpoint doors in api.py, the optimizer boundary in boundary.py."""
+    imperative loop is in loop.py, accessors and checkpoint doors in api.py; the runs on the
+    executor (train_batch's overlapping iterations) are ``engine.pipeline`` (pipeline.py), the
+    optimizer boundary ``engine.boundary`` (boundary.py)."""
+
+    boundary: Boundary  # the optimizer boundary (boundary.py), made last in __init__
+    pipeline: Pipeline  # the runs on the executor, drained or in flight (pipeline.py)
 
     def __init__(
         self,
@@ -126,7 +125,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         budget = int(rp.device_memory_gb * 2**30) if rp.device_memory_gb else None
         self.pool = make_devices(rp.devices, pcie_gbps=rp.pcie_gbps, capacity_bytes=budget)
         try:
-            self._wire(cfg, model, optimizer, model_parameters, lr_scheduler, budget)
+            scheduler = self._wire(cfg, model, optimizer, model_parameters, lr_scheduler, budget)
             loader = (
                 None if training_data is None else build_dataloader(training_data, cfg, collate_fn)
             )
@@ -168,26 +167,42 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             cfg.raw, micro_batch=cfg.train_micro_batch_size_per_gpu,
             gas=cfg.gradient_accumulation_steps,
         )  # fmt: skip
-        self._last: StepResult | None = None
-        self._timeline: list[TimelineRecord] = []
-        self._window = Window()  # the imperative loop's open accumulation window (loop.py)
-        self._stats_open = RunStats()  # runs of the optimizer step in progress
-        self._step_stats: RunStats | None = None
-        self._nvme_mark = IOStats()  # the NVMe tier's totals at the last step's close
-        self._nvme_step = IOStats()  # its traffic between the last two step closes
+        self.boundary = Boundary(
+            optimizer=self.host_optimizer, scheduler=scheduler, stepper=self.stepper,
+            counters=self._counters, guard=self._guard, progress=self._progress,
+            monitor=self.monitor, steps_per_print=cfg.steps_per_print,
+            batch_size=cfg.train_batch_size, momentum=self.get_mom,
+        )  # fmt: skip
+        self.pipeline = Pipeline(
+            make_executor=self._make_executor, stepper=self.stepper, planner=self.planner,
+            optimizer=self.host_optimizer, boundary=self.boundary, counters=self._counters,
+            guard=self._guard, progress=self._progress,
+            record=StepRecord(tiers=self.tiers, monitor=self.monitor, counters=self._counters),
+            module=model, layers=self.seq.modules,
+            gas=cfg.gradient_accumulation_steps, overlap=self._overlap, autotune=self._autotune,
+        )  # fmt: skip
         self.device = self.pool[0].torch_device
+        self.loop = WindowRunner(
+            pipeline=self.pipeline, planner=self.planner, stepper=self.stepper,
+            optimizer=self.host_optimizer, counters=self._counters, guard=self._guard,
+            batches=self._batches, batch_of=self._batch_of, module=model, device=self.device,
+            gate=self._gate, gas=cfg.gradient_accumulation_steps,
+            managed=cfg.managed_gradient_accumulation, overlap=self._overlap,
+        )  # fmt: skip
+        self.pipeline.on_abort = self.loop.window_lost  # the loop's open window is lost with it
         self.training = model.training
         # Last: it also marks the engine as fully built (attribute fall-through needs that).
-        self._box = InFlightBox(self._guard)
         self._finalizer = watch(
-            self, stepper=self.stepper, pool=self.pool, inflight=self._box, tier=self.tiers
-        )
+            self, stepper=self.stepper, pool=self.pool, inflight=self.pipeline.box,
+            tier=self.tiers,
+        )  # fmt: skip
 
     def _wire(
         self, cfg: DSConfig, model: nn.Module, optimizer: Any, model_parameters: Any,
         lr_scheduler: Any, budget: int | None,
-    ) -> None:  # fmt: skip
+    ) -> Any:  # fmt: skip
         """Compose the parts: layers, host store, optimizer, stepper, planner, executor.
+        Returns the LR scheduler (the boundary's, made once the counters and logs are).
 
         Without an optimizer (``has_optimizer``) the engine is forward-only, as DeepSpeed's:
         no masters, gradient buffers, optimizer tier, scheduler or second weight buffer."""
@@ -250,7 +265,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         self.optimizer = returned_optimizer(
             self.host_optimizer, cfg, client_given=optimizer is not None
         )
-        self.lr_scheduler = build_scheduler(cfg, self.host_optimizer, client_scheduler=lr_scheduler)
+        scheduler = build_scheduler(cfg, self.host_optimizer, client_scheduler=lr_scheduler)
         dp = data_parallel(self.store)  # None in one process
         self.cores = split_cores(
             rp.optimizer_cores, cores=available_cores(), device_kind=self.pool.kind,
@@ -280,7 +295,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # one open step; the step journal's undo likewise: it goes at the first overlapped
         # train_batch or loop window; an explicit "on" wins over overlap
         can_skip = cfg.fp16.enabled or self._guard.active  # a step may close skipped, late
-        in_flight = boundary_in_flight_ok(self.lr_scheduler, can_skip=can_skip)
+        in_flight = boundary_in_flight_ok(scheduler, can_skip=can_skip)
         wanted = rp.overlap_iterations is not False
         # CPU devices draw dropout masks from torch's one CPU generator, which the caller's code
         # uses between train_batch calls (a shuffling sampler's seed, torch.randint batches): a
@@ -335,8 +350,56 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         # the loop's prefetched windows hold their gradients here (read the stepper at each
         # call: tests and data parallel wrap its layer_ready)
         self._gate = ReadyGate(lambda layer, step: self.stepper.layer_ready(layer, step))
-        self._executor = self._make_executor()
         self._batches = BatchAdapter(self.seq, compute_dtype(cfg), pin=self.pool.kind == "cuda")
+        return scheduler
+
+    # --- the parts' state under the names DeepSpeed code and the tests read ------------------
+    @property
+    def _executor(self) -> Executor:
+        return self.pipeline.executor
+
+    def expect_micro_batches(self, batches: list[Any]) -> None:
+        """A hint: the next training forwards take these micro-batches, in this order (loop.py
+        ``WindowRunner.expect_micro_batches``; Hugging Face's Trainer passes them)."""
+        self.loop.expect_micro_batches(batches)
+
+    def _window_ahead(self) -> int:
+        return self.loop.window_ahead()
+
+    @property
+    def _prefetch(self) -> Any:
+        """The imperative loop's announced window (prefetch.py ``Prefetch``), or None."""
+        return self.loop.prefetch
+
+    @property
+    def _inflight(self) -> Any:
+        """The training run in flight (pipeline.py ``_InFlight``), or None."""
+        return self.pipeline.inflight
+
+    @property
+    def _eval_run(self) -> Callable[..., RunResult]:
+        return self.pipeline.eval_run
+
+    @_eval_run.setter
+    def _eval_run(self, run: Callable[..., RunResult]) -> None:  # a test counts the calls
+        self.pipeline.eval_run = run  # type: ignore[method-assign]
+
+    @property
+    def _reissue(self) -> Callable[..., None]:
+        return self.pipeline.reissue
+
+    @_reissue.setter
+    def _reissue(self, reissue: Callable[..., None]) -> None:  # a test counts the calls
+        self.pipeline.reissue = reissue  # type: ignore[method-assign]
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The LR scheduler the boundary steps (DeepSpeed's ``engine.lr_scheduler``)."""
+        return self.boundary.scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        self.boundary.scheduler = scheduler
 
     def _make_executor(self) -> Executor:
         return Executor(
@@ -354,13 +417,16 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             staging=self._staging,
         )
 
-    # --- DeepSpeed's timers around the training calls (engine/progress.py) ---------------------
+    # --- DeepSpeed's imperative loop (loop.py), timed (engine/progress.py) -------------------
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.forward(*inputs, **kwargs)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         progress = self._progress
         progress.tput_timer.start()  # as DeepSpeed's forward (its loader starts it otherwise)
         progress.start(FORWARD_MICRO, FORWARD_GLOBAL)
         try:
-            return super().forward(*inputs, **kwargs)
+            return self.loop.forward(*inputs, **kwargs)
         finally:
             progress.stop(FORWARD_MICRO, FORWARD_GLOBAL)
 
@@ -369,22 +435,42 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
     ) -> torch.Tensor:
         self._progress.start(BACKWARD_MICRO, BACKWARD_GLOBAL)
         try:
-            return super().backward(loss, retain_graph, scale_wrt_gas, **kwargs)
+            self._need_optimizer("backward")
+            return self.loop.backward(loss, retain_graph, scale_wrt_gas, **kwargs)
         finally:
             self._progress.stop(BACKWARD_MICRO, BACKWARD_GLOBAL)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
-        boundary = self.is_gradient_accumulation_boundary() or not self._managed()
+        """Called after every micro-batch; applies the optimizer at the accumulation boundary
+        (with ``managed_gradient_accumulation: false``, at every call): loop.py."""
+        managed = self._config.managed_gradient_accumulation
+        boundary = self.is_gradient_accumulation_boundary() or not managed
         self._progress.start(STEP_MICRO, STEP_GLOBAL)
         try:
-            super().step(lr_kwargs)
+            self._need_optimizer("step")
+            if self._in_no_sync:
+                raise LoopMisuseError(
+                    "It is illegal to call engine.step() inside the no_sync context manager "
+                    "(as DeepSpeed): leave the `with engine.no_sync():` block first"
+                )
+            self.loop.step(lr_kwargs)
         finally:
             self._progress.stop(STEP_MICRO, STEP_GLOBAL)
         self._progress.after_step(boundary=boundary)
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One optimizer step over GAS micro-batches in one RoundPipe schedule; mean loss
+        (``deepspeed.PipelineEngine``'s). With overlapping iterations (pipeline.py) it returns
+        once this step's losses are known, its backward tail and optimizer still running."""
         self._progress.start_train_batch()
-        loss = super().train_batch(data_iter)
+        self._need_optimizer("train_batch")
+        self.stepper.check()
+        self.train()
+        gas = self.gradient_accumulation_steps()
+        batches = [self._batch_of((b,), {}, fed=True) for b in self._feed.take(data_iter, gas)]
+        losses = self.pipeline.train_step(batches)
+        loss = torch.tensor(self._dp_mean(sum(losses) / len(losses)))  # over dp ranks too
+        self.monitor.write_events([("Train/Samples/train_loss", float(loss), self.global_samples)])
         batch = self.train_batch_size()
         self._progress.after_train_batch(self.global_steps, float(loss), batch_size=batch)
         return loss
@@ -419,7 +505,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         was_training = self._module.training
         self.eval()
         try:
-            losses = self._eval_run(batches).losses
+            losses = self.pipeline.eval_run(batches).losses
         finally:
             self.train(was_training)
         if reduce_output is None:
@@ -441,73 +527,6 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
             '"AdamW", "params": {"lr": 1e-4}}) or pass optimizer= to initialize()'
         )
 
-    def _run(
-        self, plan: Plan, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
-    ) -> Any:
-        self._drain_pipeline()
-        self._sync_mode()
-        if closes_step:
-            self.stepper.open_step(step)
-        kw.setdefault("microbatch_offset", self.micro_steps)
-        spec = RunSpec(
-            plan=plan,
-            batches=batches,
-            version=self.stepper.required_version(step),
-            step=step,
-            closes_step=closes_step,
-            **kw,
-        )
-        try:
-            result = self._executor.run(spec)
-        except BaseException:
-            # Nothing half-done survives a failed run: this step's gradients are dropped (the
-            # weights are untouched), so the next call starts clean.
-            self._abort_step()
-            raise
-        gas = self.gradient_accumulation_steps()
-        self._guard.observe(result.losses, spec.microbatch_offset, gas)
-        self._progress.observe_losses(result.losses)  # floats the run returned: nothing forced
-        if closes_step:
-            self._last = self.stepper.close_step(step=step, skip=self._guard.force_skip())
-        self._timeline = result.timeline
-        self._stats_open.add(result.stats)
-        if closes_step:
-            self._step_stats, self._stats_open = self._stats_open, RunStats()
-            self._close_nvme_window()
-            self.monitor.write_step_stats(self._stats_dict(), self.global_samples)
-        return result
-
-    def _abort_step(self) -> None:
-        with contextlib.suppress(Exception):  # the run's own error is the one to report
-            self.stepper.wait_all()
-        self.stepper.abandon_step()
-        self.store.zero_grads()
-        self._guard.reset()
-        log.warning(
-            "run failed: gradients accumulated for step %d were discarded", self.global_steps + 1
-        )
-
-    def _sync_mode(self) -> None:
-        """The layers run in the module's own mode (``model.eval()``: dropout off), as DeepSpeed
-        runs the module itself. The executor takes each layer's mode from the layer modules,
-        and the wrappers to_layers builds around the model's parts are not its submodules, so
-        ``model.train()/.eval()`` does not reach them: their own flag is set here before each
-        run (not recursively: the model's submodules already carry the caller's modes)."""
-        mode = self._module.training
-        for layer in self.seq.modules():
-            layer.training = mode
-
-    def _eval_run(self, batches: list[Any], **kw: Any) -> Any:
-        self._drain_pipeline()
-        self._sync_mode()
-        step = self.global_steps + 1
-        spec = RunSpec(
-            plan=self.planner.plan(len(batches), ops=FORWARD_OPS), batches=batches,
-            version=self.stepper.required_version(step), step=step, train=False, **kw,
-        )  # fmt: skip
-        self.stepper.synchronize()
-        return self._executor.run(spec)
-
     def _batch_of(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, fed: bool = False
     ) -> dict[str, Any]:
@@ -527,7 +546,7 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
             return
         if self.planner.fit_tokens(int(ids.shape[0]), int(ids.shape[1])):
-            self._executor = self._make_executor()
+            self.pipeline.renew_executor()
 
     def destroy(self) -> None:
         """Finish in-flight steps, publish the newest weights, stop workers and devices.
@@ -537,12 +556,12 @@ class RoundPipeEngine(PipelinedIterations, ImperativeLoop, OptimizerBoundary, De
         late after the last training call (no call is left to raise it) is logged as an error.
         """
         try:
-            self._drain_pipeline()  # the step in flight is applied, as without overlap
+            self.pipeline.drain()  # the step in flight is applied, as without overlap
         finally:
-            self._discard_window()  # queued micro-batches no step() will close
+            self.loop.discard_window()  # queued micro-batches no step() will close
             self._finalizer()  # InFlightBox.finish logs a late skip no call is left to raise
         self._published_step = self.global_steps
-        self._executor.close()
+        self.pipeline.executor.close()
         self.monitor.close()
         before = self.__dict__.pop("_cores_before", None)
         if before is not None:  # the cores the split took from the caller's threads

@@ -35,91 +35,82 @@ from __future__ import annotations
 import logging
 import math
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rp_engine.engine.deferred import DeferredValue, Leaf, derivative
 from rp_engine.engine.fused_lm_head import fused_output
-from rp_engine.engine.window import Entry, FactorModel, Prefetch, ReadyGate, Window
+from rp_engine.engine.pipeline import BACKWARD_OPS, FORWARD_OPS
+from rp_engine.engine.prefetch import FactorModel, Prefetch, ReadyGate
+from rp_engine.engine.window import Entry, Window
 from rp_engine.model.base import writable
 from rp_engine.model.module import rebuild_outputs
-from rp_engine.plan.actions import Op
 from rp_engine.runtime.run_state import Resume
 
 if TYPE_CHECKING:
-    from rp_engine.config import DSConfig
+    from rp_engine.engine.pipeline import Pipeline
     from rp_engine.model.batches import BatchAdapter
     from rp_engine.optim.nonfinite import NonFiniteGuard
     from rp_engine.optim.optimizer import HostOptimizer
-    from rp_engine.optim.stepper import OptimizerStepper, StepResult
+    from rp_engine.optim.stepper import OptimizerStepper
     from rp_engine.runtime.counters import StepCounters
-    from rp_engine.runtime.executor import Executor, RunResult
+    from rp_engine.runtime.executor import RunResult
     from rp_engine.runtime.planning import Planner
 
-__all__ = ["ImperativeLoop", "LoopMisuseError", "FORWARD_OPS", "BACKWARD_OPS"]
+__all__ = ["WindowRunner", "LoopMisuseError", "FORWARD_OPS", "BACKWARD_OPS"]
 
 log = logging.getLogger("rp_engine")
 
-FORWARD_OPS = frozenset({Op.FWD, Op.HEAD})
-BACKWARD_OPS = frozenset({Op.BWD})
 
+class WindowRunner:
+    """The imperative loop's accumulation window (``engine.loop``): ``forward`` / ``backward`` /
+    ``step`` of ``deepspeed.DeepSpeedEngine`` (the engine checks for an optimizer and
+    ``no_sync()`` first, and times them). It owns the open window, the prefetched window and
+    the gate that holds a prefetched run's gradients from the optimizer; it runs the window's
+    work on the pipeline and applies the boundary through it (never the reverse: the pipeline
+    reaches it only through the hooks it is given, ``on_abort`` and a provisional run's)."""
 
-class ImperativeLoop:
-    """``__call__`` / ``forward`` / ``backward`` / ``step`` of ``deepspeed.DeepSpeedEngine``."""
-
-    _window: Window  # made by the engine
-    _gate: ReadyGate  # made by the engine: between the executor and the optimizer
-    _prefetch: Prefetch | None = None  # an announced window (expect_micro_batches)
-    _factor_model = FactorModel()  # a prefetched window's predicted factors (window.py)
-    _in_no_sync = False  # api.py's no_sync()
-    # the last forward ran in eval mode with grad enabled: (batch, share, loss leaf) for backward
-    _eval_forward: tuple[dict[str, Any], float, torch.Tensor] | None = None
-
-    if TYPE_CHECKING:  # provided by RoundPipeEngine
-        stepper: OptimizerStepper
-        device: torch.device
-        planner: Planner
-        host_optimizer: HostOptimizer
-        global_steps: int
-        micro_steps: int
-        _config: DSConfig
-        _counters: StepCounters
-        _guard: NonFiniteGuard
-        _batches: BatchAdapter
-        _module: torch.nn.Module
-        _executor: Executor
-        _overlap: bool
-        _last: StepResult | None
-
-        def _batch_of(
-            self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, fed: bool = False
-        ) -> dict[str, Any]: ...
-        def _run(
-            self, plan: Any, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
-        ) -> Any: ...
-        def _eval_run(self, batches: list[Any], **kw: Any) -> Any: ...
-        def _apply_boundary(self, lr_kwargs: dict[str, Any] | None) -> bool: ...
-        def _apply_in_flight(self, lr_kwargs: dict[str, Any] | None) -> bool: ...
-        def _uncounted_in_flight(self) -> bool: ...
-        def _after_run(self, result: RunResult, profile: bool) -> None: ...
-        def _drain_pipeline(self) -> None: ...
-        def _abort_pipeline(self, finishing: Any = None) -> None: ...
-
-        _inflight: Any
-        store: Any
-
-        def _issue(
-            self, batches: list[Any], *, unit: float, factors: list[float] | None = None,
-            first_microbatch: int | None = None, microbatches: list[int] | None = None,
-            token_stats: bool = False,
-        ) -> list[float]: ...  # fmt: skip
-        def _need_optimizer(self, call: str) -> None: ...
-        def gradient_accumulation_steps(self) -> int: ...
-        def is_gradient_accumulation_boundary(self) -> bool: ...
-
-    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.forward(*inputs, **kwargs)
+    def __init__(
+        self,
+        *,
+        pipeline: Pipeline,
+        planner: Planner,
+        stepper: OptimizerStepper,
+        optimizer: HostOptimizer,
+        counters: StepCounters,
+        guard: NonFiniteGuard,
+        batches: BatchAdapter,
+        batch_of: Callable[..., dict[str, Any]],
+        module: torch.nn.Module,
+        device: torch.device,
+        gate: ReadyGate,
+        gas: int,
+        managed: bool,
+        overlap: bool,
+    ) -> None:
+        self.pipeline = pipeline
+        self.planner = planner
+        self.stepper = stepper
+        self.host_optimizer = optimizer
+        self.counters = counters
+        self.guard = guard
+        self.batches = batches
+        # the engine's: a micro-batch's state (its first also completes the memory rule)
+        self.batch_of = batch_of
+        self.module = module  # its training flag and grad mode pick training or eval forwards
+        self.device = device  # where the losses the caller gets live
+        self.gate = gate  # between the executor and the optimizer (the engine's executors)
+        self.gas = gas
+        self.managed = managed  # DeepSpeed's managed_gradient_accumulation
+        self.overlap = overlap  # whether the window's run may stay in flight (core.py)
+        self.window = Window()  # the open accumulation window
+        self.prefetch: Prefetch | None = None  # an announced window (expect_micro_batches)
+        self.factor_model = FactorModel()  # a prefetched window's predicted factors
+        # the last forward ran in eval mode with grad enabled: (batch, share, loss leaf) for
+        # backward
+        self._eval_forward: tuple[dict[str, Any], float, torch.Tensor] | None = None
 
     # --- forward --------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -132,25 +123,25 @@ class ImperativeLoop:
         reads them at once: from a prefetched window's run (``expect_micro_batches``, which
         Trainer's patch calls), else that micro-batch runs alone, now."""
         self.stepper.check()
-        if self._batches.seq.returns_outputs:
+        if self.batches.seq.returns_outputs:
             return self._forward_outputs(inputs, kwargs)
         # Transformers' Trainer passes the token count of the whole optimizer step; the model
         # then returns sum / count instead of the micro-batch mean (as HF's ForCausalLMLoss).
         num_items = kwargs.pop("num_items_in_batch", None)
-        fused = _fused_request(kwargs.pop("fused_lm_head", False), self._batches.seq.head)
-        batch = self._batch_of(inputs, kwargs)
-        share = self._batches.token_share(batch, num_items)
-        if not (self._module.training and torch.is_grad_enabled()):
-            result = self._eval_run([batch], token_stats=fused)
+        fused = _fused_request(kwargs.pop("fused_lm_head", False), self.batches.seq.head)
+        batch = self.batch_of(inputs, kwargs)
+        share = self.batches.token_share(batch, num_items)
+        if not (self.module.training and torch.is_grad_enabled()):
+            result = self.pipeline.eval_run([batch], token_stats=fused)
             value = torch.tensor(result.losses[0], device=self.device)
             if fused:
                 return fused_output(value * share, result.token_stats[0], leaf=None)
-            return self._batches.wrap_loss(self._eval_loss(batch, share, value))
+            return self.batches.wrap_loss(self._eval_loss(batch, share, value))
         self._before_new_entry()
         known = self._from_prefetch(batch, num_items, fused)
         if known is not None:
             return known
-        entry = self._window.add(Entry(batch, share, self._next_microbatch(), fused=fused))
+        entry = self.window.add(Entry(batch, share, self._next_microbatch(), fused=fused))
         if fused:  # TRL reads the per-token statistics at once: this micro-batch runs now
             result = self._run_forward(entry)
             leaf = torch.tensor(result.losses[0], device=self.device, requires_grad=True)
@@ -158,7 +149,7 @@ class ImperativeLoop:
             return fused_output(leaf * share, entry.stats, leaf=leaf)
         entry.leaf = Leaf(_resolver(self, entry), _placeholder(self.device))
         # the caller's loss is what the model returns: the head's mean times the token share
-        return self._batches.wrap_loss(DeferredValue(entry.leaf, entry.leaf.placeholder) * share)
+        return self.batches.wrap_loss(DeferredValue(entry.leaf, entry.leaf.placeholder) * share)
 
     def _eval_loss(self, batch: dict[str, Any], share: float, value: torch.Tensor) -> Any:
         """An eval-mode forward's loss. With grad enabled DeepSpeed runs autograd whatever the
@@ -179,7 +170,7 @@ class ImperativeLoop:
         batch, share, leaf = self._eval_forward
         self._before_new_entry()  # (clears _eval_forward)
         self._cancel_prefetch()  # a prefetched window's factors do not cover this micro-batch
-        entry = self._window.add(Entry(batch, share, self._next_microbatch()))
+        entry = self.window.add(Entry(batch, share, self._next_microbatch()))
         entry.real_leaf = leaf
         return entry
 
@@ -187,12 +178,12 @@ class ImperativeLoop:
         """A module model's forward: its own return value, rebuilt from the head's outputs
         (training: floating tensors on the engine's device that collect the caller's
         gradient for ``backward``). Runs now: the caller's criterion needs the outputs."""
-        batch = self._batch_of(inputs, kwargs)
-        if not (self._module.training and torch.is_grad_enabled()):
-            outputs = self._eval_run([batch]).outputs[0]
+        batch = self.batch_of(inputs, kwargs)
+        if not (self.module.training and torch.is_grad_enabled()):
+            outputs = self.pipeline.eval_run([batch]).outputs[0]
             return rebuild_outputs(outputs, lambda _k, v: _to(v, self.device))
         self._before_new_entry()
-        entry = self._window.add(Entry(batch, 1.0, self._next_microbatch()))
+        entry = self.window.add(Entry(batch, 1.0, self._next_microbatch()))
         result = self._run_forward(entry)
         leaves: dict[str, torch.Tensor] = {}
 
@@ -212,24 +203,26 @@ class ImperativeLoop:
         entry's ``micro_steps``, then one more per entry. DeepSpeed's loop calls step() after
         every micro-batch, so that is ``micro_steps`` itself, as train_batch numbers them;
         Accelerate calls it once per window, and the window's micro-batches still differ."""
-        first = self._window.entries[0].micro_step if self._window.entries else self.micro_steps
-        return first + len(self._window.entries)
+        first = (
+            self.window.entries[0].micro_step if self.window.entries else self.counters.micro_steps
+        )
+        return first + len(self.window.entries)
 
     def _run_forward(self, entry: Entry) -> Any:
         """The forward stages and the head of one entry, alone (a forward run): its carry
         waits for its backward on the device (a module model's: host tensors only)."""
         try:
-            result = self._run(
-                self.planner.plan(1, ops=FORWARD_OPS), [entry.batch], step=self.global_steps + 1,
-                defer_head=True, closes_step=False, token_stats=entry.fused,
-                microbatch_offset=entry.micro_step,
+            result = self.pipeline.run(
+                self.planner.plan(1, ops=FORWARD_OPS), [entry.batch],
+                step=self.counters.global_steps + 1, defer_head=True, closes_step=False,
+                token_stats=entry.fused, microbatch_offset=entry.micro_step,
                 keep_weights=self.planner.keeps_forward_weights(),  # for the window's next read
                 head_loss_only=self._head_reruns(),
             )  # fmt: skip
         except BaseException as exc:
-            self._window_lost(exc)
+            self.window_lost(exc)
             raise
-        self._window.runs += 1  # its head's gradients may be kept, but they are this step's
+        self.window.runs += 1  # its head's gradients may be kept, but they are this step's
         entry.carry = result.carry
         if result.token_stats:
             entry.stats = result.token_stats[0]
@@ -239,7 +232,7 @@ class ImperativeLoop:
         """Whether a read's forward run computes the head's loss only, leaving the head's
         backward to the window's run (the head stage holds blocks whose backward would run in
         the read, alone); a module model's head gives the caller its outputs instead."""
-        return not self._batches.seq.returns_outputs
+        return not self.batches.seq.returns_outputs
 
     def _forward_alone(self, entry: Entry) -> None:
         """Run the entry's forward now (its value is read, or its caller's loss needs its value
@@ -264,15 +257,15 @@ class ImperativeLoop:
         never saw it (the optimizer is back at the step before: its run reopens that step);
         then the last entry, if its backward never came, is settled."""
         self._eval_forward = None  # a backward from here on is this forward's
-        if self._window.failed is not None:
-            self._window.close()
+        if self.window.failed is not None:
+            self.window.close()
         self._settle_open_entry()
 
     def _settle_open_entry(self) -> None:
         """A new forward while the last one's backward never came (a loss logged, say):
         DeepSpeed allows it and drops that forward's graph. Its value may still be read, so an
         unrun one is computed first; nothing of it reaches the gradients."""
-        last = self._window.last()
+        last = self.window.last()
         if last is None or not last.awaits_backward:
             return
         if last.speculative:  # its gradient is in the prefetched run: that run is not the step's
@@ -280,7 +273,7 @@ class ImperativeLoop:
         if last.leaf is not None and not last.leaf.resolved:
             self._forward_alone(last)
         if last.carry is not None:
-            self._executor.release(last.carry)
+            self.pipeline.executor.release(last.carry)
             last.carry = None
         last.landed = True
 
@@ -291,17 +284,16 @@ class ImperativeLoop:
         """Backward of the last forward's micro-batch. Returns the loss scaled by 1/GAS (as
         DeepSpeed). Whatever the caller did to the loss is honoured: its derivative with respect
         to our loss scales the gradients. At the accumulation boundary the window runs."""
-        self._need_optimizer("backward")
         self.stepper.check()
-        entry = self._adopt_eval_forward() or self._window.last()
+        entry = self._adopt_eval_forward() or self.window.last()
         if entry is None or not entry.awaits_backward:
             raise RuntimeError("engine.backward() needs a preceding engine.forward() in train mode")
         entry.backward_called = True
         loss_t = getattr(loss, "loss", loss)
-        gas = self.gradient_accumulation_steps()
+        gas = self.gas
         scaled = loss_t / gas if scale_wrt_gas else loss_t
         divide = gas if scale_wrt_gas else None
-        if self._batches.seq.returns_outputs:  # d(loss)/d(each output) seeds its backward
+        if self.batches.seq.returns_outputs:  # d(loss)/d(each output) seeds its backward
             grads = _output_grads(scaled, entry.output_leaves)  # the loss scale: at its run
             assert entry.carry is not None
             entry.resume = Resume(entry.carry, 1.0, grads)
@@ -323,16 +315,16 @@ class ImperativeLoop:
                     loss_t, entry.leaf, divide_by=divide, at=entry.leaf.value()
                 )
                 self._queue_backward(entry)
-        if self._managed() and self._counters.is_boundary():
+        if self.managed and self.counters.is_boundary():
             self._run_window()
         return scaled.detach()
 
     # --- the window's runs ------------------------------------------------------------------------
     def _run_window(self) -> None:
         """The boundary: run every queued entry (one schedule) and close the step."""
-        if self._window.failed is not None or self._window.closed:
+        if self.window.failed is not None or self.window.closed:
             return  # lost (step() counts it as skipped), or closed by its last run already
-        fetched = self._prefetch
+        fetched = self.prefetch
         if fetched is not None and fetched.issued:
             self._learn_factors(fetched)
             if fetched.live:
@@ -345,9 +337,9 @@ class ImperativeLoop:
         entries' backwards (first) with the ready entries whole (``Planner.plan(resumed=)``),
         or, with nothing resumed, the ready entries as train_batch's run (in flight when
         iterations overlap)."""
-        ready, resumes = self._window.ready(), self._window.resumes()
+        ready, resumes = self.window.ready(), self.window.resumes()
         if resumes:
-            self._drain_pipeline()  # the loss scale of a step in flight's close (fp16), first
+            self.pipeline.drain()  # the loss scale of a step in flight's close (fp16), first
             scale = self.host_optimizer.cur_scale
             entries = resumes + ready
             rerun = all(
@@ -362,9 +354,9 @@ class ImperativeLoop:
                 factors=[e.factor if rerun else 1.0 for e in resumes] + _factors(ready),
             )  # fmt: skip
         elif ready:
-            whole = self._window.runs == 0  # the step's only run, as train_batch's
+            whole = self.window.runs == 0  # the step's only run, as train_batch's
             profile = whole and self.planner.profile_left > 0  # the planner's first steps
-            if whole and self._overlap and not profile:
+            if whole and self.overlap and not profile:
                 self._issue_window(ready)
                 return
             result = self._land(
@@ -372,8 +364,8 @@ class ImperativeLoop:
                 factors=_factors(ready), profile=profile,
             )  # fmt: skip
             if whole:  # what the planner learns from a whole step (round size, profile)
-                self._after_run(result, profile)
-        elif self._window.runs:  # every contribution already landed: close
+                self.pipeline.after_run(result, profile)
+        elif self.window.runs:  # every contribution already landed: close
             self._close_now()
 
     def _land(
@@ -388,16 +380,16 @@ class ImperativeLoop:
     ) -> RunResult:
         """One drained run of the open step's work for ``entries`` (the first ``resumed`` of
         them resumed from their forward runs); the others' losses get values."""
-        self._drain_pipeline()  # first: a step in flight's close may change the loss scale
+        self.pipeline.drain()  # first: a step in flight's close may change the loss scale
         first = entries[min(resumed, len(entries) - 1)]  # the first whose loss the run reports
         try:
-            result = self._run(
-                plan, batches, step=self.global_steps + 1, closes_step=closing,
+            result = self.pipeline.run(
+                plan, batches, step=self.counters.global_steps + 1, closes_step=closing,
                 grad_scale=self.host_optimizer.cur_scale, microbatch_offset=first.micro_step,
-                microbatches=[e.micro_step for e in entries], sole=self._window.runs == 0, **kw,
+                microbatches=[e.micro_step for e in entries], sole=self.window.runs == 0, **kw,
             )  # fmt: skip
         except BaseException as exc:
-            self._window_lost(exc)
+            self.window_lost(exc)
             raise
         self._landed(entries, result.losses, closing=closing)
         return result
@@ -407,12 +399,12 @@ class ImperativeLoop:
         train_batch's): its losses are known when this returns; step() applies the boundary."""
         self.stepper.journal = None  # two open steps from here on, as train_batch's overlap
         try:
-            losses = self._issue(
+            losses = self.pipeline.issue(
                 [e.batch for e in ready], unit=1.0, factors=_factors(ready),
                 first_microbatch=ready[0].micro_step, microbatches=[e.micro_step for e in ready],
             )  # fmt: skip
         except BaseException as exc:
-            self._window_lost(exc)
+            self.window_lost(exc)
             raise
         self._landed(ready, losses, closing=True)
 
@@ -420,8 +412,8 @@ class ImperativeLoop:
         """A run of the open step landed ``entries``' gradients; their deferred losses get the
         run's values, which are the last entries' (resumed ones report none: they have theirs
         from their forward runs)."""
-        self._window.runs += 1
-        self._window.closed = closing
+        self.window.runs += 1
+        self.window.closed = closing
         values: list[float | None] = [None] * (len(entries) - len(losses)) + list(losses)
         for entry, value in zip(entries, values, strict=True):
             entry.landed = True
@@ -430,37 +422,37 @@ class ImperativeLoop:
 
     def _close_now(self) -> None:
         """Close a step whose contributions all landed through non-closing runs."""
-        step = self.global_steps + 1
+        step = self.counters.global_steps + 1
         self.stepper.open_step(step)
-        self._last = self.stepper.close_step(step=step, skip=self._guard.force_skip())
-        self._window.closed = True
+        self.pipeline.record.last = self.stepper.close_step(step=step, skip=self.guard.force_skip())
+        self.window.closed = True
 
     def _skip_lost_step(self) -> None:
         """The open step's window failed: the optimizer declares it skipped (every layer done
         at it, no update), as an fp16 overflow's step, so the next step's buffers are free."""
-        step = self.global_steps + 1
+        step = self.counters.global_steps + 1
         self.stepper.open_step(step)
         self.stepper.close_step(step=step, skip=True)
 
-    def _window_lost(self, error: BaseException) -> None:
+    def window_lost(self, error: BaseException) -> None:
         """A run of the open step failed: its gradients were dropped (the weights are untouched).
         The window's losses that never got a value raise when read; step() counts the step as
         skipped."""
-        self._gate.drop()  # a prefetched window's held gradients are gone with the rest
-        self._prefetch = None
-        if not self._window.entries:
+        self.gate.drop()  # a prefetched window's held gradients are gone with the rest
+        self.prefetch = None
+        if not self.window.entries:
             return  # train_batch's failure: no window of the loop was open
-        for entry in self._window.entries:
+        for entry in self.window.entries:
             if entry.leaf is not None and not entry.leaf.resolved:
                 entry.leaf.fail(error)
             entry.landed = True
             entry.carry = entry.resume = None
-        self._window.failed = error
+        self.window.failed = error
 
-    def _resolve_entry(self, entry: Entry) -> None:
+    def resolve_entry(self, entry: Entry) -> None:
         """A deferred loss is read: its forward runs alone, now; its backward stays queued for
         the window's run (``_forward_alone``)."""
-        if self._window.failed is not None or entry not in self._window.entries:
+        if self.window.failed is not None or entry not in self.window.entries:
             raise RuntimeError(
                 "this loss's accumulation window was discarded before it ran (a failed run, or "
                 "the engine was destroyed); its value is unknown"
@@ -474,28 +466,28 @@ class ImperativeLoop:
         the whole window at once, so every forward returns its real loss with no extra run,
         also in loops that read each micro-batch's loss before its backward (Hugging Face's
         Trainer fetches each step's micro-batches up front: ``integrations/hf.py`` passes them
-        here). The gradients are checked against each backward (window.py ``Prefetch``); a
+        here). The gradients are checked against each backward (prefetch.py ``Prefetch``); a
         forward with another batch cancels the hint, correct either way."""
         self._cancel_prefetch()
-        if self.stepper.dp is not None or self._batches.seq.returns_outputs:
+        if self.stepper.dp is not None or self.batches.seq.returns_outputs:
             return  # data parallel reduces per layer as it lands; a module model's outputs
-        if self._window.entries:
+        if self.window.entries:
             return  # mid-window: the hint cannot be the open step's (its forwards began)
-        fetched = [self._batch_of((), dict(b)) for b in batches]
-        self._prefetch = Prefetch(fetched) if fetched else None
+        fetched = [self.batch_of((), dict(b)) for b in batches]
+        self.prefetch = Prefetch(fetched) if fetched else None
 
-    def _window_ahead(self) -> int:
+    def window_ahead(self) -> int:
         """How many micro-batches the engine's loader should read and announce now: a whole
         window at a boundary with nothing queued (``data.WindowLoader``), else 0."""
-        gas = self.gradient_accumulation_steps()
-        if not self._managed() or self._window.entries or self.micro_steps % gas:
+        gas = self.gas
+        if not self.managed or self.window.entries or self.counters.micro_steps % gas:
             return 0
         return gas
 
     def _from_prefetch(self, batch: dict[str, Any], num_items: Any, fused: bool) -> Any:
         """The loss of a forward the prefetched window holds (its run issued at the first), or
         None (no window, or another batch: the hint is cancelled)."""
-        fetched = self._prefetch
+        fetched = self.prefetch
         if fetched is None:
             return None
         if fetched.done or not _same_batch(fetched, batch, num_items, fused):
@@ -505,14 +497,14 @@ class ImperativeLoop:
             self._issue_prefetch(fetched, batch, num_items, fused)
         i = fetched.index
         fetched.index += 1
-        share = self._batches.token_share(batch, num_items)
-        entry = self._window.add(Entry(batch, share, self._next_microbatch(), fused=fused))
+        share = self.batches.token_share(batch, num_items)
+        entry = self.window.add(Entry(batch, share, self._next_microbatch(), fused=fused))
         entry.speculative = True
         leaf = torch.tensor(fetched.losses[i], device=self.device, requires_grad=True)
         entry.real_leaf = leaf
         if fused:
             return fused_output(leaf * share, fetched.stats[i], leaf=leaf)
-        return self._batches.wrap_loss(leaf * share)
+        return self.batches.wrap_loss(leaf * share)
 
     def _issue_prefetch(
         self, fetched: Prefetch, first: dict[str, Any], num_items: Any, fused: bool
@@ -521,30 +513,30 @@ class ImperativeLoop:
         d(loss) scaled by its predicted factor; hold its gradients from the optimizer."""
         fetched.keys, fetched.num_items, fetched.fused = frozenset(first), num_items, fused
         fetched.batches = [{k: b[k] for k in first} for b in fetched.batches]
-        fetched.counts = [self._batches.token_count(b) for b in fetched.batches]
-        fetched.predicted = self._factor_model.predict(fetched.counts, num_items)
-        fetched.step = self.global_steps + 1
+        fetched.counts = [self.batches.token_count(b) for b in fetched.batches]
+        fetched.predicted = self.factor_model.predict(fetched.counts, num_items)
+        fetched.step = self.counters.global_steps + 1
         fetched.issued = fetched.live = True
         self.stepper.journal = None  # two open steps, as overlapping train_batch calls
-        self._gate.hold(fetched.step)
+        self.gate.hold(fetched.step)
         try:
-            fetched.losses = self._issue(
+            fetched.losses = self.pipeline.issue(
                 fetched.batches, unit=1.0, factors=fetched.predicted,
                 first_microbatch=self._next_microbatch(), token_stats=fused,
+                provisional=self._discard_prefetch,
             )  # fmt: skip
         except BaseException as exc:
-            self._gate.drop()
-            self._prefetch = None
-            self._window_lost(exc)
+            self.gate.drop()
+            self.prefetch = None
+            self.window_lost(exc)
             raise
         if fused:
-            assert self._inflight is not None
-            fetched.stats = self._inflight.executor.token_stats(self._inflight.handle)
-        self._window.runs += 1
+            fetched.stats = self.pipeline.token_stats()
+        self.window.runs += 1
 
     def _check_prediction(self, entry: Entry) -> None:
         """A prefetched micro-batch's backward: its factor against the one its run used."""
-        fetched = self._prefetch
+        fetched = self.prefetch
         assert entry.factor is not None
         if fetched is None or not fetched.live:  # discarded: it runs again at the boundary
             return
@@ -559,107 +551,89 @@ class ImperativeLoop:
 
     def _learn_factors(self, fetched: Prefetch) -> None:
         """The next prefetched window's prediction: the model this one's factors followed."""
-        entries = [e for e in self._window.entries if e.backward_called and e.real_leaf is not None]
+        entries = [e for e in self.window.entries if e.backward_called and e.real_leaf is not None]
         if len(entries) != fetched.index:
             return  # not the whole window (a forward without backward...): nothing to learn
         factors = [e.factor for e in entries if e.factor is not None]
         counts = fetched.counts[: len(factors)]
         fitted = FactorModel.fit(factors, counts, fetched.num_items)
         if fitted is not None:
-            self._factor_model = fitted
+            self.factor_model = fitted
 
     def _confirm_prefetch(self, fetched: Prefetch) -> None:
         """Every backward of the prefetched window matched: its gradients go to the optimizer
         (its run in flight closes the step; step() applies the boundary)."""
         fetched.live = False
-        self._gate.release()
-        for entry in self._window.entries:
+        self.pipeline.confirm()  # a drain now closes its step
+        self.gate.release()
+        for entry in self.window.entries:
             entry.landed = True
-        self._window.closed = True
-        if not self._overlap:  # iterations may not overlap here: finish the run now
-            self._drain_pipeline()
+        self.window.closed = True
+        if not self.overlap:  # iterations may not overlap here: finish the run now
+            self.pipeline.drain()
 
     def _discard_prefetch(self) -> None:
         """The prefetched run's gradients are not the step's (a factor mispredicted, or the
         pipeline must be quiet before the boundary): finish it, drop them; the window's
         values stay, and its gradients run again at the boundary."""
-        fetched = self._prefetch
+        fetched = self.prefetch
         if fetched is None or not fetched.live:
             return
         fetched.live = False
-        run = self._inflight
-        if run is not None and run.step == fetched.step:
-            self._inflight = None
-            try:
-                run.executor.finish(run.handle)
-            except BaseException:
-                self._abort_pipeline(run)
-                raise
-            self.stepper.wait_all()  # the previous step's optimizer reads the other buffer
-            self.stepper.abandon_step(fetched.step)
-            self.store.zero_grads()
-        self._gate.drop()
-        self._window.runs = 0
-        for entry in self._window.entries:
+        self.pipeline.discard(fetched.step)
+        self.gate.drop()
+        self.window.runs = 0
+        for entry in self.window.entries:
             entry.speculative = False  # ready once its backward came: runs at the boundary
 
     def _cancel_prefetch(self) -> None:
         """Forget the hint (its unread values are dropped; their forwards will run again)."""
-        if self._prefetch is not None:
+        if self.prefetch is not None:
             self._discard_prefetch()
-            self._prefetch = None
+            self.prefetch = None
 
     # --- step -----------------------------------------------------------------------------------
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Called after every micro-batch; applies the optimizer at the accumulation boundary
         (with ``managed_gradient_accumulation: false``, at every call)."""
-        self._need_optimizer("step")
-        if self._in_no_sync:
-            raise LoopMisuseError(
-                "It is illegal to call engine.step() inside the no_sync context manager "
-                "(as DeepSpeed): leave the `with engine.no_sync():` block first"
-            )
         self.stepper.check()
-        if not (self._counters.is_boundary() or not self._managed()):
-            self._counters.step(applied=None)
-            self._guard.raise_failed()
+        if not (self.counters.is_boundary() or not self.managed):
+            self.counters.step(applied=None)
+            self.guard.raise_failed()
             return
         self._settle_open_entry()  # a forward whose backward never came adds no gradient
-        backwards = sum(1 for e in self._window.entries if e.backward_called)
-        if self._window.failed is None:
+        backwards = sum(1 for e in self.window.entries if e.backward_called)
+        if self.window.failed is None:
             self._run_window()
-        failed = self._window.failed is not None
-        self._window.close()
-        if self._prefetch is not None and (self._prefetch.done or failed):
-            self._prefetch = None
+        failed = self.window.failed is not None
+        self.window.close()
+        if self.prefetch is not None and (self.prefetch.done or failed):
+            self.prefetch = None
         if failed:  # its gradients are gone: skipped (no scheduler step, no scale change)
             self._skip_lost_step()
             applied = False
-        elif self._uncounted_in_flight():
-            applied = self._apply_in_flight(lr_kwargs)
+        elif self.pipeline.uncounted_in_flight():
+            applied = self.pipeline.apply_in_flight(lr_kwargs)
         else:
-            applied = self._apply_boundary(lr_kwargs)
-        if self._managed():
-            self._counters.step(applied=applied)
+            applied = self.pipeline.boundary.apply(lr_kwargs, self.pipeline.record.last)
+        if self.managed:
+            self.counters.step(applied=applied)
         else:
-            self._counters.unmanaged_step(applied=applied, micro_batches=backwards)
-        self._guard.raise_failed()  # after the counters: the engine is consistent when it raises
+            self.counters.unmanaged_step(applied=applied, micro_batches=backwards)
+        self.guard.raise_failed()  # after the counters: the engine is consistent when it raises
 
-    def _managed(self) -> bool:
-        return self._config.managed_gradient_accumulation
-
-    def _discard_window(self) -> None:
+    def discard_window(self) -> None:
         """destroy(): queued work that no boundary will run is dropped (as DeepSpeed drops
         gradients accumulated without a step); its unread losses raise when read."""
-        for entry in self._window.entries:
+        for entry in self.window.entries:
             carry = entry.resume.carry if entry.resume is not None else entry.carry
             if carry is not None and not entry.landed:
-                self._executor.release(carry)
+                self.pipeline.executor.release(carry)
             if entry.leaf is not None and not entry.leaf.resolved:
                 entry.leaf.fail(
                     RuntimeError("the engine was destroyed before this loss's window ran")
                 )
-        self._window.close()
+        self.window.close()
 
 
 class LoopMisuseError(RuntimeError, AssertionError):
@@ -672,16 +646,16 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.full((), float("nan"), device=device).requires_grad_(True)
 
 
-def _resolver(loop: ImperativeLoop, entry: Entry) -> Any:
-    """The leaf's resolver, holding the engine weakly: a loss kept by the caller must not keep
+def _resolver(loop: WindowRunner, entry: Entry) -> Any:
+    """The leaf's resolver, holding the loop weakly: a loss kept by the caller must not keep
     the engine (its threads, its memory) alive."""
     ref = weakref.ref(loop)
 
     def resolve_entry() -> None:
-        engine = ref()
-        if engine is None:
+        runner = ref()
+        if runner is None:
             raise RuntimeError("the engine was collected before this loss's window ran")
-        engine._resolve_entry(entry)
+        runner.resolve_entry(entry)
 
     return resolve_entry
 

@@ -1,4 +1,6 @@
-"""``train_batch`` with overlapping iterations: the round-robin goes on across calls, no drain.
+"""The engine's runs on the executor (``engine.pipeline``): drained, or overlapping iterations.
+
+``train_batch`` with overlapping iterations: the round-robin goes on across calls, no drain.
 
 ``train_batch`` t issues run t (``Executor.start``: every action queued on the devices' streams),
 then finishes run t-1 (its end events; close_step(t-1), stats, timeline), then waits only for
@@ -26,7 +28,8 @@ What stays exact:
 - Everything that reads weights or needs a quiet pipeline drains first (finishes the run in
   flight): ``synchronize()``, ``engine.module``, checkpoints, eval, a loss of the loop read
   before its window's boundary, and ``destroy()``. The imperative loop's window is issued the
-  same way (``_issue``), at its boundary's ``backward``; its ``step()`` applies the boundary.
+  same way (``Pipeline.issue``), at its boundary's ``backward``; its ``step()`` applies the
+  boundary.
 
 - Non-finite steps (``roundpipe.on_nonfinite`` "raise", the default, or "skip"): the boundary
   is applied in flight
@@ -36,7 +39,7 @@ What stays exact:
   next call.
 
 - fp16: the same, and the next run, issued with the scale of before the overflow, is run
-  again with the lowered scale (``_reissue``), as DeepSpeed would have run it.
+  again with the lowered scale (``Pipeline.reissue``), as DeepSpeed would have run it.
 
 Not overlapped (each ``train_batch`` drains, as before): profiling iterations (the re-plan reads
 their timing), a scheduler that cannot be restored where steps can be skipped, a model with
@@ -54,31 +57,34 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from rp_engine.engine.boundary import BoundaryState
-from rp_engine.runtime.executor import Executor, RunHandle, RunSpec, RunStats
+from rp_engine.engine.boundary import Boundary, BoundaryState
+from rp_engine.engine.record import StepRecord
+from rp_engine.plan.actions import Op
+from rp_engine.runtime.executor import Executor, RunHandle, RunSpec
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from rp_engine.autotune import ProfileCheck
-    from rp_engine.config import DSConfig
-    from rp_engine.data import DataFeed
     from rp_engine.engine.progress import Progress
-    from rp_engine.monitor import Monitor
     from rp_engine.optim.nonfinite import NonFiniteGuard
     from rp_engine.optim.optimizer import HostOptimizer
-    from rp_engine.optim.stepper import OptimizerStepper, StepResult
+    from rp_engine.optim.stepper import OptimizerStepper
+    from rp_engine.plan.actions import Plan
     from rp_engine.runtime.counters import StepCounters
-    from rp_engine.runtime.executor import RunResult, TimelineRecord
+    from rp_engine.runtime.executor import RunResult
     from rp_engine.runtime.planning import Planner
 
-__all__ = ["PipelinedIterations", "InFlightBox"]
+__all__ = ["Pipeline", "InFlightBox", "FORWARD_OPS", "BACKWARD_OPS"]
 
 log = logging.getLogger("rp_engine")
+
+FORWARD_OPS = frozenset({Op.FWD, Op.HEAD})  # a forward-only run's actions (eval, a loss read)
+BACKWARD_OPS = frozenset({Op.BWD})
 
 
 @dataclass
@@ -122,169 +128,242 @@ class InFlightBox:
             log.warning("the training step in flight could not be finished at shutdown: %r", exc)
 
 
-class PipelinedIterations:
-    """``train_batch`` of ``deepspeed.PipelineEngine``, with iterations that overlap."""
+class Pipeline:
+    """The engine's runs on the executor (``engine.pipeline``): drained ones (:meth:`run`,
+    :meth:`eval_run`) and overlapping ones (:meth:`issue`: run t issued, run t-1 finished),
+    the run in flight (``box``) and the record of the last closed step (``record``).
 
-    _overlap = False  # set by the engine: whether train_batch may leave a run in flight
-    _box: InFlightBox  # made by the engine before its finaliser
+    It owns the executor (a re-plan replaces it: ``make_executor``) and calls only the parts it
+    is given: the stepper, the planner, the optimizer's loss scale, the boundary, the counters.
+    Two hooks reach the imperative loop without a reference to it: a provisional run's
+    callback (a prefetched window's run: :meth:`issue`) and ``on_abort`` (its open window is
+    lost with the steps in flight)."""
+
+    def __init__(
+        self,
+        *,
+        make_executor: Callable[[], Executor],
+        stepper: OptimizerStepper,
+        planner: Planner,
+        optimizer: HostOptimizer,
+        boundary: Boundary,
+        counters: StepCounters,
+        guard: NonFiniteGuard,
+        progress: Progress,
+        record: StepRecord,
+        module: nn.Module,
+        layers: Callable[[], Iterable[nn.Module]],
+        gas: int,
+        overlap: bool,
+        autotune: ProfileCheck | None,
+    ) -> None:
+        self.make_executor = make_executor
+        self.executor = make_executor()
+        self.stepper = stepper
+        self.planner = planner
+        self.optimizer = optimizer  # its cur_scale is each run's grad_scale
+        self.boundary = boundary
+        self.counters = counters
+        self.guard = guard
+        self.progress = progress
+        self.record = record
+        self.module = module  # its training flag is the layers' mode (sync_mode)
+        self.layers = layers  # the layer modules the executor runs (LayerSequence.modules)
+        self.gas = gas
+        self.overlap = overlap  # whether train_batch may leave a run in flight (core.py)
+        self.autotune = autotune
+        self.box = InFlightBox(guard)  # the shutdown finaliser holds the box, not the engine
+        # the open window of the imperative loop is lost with the steps in flight (loop.py)
+        self.on_abort: Callable[[BaseException], None] = lambda _error: None
+        # a prefetched window's run whose factors are not all checked yet (loop.py), and what a
+        # drain calls instead of closing its step (its gradients run again at the boundary).
+        # Held here, not in the run's record: the finaliser holds that (it must not hold this)
+        self._provisional: tuple[_InFlight, Callable[[], None]] | None = None
 
     @property
-    def _inflight(self) -> _InFlight | None:
-        return self._box.run
+    def inflight(self) -> _InFlight | None:
+        return self.box.run
 
-    @_inflight.setter
-    def _inflight(self, run: _InFlight | None) -> None:
-        self._box.run = run
+    @inflight.setter
+    def inflight(self, run: _InFlight | None) -> None:
+        self.box.run = run
 
-    if TYPE_CHECKING:  # provided by RoundPipeEngine
-        _config: DSConfig
-        _counters: StepCounters
-        _executor: Executor
-        _feed: DataFeed
-        _guard: NonFiniteGuard
-        _last: StepResult | None
-        _progress: Progress
-        _stats_open: RunStats
-        _step_stats: RunStats | None
-
-        def _close_nvme_window(self) -> None: ...
-
-        _timeline: list[TimelineRecord]
-        global_steps: int
-        global_samples: int
-        micro_steps: int
-        monitor: Monitor
-        host_optimizer: HostOptimizer
-        planner: Planner
-        stepper: OptimizerStepper
-        _autotune: ProfileCheck | None
-
-        def _batch_of(
-            self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, fed: bool = False
-        ) -> dict[str, Any]: ...
-        def _need_optimizer(self, call: str) -> None: ...
-        def _run(
-            self, plan: Any, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
-        ) -> RunResult: ...
-        def _apply_boundary(
-            self, lr_kwargs: dict[str, Any] | None, *, in_flight: bool | None = None
-        ) -> bool: ...
-        def _boundary_state(self) -> BoundaryState: ...
-        def _skipped_late(self, step: int, before: BoundaryState, result: StepResult) -> None: ...
-        def _make_executor(self) -> Executor: ...
-        def _sync_mode(self) -> None: ...
-        def _stats_dict(self) -> dict[str, Any]: ...
-        def _dp_mean(self, value: float) -> float: ...
-        def _window_lost(self, error: BaseException) -> None: ...
-        def _discard_prefetch(self) -> None: ...
-
-        _prefetch: Any
-
-        def gradient_accumulation_steps(self) -> int: ...
-        def train(self, mode: bool = True) -> Any: ...
-
-    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
-        """One optimizer step over GAS micro-batches in one RoundPipe schedule; mean loss.
-
-        With overlap on (see the module docstring) it returns once this step's losses are
-        known, with the step's backward tail and optimizer still running."""
-        self._need_optimizer("train_batch")
-        self.stepper.check()
-        self.train()
-        gas = self.gradient_accumulation_steps()
-        batches = [self._batch_of((b,), {}, fed=True) for b in self._feed.take(data_iter, gas)]
+    # --- train_batch's step -----------------------------------------------------------------------
+    def train_step(self, batches: list[Any]) -> list[float]:
+        """One optimizer step over the GAS micro-batches (``engine.train_batch``), the counters
+        advanced; its losses. In flight when iterations overlap (module docstring)."""
+        gas = self.gas
         profile = self.planner.profile_left > 0
-        if self._overlap and not profile:
+        if self.overlap and not profile:
             # two open steps from here on, which the step journal's undo does not cover (it was
             # not asked for explicitly: core.py); the loop's overlapped window drops it too
             self.stepper.journal = None
-            losses = self._issue_step(batches, gas)
-        else:
-            self._drain_pipeline()
-            result = self._run(
-                self.planner.plan(gas), batches, step=self.global_steps + 1, closes_step=True,
-                grad_scale=self.host_optimizer.cur_scale / gas, profile=profile,
-            )  # fmt: skip
-            self._counters.whole_step(applied=self._apply_boundary(None))
-            self._guard.raise_failed()
-            self._after_run(result, profile)
-            losses = result.losses
-        loss = torch.tensor(self._dp_mean(sum(losses) / len(losses)))  # over dp ranks too
-        self.monitor.write_events([("Train/Samples/train_loss", float(loss), self.global_samples)])
-        return loss
+            losses = self.issue(batches, unit=1 / gas)
+            self.counters.whole_step(applied=self.apply_in_flight(None))
+            self.guard.raise_failed()  # this step's losses, or the previous step's late skip
+            return losses
+        self.drain()
+        result = self.run(
+            self.planner.plan(gas), batches, step=self.counters.global_steps + 1,
+            closes_step=True, grad_scale=self.optimizer.cur_scale / gas, profile=profile,
+        )  # fmt: skip
+        self.counters.whole_step(applied=self.boundary.apply(None, self.record.last))
+        self.guard.raise_failed()
+        self.after_run(result, profile)
+        return result.losses
+
+    # --- drained runs -----------------------------------------------------------------------------
+    def run(
+        self, plan: Plan, batches: list[Any], *, step: int, closes_step: bool, **kw: Any
+    ) -> RunResult:
+        """One run of ``plan``, after the run in flight is finished; it closes step ``step``
+        when ``closes_step``. A failed run drops the step's gradients (:meth:`abort_step`)."""
+        self.drain()
+        self.sync_mode()
+        if closes_step:
+            self.stepper.open_step(step)
+        kw.setdefault("microbatch_offset", self.counters.micro_steps)
+        spec = RunSpec(
+            plan=plan,
+            batches=batches,
+            version=self.stepper.required_version(step),
+            step=step,
+            closes_step=closes_step,
+            **kw,
+        )
+        try:
+            result = self.executor.run(spec)
+        except BaseException:
+            # Nothing half-done survives a failed run: this step's gradients are dropped (the
+            # weights are untouched), so the next call starts clean.
+            self.abort_step()
+            raise
+        self.guard.observe(result.losses, spec.microbatch_offset, self.gas)
+        self.progress.observe_losses(result.losses)  # floats the run returned: nothing forced
+        if closes_step:
+            self.record.last = self.stepper.close_step(step=step, skip=self.guard.force_skip())
+        self.record.timeline = result.timeline
+        self.record.add(result.stats)
+        if closes_step:
+            self.record.closed()
+        return result
+
+    def eval_run(self, batches: list[Any], **kw: Any) -> RunResult:
+        """A forward-only run of ``batches`` (no gradients), at the newest weights."""
+        self.drain()
+        self.sync_mode()
+        step = self.counters.global_steps + 1
+        spec = RunSpec(
+            plan=self.planner.plan(len(batches), ops=FORWARD_OPS), batches=batches,
+            version=self.stepper.required_version(step), step=step, train=False, **kw,
+        )  # fmt: skip
+        self.stepper.synchronize()
+        return self.executor.run(spec)
+
+    def abort_step(self) -> None:
+        """A drained run failed: the open step's gradients are dropped."""
+        with contextlib.suppress(Exception):  # the run's own error is the one to report
+            self.stepper.wait_all()
+        self.stepper.abandon_step()
+        self.stepper.store.zero_grads()
+        self.guard.reset()
+        log.warning(
+            "run failed: gradients accumulated for step %d were discarded",
+            self.counters.global_steps + 1,
+        )
+
+    def sync_mode(self) -> None:
+        """The layers run in the module's own mode (``model.eval()``: dropout off), as DeepSpeed
+        runs the module itself. The executor takes each layer's mode from the layer modules,
+        and the wrappers to_layers builds around the model's parts are not its submodules, so
+        ``model.train()/.eval()`` does not reach them: their own flag is set here before each
+        run (not recursively: the model's submodules already carry the caller's modes)."""
+        mode = self.module.training
+        for layer in self.layers():
+            layer.training = mode
+
+    def renew_executor(self) -> None:
+        """New cuts: a new executor (nothing may be in flight on the old one)."""
+        self.executor = self.make_executor()
 
     # --- the overlapped step --------------------------------------------------------------------
-    def _issue_step(self, batches: list[Any], gas: int) -> list[float]:
-        """Issue run t, finish run t-1, wait for run t's losses, advance the counters."""
-        losses = self._issue(batches, unit=1 / gas)
-        self._counters.whole_step(applied=self._apply_in_flight(None))
-        self._guard.raise_failed()  # this step's losses, or the previous step's late skip
-        return losses
-
-    def _issue(
+    def issue(
         self, batches: list[Any], *, unit: float, factors: list[float] | None = None,
         first_microbatch: int | None = None, microbatches: list[int] | None = None,
-        token_stats: bool = False,
+        token_stats: bool = False, provisional: Callable[[], None] | None = None,
     ) -> list[float]:  # fmt: skip
         """Issue run t (one whole step: it closes it), finish run t-1, wait for run t's losses
         (and the head's per-token statistics, ``token_stats``). The run's grad_scale is the loss
         scale times ``unit``; ``factors`` multiply it per micro-batch (the imperative loop's
-        window). The boundary is applied by the caller (``_apply_in_flight``)."""
-        step = self.global_steps + 1
-        first = self.micro_steps if first_microbatch is None else first_microbatch
-        self._sync_mode()  # (a run in flight was issued in the same mode: train_batch sets it)
+        window). The boundary is applied by the caller (:meth:`apply_in_flight`). A
+        ``provisional`` run's step is not closed by a drain: it calls ``provisional`` instead."""
+        step = self.counters.global_steps + 1
+        first = self.counters.micro_steps if first_microbatch is None else first_microbatch
+        self.sync_mode()  # (a run in flight was issued in the same mode: train_batch sets it)
         self.stepper.open_step(step)
         spec = RunSpec(
             plan=self.planner.plan(len(batches)), batches=batches,
             version=self.stepper.required_version(step), step=step, closes_step=True,
-            grad_scale=self.host_optimizer.cur_scale * unit, factors=factors,
+            grad_scale=self.optimizer.cur_scale * unit, factors=factors,
             microbatch_offset=first, microbatches=microbatches, token_stats=token_stats,
         )  # fmt: skip
-        executor = self._executor
-        previous = self._inflight
+        executor = self.executor
+        previous = self.inflight
         try:
             handle = executor.start(spec)
         except BaseException:
-            self._abort_pipeline()
+            self.abort()
             raise
-        current = self._inflight = _InFlight(executor, handle, step, unit)
+        current = self.inflight = _InFlight(executor, handle, step, unit)
+        if provisional is not None:
+            self._provisional = (current, provisional)
         if previous is not None:
             try:
-                self._complete(previous)  # run t-1 (its failure aborts run t as well)
+                self.complete(previous)  # run t-1 (its failure aborts run t as well)
             except BaseException:
-                self._abort_pipeline()
+                self.abort()
                 raise
-            if spec.grad_scale != self.host_optimizer.cur_scale * unit:  # t-1 overflowed (fp16)
-                self._reissue(current, spec)
+            if spec.grad_scale != self.optimizer.cur_scale * unit:  # t-1 overflowed (fp16)
+                self.reissue(current, spec)
         try:
             losses = executor.losses(current.handle)  # (a reissued run has a new handle)
         except BaseException:
-            self._abort_pipeline()
+            self.abort()
             raise
-        self._guard.observe(losses, first, self.gradient_accumulation_steps())
-        self._progress.observe_losses(losses)  # the progress line's loss (floats: nothing forced)
-        current.skip = self._guard.force_skip()
+        self.guard.observe(losses, first, self.gas)
+        self.progress.observe_losses(losses)  # the progress line's loss (floats: nothing forced)
+        current.skip = self.guard.force_skip()
         return losses
 
-    def _apply_in_flight(self, lr_kwargs: dict[str, Any] | None) -> bool:
+    def token_stats(self) -> list[dict[str, Any]]:
+        """The head's per-token statistics of the run in flight (issued with ``token_stats``)."""
+        run = self.inflight
+        assert run is not None, "no run in flight"
+        return run.executor.token_stats(run.handle)
+
+    def confirm(self) -> None:
+        """The provisional run in flight is the step's after all: a drain closes its step."""
+        self._provisional = None
+
+    def apply_in_flight(self, lr_kwargs: dict[str, Any] | None) -> bool:
         """DeepSpeed's counters and LR schedule at the boundary of the run in flight, applied
         before its step closes: the next call finishes it (boundary.py). Returns whether the
         step counts as applied; the caller advances the counters."""
-        current = self._inflight
+        current = self.inflight
         assert current is not None and not current.counted, "no issued step to count"
-        if (self._guard.active or self.stepper.fp16) and not current.skip:
-            current.before = self._boundary_state()  # its close may still skip it
-        applied = self._apply_boundary(lr_kwargs, in_flight=current.skip)
+        if (self.guard.active or self.stepper.fp16) and not current.skip:
+            current.before = self.boundary.state()  # its close may still skip it
+        applied = self.boundary.apply(lr_kwargs, self.record.last, in_flight=current.skip)
         current.counted = True
         return applied
 
-    def _uncounted_in_flight(self) -> bool:
+    def uncounted_in_flight(self) -> bool:
         """Whether the run in flight is the open step's, its boundary not applied yet (the
         imperative loop issued its window at the boundary's backward; step() applies it)."""
-        run = self._inflight
-        return run is not None and not run.counted and run.step == self.global_steps + 1
+        run = self.inflight
+        return run is not None and not run.counted and run.step == self.counters.global_steps + 1
 
-    def _reissue(self, current: _InFlight, spec: RunSpec) -> None:
+    def reissue(self, current: _InFlight, spec: RunSpec) -> None:
         """fp16: run t was issued with the loss scale of before step t-1's overflow, found when
         step t-1 closed; DeepSpeed runs step t with the lowered scale. Let run t end, drop its
         gradients and open step, and issue it again (same batches, seeds and weights: step t-1
@@ -295,65 +374,80 @@ class PipelinedIterations:
             self.stepper.store.zero_grads()
             self.stepper.restart(spec.step - 1)  # declared at t-1, masters published
             self.stepper.open_step(spec.step)
-            again = replace(spec, grad_scale=self.host_optimizer.cur_scale * current.unit)
+            again = replace(spec, grad_scale=self.optimizer.cur_scale * current.unit)
             current.handle = current.executor.start(again)
         except BaseException:
-            self._abort_pipeline()
+            self.abort()
             raise
         log.info("step %d: issued again with the loss scale lowered by step %d's overflow",
                  spec.step, spec.step - 1)  # fmt: skip
 
-    def _complete(self, inflight: _InFlight) -> None:
+    def complete(self, inflight: _InFlight) -> None:
         """Finish an in-flight run and close its step (the counters already count it)."""
         try:
             result = inflight.executor.finish(inflight.handle)
         except BaseException:
-            self._abort_pipeline(inflight)
+            self.abort(inflight)
             raise
-        if self._inflight is inflight:
-            self._inflight = None
-        self._last = self.stepper.close_step(step=inflight.step, skip=inflight.skip)
-        if inflight.before is not None and self._last.overflow:
-            self._skipped_late(inflight.step, inflight.before, self._last)
-        self._stats_open.add(result.stats)
-        self._step_stats, self._stats_open = self._stats_open, RunStats()
-        self._close_nvme_window()
-        self._timeline = result.timeline
-        self.monitor.write_step_stats(self._stats_dict(), self.global_samples)
-        self._after_run(result, profile=False)
+        if self.inflight is inflight:
+            self.inflight = None
+        last = self.record.last = self.stepper.close_step(step=inflight.step, skip=inflight.skip)
+        if inflight.before is not None and last.overflow:
+            self.boundary.skipped_late(inflight.step, inflight.before, last)
+        self.record.add(result.stats)
+        self.record.timeline = result.timeline
+        self.record.closed()
+        self.after_run(result, profile=False)
 
-    def _after_run(self, result: RunResult, profile: bool) -> None:
+    def after_run(self, result: RunResult, profile: bool) -> None:
         """What the planner learns from a finished training run: the round size (budget) and,
         while profiling, the measured times (a better plan gets a new executor)."""
         self.planner.fit_round_size(result.boundary_bytes)
         if not profile:
             return
         changed = self.planner.observe(result.layer_ms, result.bwd_ms)
-        if self._autotune is not None:  # after the profile's last run: the advice checked
-            changed = self._autotune.check(self.planner) or changed
+        if self.autotune is not None:  # after the profile's last run: the advice checked
+            changed = self.autotune.check(self.planner) or changed
         if changed:
-            self._executor = self._make_executor()
+            self.renew_executor()
 
-    def _drain_pipeline(self) -> None:
+    def drain(self) -> None:
         """Finish the run in flight, if any (before anything that needs a quiet pipeline)."""
-        inflight = self._inflight
+        inflight = self.inflight
         if inflight is None:
             return
-        fetched = self._prefetch
-        if fetched is not None and fetched.live and inflight.step == fetched.step:
+        provisional = self._provisional
+        if provisional is not None and provisional[0] is inflight:
             # a prefetched window's run whose factors are not all checked yet (loop.py): its
             # gradients cannot close the step; they run again at the window's boundary
-            self._discard_prefetch()
-            return
-        self._complete(inflight)
+            provisional[1]()
+            if self.inflight is not inflight:  # discarded
+                return
+        self.complete(inflight)
 
-    def _abort_pipeline(self, finishing: _InFlight | None = None) -> None:
+    def discard(self, step: int) -> None:
+        """Finish the run in flight if it is step ``step``'s and drop its gradients and open
+        step (a prefetched window's run that is not the step's after all)."""
+        run = self.inflight
+        if run is None or run.step != step:
+            return
+        self.inflight = None
+        try:
+            run.executor.finish(run.handle)
+        except BaseException:
+            self.abort(run)
+            raise
+        self.stepper.wait_all()  # the previous step's optimizer reads the other buffer
+        self.stepper.abandon_step(step)
+        self.stepper.store.zero_grads()
+
+    def abort(self, finishing: _InFlight | None = None) -> None:
         """A run failed with iterations in flight: stop everything, discard every open step's
         gradients, count the in-flight steps the counters already count (``finishing``, the run
         being finished, and the one in flight) as skipped, and go on from the last applied
         step's weights. The caller re-raises the error."""
-        runs = {id(r): r for r in (finishing, self._inflight) if r is not None}
-        self._inflight = None
+        runs = {id(r): r for r in (finishing, self.inflight) if r is not None}
+        self.inflight = None
         reason = RuntimeError("a training run failed; the steps in flight were discarded")
         # In this order: the reset waits for every running stream closure, and a later run's
         # closures may be blocked waiting for the failed run's step, which will not close
@@ -362,13 +456,13 @@ class PipelinedIterations:
         self.stepper.cancel(reason)  # runtime threads waiting for a step that will not close
         self.stepper.store.fail(reason)  # uploads waiting for a version that will not come
         executors = {id(r.executor): r.executor for r in runs.values()}
-        executors.setdefault(id(self._executor), self._executor)
+        executors.setdefault(id(self.executor), self.executor)
         for executor in executors.values():  # one pool; each executor has its own replicas
             executor.reset()
         with contextlib.suppress(Exception):  # an optimizer failure stays, check() raises it
             self.stepper.wait_all()
         self.stepper.store.zero_grads()
-        self._counters.skipped_steps += sum(r.counted and not r.skip for r in runs.values())
-        self.stepper.restart(self.global_steps)
-        self._guard.reset()
-        self._window_lost(reason)
+        self.counters.skipped_steps += sum(r.counted and not r.skip for r in runs.values())
+        self.stepper.restart(self.counters.global_steps)
+        self.guard.reset()
+        self.on_abort(reason)

@@ -126,7 +126,7 @@ def test_the_factor_model_fits_trainer_and_deepspeed_windows() -> None:
     """A prefetched window's factors: Trainer's are each micro-batch's share of the window's
     tokens (k = 1), DeepSpeed's loop's 1/GAS each; the model fitted to one window predicts
     the next, with other token counts; a window that follows neither fits nothing."""
-    from rp_engine.engine.window import FactorModel
+    from rp_engine.engine.prefetch import FactorModel
 
     counts, nxt = [10, 30, 20, 40], [25, 25, 10, 40]
     trainer = [n / 100 for n in counts]
