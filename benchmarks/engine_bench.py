@@ -42,13 +42,13 @@ os.environ.setdefault(
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import rp_engine  # noqa: E402
-from rp_engine.optim.affinity import (  # noqa: E402
+from rp_engine.host.affinity import (  # noqa: E402
     available_cores,
     pin_optimizer_thread,
     pin_thread,
     split_cores,
 )
-from rp_engine.optim.jit_cache import with_own_ninja  # noqa: E402
+from rp_engine.host.jit_cache import with_own_ninja  # noqa: E402
 from rp_engine.optim.loss_scaler import LossScaler  # noqa: E402
 from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer  # noqa: E402
 

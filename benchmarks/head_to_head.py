@@ -51,7 +51,7 @@ from typing import Any
 
 from benchmarks import roundpipe_lib
 from benchmarks.host_load import CoreShare
-from rp_engine.optim.jit_cache import with_own_ninja
+from rp_engine.host.jit_cache import with_own_ninja
 
 SYSTEMS = (
     "deepspeed", "roundpipe", "roundpipe_auto", "roundpipe_loop", "roundpipe_sync", "mobius",

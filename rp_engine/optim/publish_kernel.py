@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from rp_engine.optim.jit_cache import cpu_adam_cache_dir
+from rp_engine.host.jit_cache import cpu_adam_cache_dir
 
 __all__ = [
     "write_copy",

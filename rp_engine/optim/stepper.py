@@ -62,8 +62,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rp_engine.host.affinity import CoreSplit, pin_optimizer_thread
 from rp_engine.model.host_store import HostParam, HostStore
-from rp_engine.optim.affinity import CoreSplit, pin_optimizer_thread
 from rp_engine.optim.delay_compensation import DelayCompensation
 from rp_engine.optim.optimizer import PREDICTIONS, HostOptimizer
 from rp_engine.optim.step_journal import StepJournal
@@ -126,7 +126,7 @@ class OptimizerStepper:
     ) -> None:
         """``compensation``: ``roundpipe.staleness_compensation`` resolved (one of
         ``COMPENSATIONS``; module docstring). ``cores``: the optimizer's share of the host
-        cores (optim/affinity.py), taken by the worker thread before its first step."""
+        cores (host/affinity.py), taken by the worker thread before its first step."""
         if compensation not in COMPENSATIONS:
             raise ValueError(f"compensation {compensation!r}: expected one of {COMPENSATIONS}")
         if compensation != "none" and async_mode and not optimizer.can_predict:

@@ -55,6 +55,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rp_engine.host.defaults import OPTIMIZER_BUFFERS, default_grad_buffers
+
 from . import schedules
 from .actions import Plan, format_bytes
 from .costs import LayerCosts
@@ -89,7 +91,7 @@ GRID_WORK = 20_000  # partition work per grid point
 FINAL_WORK = 150_000  # partition's default: the finalists
 HOST_STATE_BYTES = 16  # per trainable parameter: fp32 master, fp32 gradient, Adam m and v
 NVME_STATE_BYTES = 12  # per trainable parameter on the NVMe tier: master, m, v
-NVME_BUFFERS = 4  # offload_optimizer.buffer_count
+NVME_BUFFERS = OPTIMIZER_BUFFERS  # offload_optimizer.buffer_count
 SIM_BUDGET = 40_000  # compute actions simulated in pass 3 (a few seconds of simulator)
 MIN_MICRO_BATCH_EXPLORED = 4  # the closed form undervalues bigger micro-batches: try up to 4
 TIE = 1e-3  # ranks ties by compute + transfer time (0.1 % of it added): larger rounds first
@@ -284,7 +286,7 @@ class _Ctx:
             + [s.layer_params] * s.layers + [s.head_params],
             layer_trainable=[embed] + [per_layer] * s.layers + [head],
             dtype_bytes=2, devices=self.n, optimizer_tier=True, param_tier=False,
-            grad_buffers=2 * self.n + 4, optimizer_buffers=NVME_BUFFERS,
+            grad_buffers=default_grad_buffers(self.n), optimizer_buffers=NVME_BUFFERS,
             weight_copies=2 if self.async_opt else 1, device_bytes=self.budget or 0,
         )  # fmt: skip
 
