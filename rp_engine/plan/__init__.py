@@ -6,8 +6,10 @@ holds), ``memory`` (what a device holds over a plan), ``lower`` (transfers and o
 ``validate``, ``schedules`` (RoundPipe, Mobius and the classic baselines; the registry
 ``SCHEDULES``), ``simulate`` (discrete-event simulator, a subpackage), ``partition`` (costs ->
 asymmetric cuts), ``shapes`` (a model's public-config shape -> analytic LayerCosts and memory), ``host_ram``
-(host RAM of a run with the NVMe tiers, from its largest layers, pools and devices), ``advise`` (the configuration advisor: micro-batch, accumulation, round size, cuts and optimizer
-tier for a shape on a machine), ``render`` (text grid, Chrome trace, PNG) and ``cli`` (``python
+(host RAM of a run with the NVMe tiers, from its largest layers, pools and devices), ``advice``
+(what the advisor answers: Advice, its ds_config, the table), ``advise`` (the configuration
+advisor's search: micro-batch, accumulation, round size, cuts and optimizer tier for a shape on
+a machine), ``render`` (text grid, Chrome trace, PNG) and ``cli`` (``python
 -m rp_engine.plan.simulate``, which runs simulate/__main__.py). ``python -m rp_engine.plan
 advise ...`` runs __main__.py (outside the chain, like a ``__main__`` guard). The names below
 are resolved lazily (PEP 562) so importing the package does no work and
@@ -62,6 +64,7 @@ _SUBMODULES = (
     "partition",
     "shapes",
     "host_ram",
+    "advice",
     "advise",
     "render",
     "cli",
