@@ -190,7 +190,7 @@ class _Ctx:
 
 
 def _load_ms(costs: LayerCosts, part: Partition | tuple, n: int, m: int) -> float:
-    """The busiest device class's compute per iteration (partition._load_bound's rule)."""
+    """The busiest device class's compute per iteration (estimate._load_bound's rule)."""
     fwd, bwd = (part.fwd_cuts, part.bwd_cuts) if isinstance(part, Partition) else part
     st = costs.stages(fwd, bwd)
     slots = len(st.pre_ms)
