@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from rp_engine.optim.jit_cache import with_own_ninja
+from rp_engine.host.jit_cache import with_own_ninja
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen3-1.7B (public config), random weights: 1.72 B parameters; the GPU configuration

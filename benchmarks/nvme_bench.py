@@ -525,7 +525,7 @@ def run_child(spec: dict[str, Any], timeout: float, child_log: str | None) -> di
     )
     # DeepSpeed's own aio op loads from that cache with the engine's ninja (jit_cache.py):
     # another one rebuilds it (minutes), and the engine's next load rebuilds it again
-    from rp_engine.optim.jit_cache import with_own_ninja
+    from rp_engine.host.jit_cache import with_own_ninja
 
     env["PATH"] = with_own_ninja(env.get("PATH", ""))
     cmd = [sys.executable, "-m", "benchmarks.nvme_bench", "--child", json.dumps(spec)]

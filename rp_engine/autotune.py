@@ -161,7 +161,7 @@ def cpu_adam_rate(num_params: int = 1 << 20, reps: int = 3) -> float:
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir, op_load_guard
+    from rp_engine.host.jit_cache import cpu_adam_cache_dir, extensions_dir, op_load_guard
 
     p = torch.nn.Parameter(torch.zeros(max(num_params, 1)))
     p.grad = torch.full_like(p, 1e-3)

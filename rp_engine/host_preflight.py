@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
+from rp_engine.host.units import format_mib_gib
 from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, tier_host_ram
 
 log = logging.getLogger("rp_engine")
@@ -57,11 +59,6 @@ __all__ = [
 
 class PreflightError(RuntimeError):
     """The run cannot fit; the message has the needed and available bytes and what to change."""
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes as GiB (from 1 GiB on) or MiB, for preflight messages."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def available_bytes() -> int:
@@ -96,15 +93,15 @@ class HostNeed:
             ("step journal (step_journal on)", self.journal),
             ("cast to the compute dtype", self.cast),
         ]
-        lines = [f"  {name:<32}{format_bytes(n)}" for name, n in parts if n]
+        lines = [f"  {name:<32}{format_mib_gib(n)}" for name, n in parts if n]
         if self.on_nvme:
             lines.append(
-                f"  (on NVMe, not in RAM: fp32 masters + Adam moments, {format_bytes(self.on_nvme)})"
+                f"  (on NVMe, not in RAM: fp32 masters + Adam moments, {format_mib_gib(self.on_nvme)})"
             )
         if self.weights_on_nvme:
             lines.append(
                 "  (leaving RAM for NVMe after initialize: compute weights, "
-                f"{format_bytes(self.weights_on_nvme)})"
+                f"{format_mib_gib(self.weights_on_nvme)})"
             )
         return lines
 
@@ -166,8 +163,8 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
             fixes.append("bf16.enabled (the model is cast to a wider dtype)")
         fixes.append("a host with more memory, or roundpipe.host_preflight false to try anyway")
         raise PreflightError(
-            f"rp_engine.initialize: training this model needs about {format_bytes(need.total)} more host "
-            f"memory ({need.trainable:,} trainable parameters) but {format_bytes(free)} is available, so "
+            f"rp_engine.initialize: training this model needs about {format_mib_gib(need.total)} more host "
+            f"memory ({need.trainable:,} trainable parameters) but {format_mib_gib(free)} is available, so "
             "the run would be killed by the OOM killer:\n"
             + "\n".join(need.lines())
             + "\nto fit: "
@@ -202,8 +199,10 @@ def tier_need(
         optimizer_tier=zero.offload_optimizer_device == "nvme",
         param_tier=zero.offload_param_device == "nvme",
         grad_buffers=grad_buffers,
-        optimizer_buffers=zero.offload_optimizer.buffer_count if zero.offload_optimizer else 4,
-        param_buffers=zero.offload_param.buffer_count if zero.offload_param else 5,
+        optimizer_buffers=(
+            zero.offload_optimizer.buffer_count if zero.offload_optimizer else OPTIMIZER_BUFFERS
+        ),
+        param_buffers=zero.offload_param.buffer_count if zero.offload_param else PARAM_BUFFERS,
         weight_copies=weight_copies,
         shared_params=shared,
         device_bytes=device_bytes,
@@ -239,9 +238,9 @@ def check_tiers(
     if more > free:
         raise PreflightError(
             f"rp_engine.initialize: with the NVMe tiers this run needs about "
-            f"{format_bytes(need.peak)} of host RAM, {format_bytes(held)} of it in use already "
-            f"(the runtime and your model): {format_bytes(more)} more, but "
-            f"{format_bytes(free)} is available:\n" + "\n".join(need.lines()) + "\nto fit: "
+            f"{format_mib_gib(need.peak)} of host RAM, {format_mib_gib(held)} of it in use already "
+            f"(the runtime and your model): {format_mib_gib(more)} more, but "
+            f"{format_mib_gib(free)} is available:\n" + "\n".join(need.lines()) + "\nto fit: "
             "fewer buffers (zero_optimization.offload_optimizer.buffer_count, "
             "roundpipe.grad_buffers, offload_param.buffer_count), offload_param "
             '{"device": "nvme"} for the compute weights, a smaller roundpipe.device_memory_gb '

@@ -10,7 +10,7 @@ import os
 import signal
 from typing import Any
 
-from rp_engine.optim.jit_cache import with_own_ninja
+from rp_engine.host.jit_cache import with_own_ninja
 
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR",
@@ -31,7 +31,7 @@ os.environ.setdefault("RP_ENGINE_AIO_BUILD", "0")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The environment's own ninja first on PATH, as `make` puts it, also for a bare `pytest`: the
 # DeepSpeed reference runs and the child processes build and check the same cached ops as the
-# engine (rp_engine/optim/jit_cache.py; another ninja rebuilds each of them, the aio op minutes).
+# engine (rp_engine/host/jit_cache.py; another ninja rebuilds each of them, the aio op minutes).
 os.environ["PATH"] = with_own_ninja(os.environ.get("PATH", ""))
 # Ctrl-C as a terminal delivers it, even when the suite was started in the background of a
 # non-interactive shell (`make test &`, nohup, CI runners): POSIX has such a shell start its

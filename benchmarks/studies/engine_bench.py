@@ -44,13 +44,13 @@ os.environ.setdefault(
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import rp_engine  # noqa: E402
-from rp_engine.optim.affinity import (  # noqa: E402
+from rp_engine.host.affinity import (  # noqa: E402
     available_cores,
     pin_optimizer_thread,
     pin_thread,
     split_cores,
 )
-from rp_engine.optim.jit_cache import with_own_ninja  # noqa: E402
+from rp_engine.host.jit_cache import with_own_ninja  # noqa: E402
 from rp_engine.optim.loss_scaler import LossScaler  # noqa: E402
 from rp_engine.optim.optimizer import HostOptimizer, build_inner_optimizer  # noqa: E402
 
@@ -541,7 +541,7 @@ def _issue_proxy(release_gil: bool, *, params: int, layers: int, repeats: int) -
     GIL and a core, not the core's arithmetic. Here an "issuer" thread makes such calls (an
     in-place add on 16 floats: Python plus torch's dispatcher, microseconds) on its own core
     while the optimizer thread steps ``layers`` layers of ``params`` fp32 parameters through the
-    engine's per-layer CPU Adam on the other core(s) (the split of optim/affinity.py). Reported:
+    engine's per-layer CPU Adam on the other core(s) (the split of host/affinity.py). Reported:
     the issuer's calls per second during the step over its rate alone, and its longest gap
     between two calls (the longest time it could not issue)."""
     cores = available_cores()

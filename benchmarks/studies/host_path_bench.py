@@ -43,7 +43,7 @@ os.environ.setdefault(
     os.path.join(os.path.expanduser("~"), ".cache", "rp_engine", "torch_extensions"),
 )
 
-from rp_engine.optim.jit_cache import with_own_ninja  # noqa: E402
+from rp_engine.host.jit_cache import with_own_ninja  # noqa: E402
 
 # DeepSpeed's own CPU Adam builds in the engine's cache with the engine's ninja (jit_cache.py)
 os.environ["PATH"] = with_own_ninja(os.environ.get("PATH", ""))

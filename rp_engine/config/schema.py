@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rp_engine.config.fields import _m, _Spec
+from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
 
 # the plan package is pure Python below every other layer; the config reads only its registry
 from rp_engine.plan.schedules import ENGINE_SCHEDULES
@@ -91,7 +92,7 @@ class OffloadParamConfig:
 
     device: str = field(default="none", metadata=_m(choices=_OFFLOAD_DEVICES))
     nvme_path: str | None = None
-    buffer_count: int = field(default=5, metadata=_m(ge=0))
+    buffer_count: int = field(default=PARAM_BUFFERS, metadata=_m(ge=0))
     buffer_size: int = field(default=100_000_000, metadata=_m(ge=0))
     max_in_cpu: int = field(default=1_000_000_000, metadata=_m(ge=0))
     pin_memory: bool = True
@@ -103,7 +104,7 @@ class OffloadOptimizerConfig:
 
     device: str = field(default="none", metadata=_m(choices=_OFFLOAD_DEVICES))
     nvme_path: str | None = None
-    buffer_count: int = field(default=4, metadata=_m(ge=0))
+    buffer_count: int = field(default=OPTIMIZER_BUFFERS, metadata=_m(ge=0))
     pin_memory: bool = True
     pipeline_read: bool = False
     pipeline_write: bool = False
@@ -329,7 +330,7 @@ class RoundPipeConfig:
     # which holds the GIL for each slice
     release_gil: bool = True
     # cores for the optimizer's thread and its OpenMP team, the rest for the pipeline threads
-    # (optim/affinity.py): null = derived from the core and device counts (no split on CPU
+    # (host/affinity.py): null = derived from the core and device counts (no split on CPU
     # virtual devices, which compute on the same cores), 0 = no split, N = N cores
     optimizer_cores: int | None = field(default=None, metadata=_m(ge=0))
     # with the NVMe optimizer tier, fp32 gradients live in a bounded pool of layer-sized buffers,
@@ -345,7 +346,7 @@ class RoundPipeConfig:
     # repeated (optim/stepper.py; the masters stay Adam's); "lookahead_dc" also moves each
     # gradient from the weights it was taken at to the masters it is applied at (optim/
     # delay_compensation.py); "auto": "lookahead" where it applies (async CPU Adam/AdamW, one
-    # process), else "none" (chosen by its worst case over benchmarks/compensation_suite.py)
+    # process), else "none" (chosen by its worst case over benchmarks/studies/compensation_suite.py)
     staleness_compensation: str = field(
         default="none", metadata=_m(choices=STALENESS_COMPENSATIONS)
     )

@@ -54,13 +54,13 @@ from rp_engine.engine.progress import (
     TimerFlags,
 )
 from rp_engine.engine.record import StepRecord
+from rp_engine.host.affinity import available_cores, pin_pipeline, pin_process, split_cores
 from rp_engine.host_preflight import check_tiers
 from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
 from rp_engine.model.module import Layering
 from rp_engine.monitor import Monitor
-from rp_engine.optim.affinity import available_cores, pin_pipeline, pin_process, split_cores
 from rp_engine.optim.build import (
     build_optimizer,
     build_scheduler,

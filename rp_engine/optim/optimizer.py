@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
+from rp_engine.host.jit_cache import cpu_adam_cache_dir, every, extensions_dir, op_load_guard
 from rp_engine.optim.delay_compensation import BLOCK, DelayCompensation
-from rp_engine.optim.jit_cache import cpu_adam_cache_dir, every, extensions_dir, op_load_guard
 from rp_engine.optim.loss_scaler import LossScaler
 from rp_engine.optim.nogil_adam import gil_free_adam
 from rp_engine.optim.publish_kernel import (

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from rp_engine.optim.jit_cache import cpu_adam_cache_dir
+from rp_engine.host.jit_cache import cpu_adam_cache_dir
 
 __all__ = [
     "write_copy",
@@ -83,7 +83,7 @@ def build_library(source: Path, cc: str) -> Path:
     """Compile the C file ``source`` with ``cc`` and ``_CFLAGS`` into the cache (once per
     source, flags and compiler) and return the shared library's path; concurrent processes
     each build to a temporary name and rename it into place. Raises ``CalledProcessError``
-    (with the compiler's stderr) when the build fails. benchmarks/compensation_floor.py builds
+    (with the compiler's stderr) when the build fails. benchmarks/studies/compensation_floor.py builds
     its kernels with it, so that they are compiled exactly as these are."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(

@@ -62,8 +62,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rp_engine.host.affinity import CoreSplit, pin_optimizer_thread
 from rp_engine.model.host_store import HostParam, HostStore
-from rp_engine.optim.affinity import CoreSplit, pin_optimizer_thread
 from rp_engine.optim.delay_compensation import DelayCompensation
 from rp_engine.optim.optimizer import PREDICTIONS, HostOptimizer
 from rp_engine.optim.step_journal import StepJournal
@@ -76,7 +76,7 @@ __all__ = ["AUTO", "COMPENSATIONS", "OptimizerStepper", "StepResult", "staleness
 # ``roundpipe.staleness_compensation`` resolved: the methods (weight predictions) it can run
 COMPENSATIONS = ("none", *(p for p in PREDICTIONS if p is not None))
 # what "auto" runs where it applies: the method whose worst case over the compensation suite
-# (benchmarks/compensation_suite.py) is no worse than plain async (``staleness_compensation``)
+# (benchmarks/studies/compensation_suite.py) is no worse than plain async (``staleness_compensation``)
 AUTO = "lookahead"
 
 log = logging.getLogger("rp_engine.optim")
@@ -126,7 +126,7 @@ class OptimizerStepper:
     ) -> None:
         """``compensation``: ``roundpipe.staleness_compensation`` resolved (one of
         ``COMPENSATIONS``; module docstring). ``cores``: the optimizer's share of the host
-        cores (optim/affinity.py), taken by the worker thread before its first step."""
+        cores (host/affinity.py), taken by the worker thread before its first step."""
         if compensation not in COMPENSATIONS:
             raise ValueError(f"compensation {compensation!r}: expected one of {COMPENSATIONS}")
         if compensation != "none" and async_mode and not optimizer.can_predict:
@@ -673,7 +673,7 @@ def staleness_compensation(
 
     "auto" is ``AUTO`` ("lookahead") where it applies (the asynchronous optimizer on DeepSpeed's
     CPU Adam, one process) and "none" elsewhere. It was chosen by its worst case over the tasks
-    of benchmarks/compensation_suite.py (issue 43; benchmarks/RESULTS.md): on every task no
+    of benchmarks/studies/compensation_suite.py (issue 43; benchmarks/RESULTS.md): on every task no
     worse than plain async, closing 66 % of its gap to sync on average. "lookahead_dc", the
     previous "auto", was far worse than plain async on a task without binding clipping (+8 % of
     the loss); delay compensation only on the steps where clipping binds met the criteria with a

@@ -1,12 +1,15 @@
 """Pure-Python planning layer: plans as data (no torch anywhere in this package).
 
 Submodules, in import order (each imports only earlier ones; tests/plan/test_plan_imports.py
-checks it): ``actions`` (Action, Plan, text form), ``costs`` (LayerCosts, StageCosts, what a slot
-holds), ``memory`` (what a device holds over a plan), ``lower`` (transfers and optimizer steps),
-``validate``, ``schedules`` (RoundPipe, Mobius and the classic baselines; the registry
-``SCHEDULES``), ``simulate`` (discrete-event simulator, a subpackage), ``partition`` (costs ->
-asymmetric cuts), ``shapes`` (a model's public-config shape -> analytic LayerCosts and memory), ``host_ram``
-(host RAM of a run with the NVMe tiers, from its largest layers, pools and devices), ``advise`` (the configuration advisor: micro-batch, accumulation, round size, cuts and optimizer
+checks it): ``actions`` (Action, Plan, text form), ``costs`` (LayerCosts, StageCosts, what a
+slot holds), ``memory`` (what a device holds over a plan), ``lower`` (transfers and optimizer
+steps), ``validate``, ``schedules`` (RoundPipe, Mobius and the classic baselines; the registry
+``SCHEDULES``), ``simulate`` (discrete-event simulator, a subpackage), ``estimate`` (what given
+cuts cost: iteration time, link time, round size and prefetch fit), ``partition`` (costs ->
+asymmetric cuts), ``shapes`` (a model's public-config shape -> analytic LayerCosts and memory),
+``host_ram`` (host RAM of a run with the NVMe tiers, from its largest layers, pools and
+devices), ``advice`` (what the advisor answers: Advice, its ds_config, the table), ``advise``
+(the configuration advisor's search: micro-batch, accumulation, round size, cuts and optimizer
 tier for a shape on a machine), ``render`` (text grid, Chrome trace, PNG) and ``cli`` (``python
 -m rp_engine.plan.simulate``, which runs simulate/__main__.py). ``python -m rp_engine.plan
 advise ...`` runs __main__.py (outside the chain, like a ``__main__`` guard). The names below
@@ -59,9 +62,11 @@ _SUBMODULES = (
     "validate",
     "schedules",
     "simulate",
+    "estimate",
     "partition",
     "shapes",
     "host_ram",
+    "advice",
     "advise",
     "render",
     "cli",

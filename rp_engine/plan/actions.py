@@ -46,6 +46,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from rp_engine.host.units import format_bytes
+
 __all__ = [
     "HOST",
     "OPTIMIZER_LAG",
@@ -665,15 +667,6 @@ def weight_holdings(plan: Plan) -> dict[int, list[Holding]]:
                 taken += 1
         out[d] = held
     return out
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable size for messages: '512 B', '3.0 MiB', '22.50 GiB'."""
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if abs(n) >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n:.0f} B" if abs(n) < 2**10 else f"{n / 2**10:.1f} KiB"
 
 
 # ---- small text helpers ----------------------------------------------------------------------

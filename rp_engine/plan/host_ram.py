@@ -25,13 +25,17 @@ of the device's memory ``device_bytes`` when it is known.
 
 ``initialize`` holds the user's model (every weight in the compute dtype) until the tiers took
 it, layer by layer: the run's peak is the larger of that and the training total. Used by the
-initialize preflight (host_preflight.py) and the advisor (advise.py). Pure: nothing of ours.
+initialize preflight (host_preflight.py) and the advisor (advise.py). Pure: nothing of ours
+but the host room's constants (host/units.py, host/defaults.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
+from rp_engine.host.units import ALIGN, format_mib_gib
 
 __all__ = [
     "RUNTIME_BYTES",
@@ -42,7 +46,6 @@ __all__ = [
     "tier_host_ram",
 ]
 
-ALIGN = 4096
 # Python, torch, transformers and DeepSpeed imported, a model built: 0.25-0.35 GiB here besides
 # the model's own bytes; training adds threads, DeepSpeed's ops and allocator slack: 0.2 GiB
 RUNTIME_GROWTH = 200 * 2**20
@@ -103,14 +106,10 @@ class HostRam:
         return max(init, self.training)
 
     def lines(self) -> list[str]:
-        out = [f"  {name:<38}{_fmt(n)}" for name, n in self.parts if n]
-        out.append(f"  {'training, in all':<38}{_fmt(self.training)}")
-        out.append(f"  {'peak (initialize holds your model)':<38}{_fmt(self.peak)}")
+        out = [f"  {name:<38}{format_mib_gib(n)}" for name, n in self.parts if n]
+        out.append(f"  {'training, in all':<38}{format_mib_gib(self.training)}")
+        out.append(f"  {'peak (initialize holds your model)':<38}{format_mib_gib(self.peak)}")
         return out
-
-
-def _fmt(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def tier_host_ram(
@@ -122,8 +121,8 @@ def tier_host_ram(
     optimizer_tier: bool,
     param_tier: bool,
     grad_buffers: int,
-    optimizer_buffers: int = 4,
-    param_buffers: int = 5,
+    optimizer_buffers: int = OPTIMIZER_BUFFERS,
+    param_buffers: int = PARAM_BUFFERS,
     weight_copies: int = 2,
     shared_params: int = 0,
     device_bytes: int = 0,

@@ -60,6 +60,14 @@ on the host for something the failed run was to produce (its upload for a weight
 
     caller        finish(t) raises | cancel, fail | reset (drains every stream) | raise
     d0 H2D_PARAM  U(t+1): wait_version(w_t) ......| raises, woken: stream failed, drained
+
+Why one module of about 1,000 lines: what is left here is the dispatch table itself, one
+handler per ``Op`` over the state they share (the run's context, the device replicas, the
+staging pools, the seam between runs), and a reader follows an action from ``_start`` through
+its handler to ``finish`` without leaving it. The parts that stand alone already live beside
+it: the run's records (run_state.py), host staging (staging.py), gradient norms
+(grad_norm.py), the in-place guard (inplace.py), replicas (replica.py), stage maps
+(stages.py), the copies (transfer.py).
 """
 
 from __future__ import annotations

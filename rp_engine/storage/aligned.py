@@ -1,17 +1,17 @@
 """Buffers that O_DIRECT (and DeepSpeed's aio op) can read into and write from.
 
 O_DIRECT needs the buffer address, the file offset and the length to be multiples of the
-device's logical block size (512 B or 4 KiB); 4 KiB satisfies both, and is the page size, so an
-aligned buffer never shares a page with other data.
+device's logical block size (512 B or 4 KiB); 4 KiB (``ALIGN``, host/units.py) satisfies both,
+and is the page size, so an aligned buffer never shares a page with other data.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ALIGN", "aligned_empty", "round_up"]
+from rp_engine.host.units import ALIGN
 
-ALIGN = 4096
+__all__ = ["ALIGN", "aligned_empty", "round_up"]
 
 
 def round_up(n: int, align: int = ALIGN) -> int:

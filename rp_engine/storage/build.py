@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rp_engine.host.defaults import default_grad_buffers
 from rp_engine.storage.grad_tier import GradTier, grad_records
 from rp_engine.storage.io_engine import IOStats, make_io_engine
 from rp_engine.storage.optimizer_tier import OptimizerTier, tier_bytes
@@ -88,7 +89,7 @@ def grad_buffer_count(cfg: Any, *, trains: bool, num_devices: int) -> int:
     progress (each device's host thread and the optimizer may each hold one buffer)."""
     chosen = cfg.roundpipe.grad_buffers
     if chosen is None:
-        return 2 * num_devices + 4 if wants_optimizer_tier(cfg) and trains else 0
+        return default_grad_buffers(num_devices) if wants_optimizer_tier(cfg) and trains else 0
     if chosen and not wants_optimizer_tier(cfg):
         raise ValueError(
             f"roundpipe.grad_buffers = {chosen}: the gradient pool spills to the NVMe folder of "

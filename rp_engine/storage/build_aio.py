@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.background:
         os.nice(19)
 
-    from rp_engine.optim.jit_cache import cpu_adam_cache_dir
+    from rp_engine.host.jit_cache import cpu_adam_cache_dir
     from rp_engine.storage.io_engine import BUILD_FAILED, aio_op_built, load_aio_op
 
     failed = os.path.join(cpu_adam_cache_dir(), BUILD_FAILED)

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from rp_engine.optim.jit_cache import (
+from rp_engine.host.jit_cache import (
     cpu_adam_cache_dir,
     every,
     extensions_dir,
@@ -338,7 +338,7 @@ def load_aio_op() -> Any:
                 f"DeepSpeed's aio op cannot build here: {_libaio_hint()}, then run "
                 "`python -m rp_engine.storage.build_aio` (or `make aio`)"
             )
-        # a build lock left by a killed loader never wedges this load (optim/jit_cache.py)
+        # a build lock left by a killed loader never wedges this load (host/jit_cache.py)
         with op_load_guard(builder.name, cache):
             if aio_op_built():  # (built meanwhile by the process the guard waited for)
                 return builder.load(verbose=False)

@@ -15,16 +15,14 @@ import fcntl
 import os
 import shutil
 
+from rp_engine.host.units import format_gib_exact
+
 __all__ = ["NvmeSpaceError", "SwapFile", "check_nvme_path"]
 
 
 class NvmeSpaceError(OSError):
     """The NVMe path cannot hold the tier: missing, unwritable or too small (the message says
     which, with the path, bytes needed and bytes free)."""
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB ({n} bytes)"
 
 
 def check_nvme_path(path: str | None, need: int, *, key: str) -> str:
@@ -41,7 +39,7 @@ def check_nvme_path(path: str | None, need: int, *, key: str) -> str:
         raise NvmeSpaceError(
             errno.ENOENT,
             f"{key} = {path!r}: {folder} does not exist (or is not a folder); create it on a "
-            f"local NVMe drive with at least {_gib(need)} free",
+            f"local NVMe drive with at least {format_gib_exact(need)} free",
         )
     if not os.access(folder, os.W_OK | os.X_OK):
         raise NvmeSpaceError(
@@ -51,8 +49,8 @@ def check_nvme_path(path: str | None, need: int, *, key: str) -> str:
     if free < need:
         raise NvmeSpaceError(
             errno.ENOSPC,
-            f"{key} = {path!r}: the NVMe tier needs {_gib(need)} in {folder}, but only "
-            f"{_gib(free)} are free; free space there or point {key} at a larger drive",
+            f"{key} = {path!r}: the NVMe tier needs {format_gib_exact(need)} in {folder}, but only "
+            f"{format_gib_exact(free)} are free; free space there or point {key} at a larger drive",
         )
     return folder
 
@@ -107,8 +105,8 @@ class SwapFile:
             free = shutil.disk_usage(folder).free
             raise NvmeSpaceError(
                 exc.errno or errno.ENOSPC,
-                f"could not reserve {_gib(nbytes)} for {self.path} ({exc.strerror}); "
-                f"{_gib(free)} free there",
+                f"could not reserve {format_gib_exact(nbytes)} for {self.path} ({exc.strerror}); "
+                f"{format_gib_exact(free)} free there",
             ) from exc
 
     def close(self) -> None:

@@ -12,12 +12,14 @@ standard library's own documentation), on CPU virtual devices when no GPU is vis
 Every run writes a run folder (``./rp-runs/<time>-<model>/`` or ``--out``): the resolved
 DeepSpeed config, checkpoints, the LoRA adapter, W&B files, loss.png, timeline.png/.json and
 summary.json (see rp_engine/train/run_folder.py).
+
+This module is the run (``main``, ``_Job``); the arguments are in train/args.py, the embedded
+default job (its corpus, model and config) in train/default_job.py, both re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import math
@@ -25,214 +27,28 @@ import os
 import signal
 import sys
 import time
-import types
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rp_engine.plan.schedules import ENGINE_SCHEDULES
+from rp_engine.train.args import _parser
 from rp_engine.train.data import DataError
+from rp_engine.train.default_job import (
+    VOCAB,  # noqa: F401  (re-exported: it was defined here)
+    batches,
+    build_tiny_model,
+    default_config,
+    stdlib_corpus,
+)
 from rp_engine.train.preflight import PreflightError
-from rp_engine.train.presets import BYTE_VOCAB, ModelError
+from rp_engine.train.presets import ModelError
 
 __all__ = ["main", "default_config", "stdlib_corpus", "build_tiny_model", "batches"]
 
 log = logging.getLogger("rp_engine.cli")
 
-# Modules whose docstrings make the default corpus: plain English prose present on every Python.
-_CORPUS_MODULES = (
-    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime",
-    "decimal", "difflib", "email", "enum", "fractions", "functools", "heapq", "http.client",
-    "inspect", "io", "itertools", "json", "logging", "os", "pathlib", "pickle", "random", "re",
-    "shutil", "socket", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
-    "typing", "unittest", "urllib.parse", "uuid", "zipfile",
-)  # fmt: skip
-
-VOCAB = BYTE_VOCAB  # 256 bytes + BOS/EOS/PAD + 1 spare
 _EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-
-def default_config(
-    devices: str | None, *, micro_batch: int = 4, grad_accum: int = 4, lr: float = 2e-3,
-    warmup: int = 5,
-) -> dict[str, Any]:  # fmt: skip
-    """The embedded DeepSpeed config of the default job (fp32, AdamW, warmup, clipping; the
-    async optimizer's staleness compensated: a from-scratch rate, where it matters most)."""
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
-        "scheduler": {
-            "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0, "warmup_max_lr": lr, "warmup_num_steps": warmup},
-        },
-        "roundpipe": {
-            "staleness_compensation": "auto",
-            **({"devices": devices} if devices else {}),
-        },
-    }
-
-
-def stdlib_corpus() -> bytes:
-    """UTF-8 text of the docstrings of common standard-library modules and their members."""
-    parts: list[str] = []
-    for name in _CORPUS_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:  # pragma: no cover - stdlib, always there
-            continue
-        if mod.__doc__:
-            parts.append(mod.__doc__)
-        for attr in sorted(vars(mod)):
-            with warnings.catch_warnings():  # deprecated aliases (typing.io) warn on access
-                warnings.simplefilter("ignore")
-                member = getattr(mod, attr, None)
-                doc = getattr(member, "__doc__", None)
-            # Submodules show up as attributes only once something imported them: skipping them
-            # keeps the corpus (and a resumed run's data position) the same in every process.
-            if isinstance(member, types.ModuleType):
-                continue
-            if attr.startswith("_") or not isinstance(doc, str) or len(doc) < 80:
-                continue
-            parts.append(doc)
-    return "\n\n".join(dict.fromkeys(parts)).encode("utf-8")  # dedupe, keep order
-
-
-def build_tiny_model(*, seed: int = 0, layers: int = 4, hidden: int = 128) -> torch.nn.Module:
-    """A small Qwen3 causal LM from a config (no download), byte-level vocabulary."""
-    from rp_engine.train.presets import load_model
-
-    return load_model("tiny-qwen3", layers=layers, hidden=hidden, seed=seed).model
-
-
-def batches(
-    data: bytes, *, seq_len: int, micro_batch: int, seed: int = 0
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless random windows of the corpus as {"input_ids", "labels"} micro-batches."""
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long)
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(tokens) - seq_len - 1, (micro_batch,), generator=gen)
-        ids = torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
-        yield {"input_ids": ids, "labels": ids.clone()}
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rp-train", description=__doc__.splitlines()[0])
-    a = p.add_argument
-    a(
-        "--model",
-        default="tiny-qwen3",
-        help="preset (tiny-qwen3, tiny-llama, qwen3-0.6b, qwen3-1.7b, llama-3.1-8b), a local "
-        "save_pretrained folder, or a Hugging Face hub id (downloaded only then)",
-    )
-    a(
-        "--data",
-        help="jsonl (text or prompt/completion), text file, or folder; default: the "
-        "embedded standard-library corpus",
-    )
-    a(
-        "--config",
-        "--ds-config",
-        "--deepspeed",
-        dest="config",
-        help='DeepSpeed config (json/hjson); "auto" values are filled as Hugging Face does',
-    )
-    a(
-        "--lora",
-        metavar="R,ALPHA[,TARGETS]",
-        help="train a peft LoRA adapter, e.g. 8,16 or "
-        "8,16,q_proj,k_proj,v_proj,o_proj (default targets q_proj,v_proj)",
-    )
-    a("--devices", help='"cpu:N", "cuda", "cuda:0,1" (default: all GPUs, else cpu:2)')
-    a(
-        "--steps",
-        type=int,
-        help="optimizer steps (default: 30 on the embedded corpus, else one epoch)",
-    )
-    a("--epochs", type=float, help="epochs over the training split (instead of --steps)")
-    a("--seq-len", type=int, default=128, action=_Given, help="tokens per sequence (128)")
-    a(
-        "--micro-batch",
-        type=int,
-        default=4,
-        action=_Given,
-        help='micro-batch size (a --deepspeed config: fills "auto")',
-    )
-    a(
-        "--grad-accum",
-        type=int,
-        default=4,
-        action=_Given,
-        help='gradient accumulation steps (a --deepspeed config: fills "auto")',
-    )
-    a(
-        "--lr",
-        type=float,
-        help='fills "auto" (default 2e-3 from scratch, 2e-4 LoRA, 2e-5 full fine-tune)',
-    )
-    a("--warmup", type=int, default=5, help='warmup steps for "auto"')
-    a(
-        "--eval-every",
-        type=int,
-        default=0,
-        help="evaluate on the held-out split every N steps "
-        "(and at the start and the end); 0: only at the end",
-    )
-    a("--eval-split", type=float, default=0.05, help="share of sequences held out (0.05)")
-    a("--eval-batches", type=int, default=4, help="micro-batches per evaluation (4)")
-    a("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
-    a("--no-save", action="store_true", help="write no checkpoint at the end")
-    a(
-        "--resume",
-        nargs="?",
-        const="latest",
-        metavar="PATH|latest",
-        help="continue from a checkpoint folder (or run folder); 'latest': --out's, else the "
-        "newest run of this model",
-    )
-    a("--out", help="run folder (default ./rp-runs/<time>-<model>)")
-    a("--no-wandb", action="store_true", help="no W&B run (default: on, offline without a key)")
-    a("--tensorboard", action="store_true", help="TensorBoard events in <run folder>/tensorboard")
-    a("--no-preflight", action="store_true", help="skip the host-memory check")
-    a(
-        "--plan",
-        action="store_true",
-        help="advise: the fastest micro-batch, accumulation, round size, cuts and optimizer "
-        "tier on --machine (simulated; --seq-len/--micro-batch/--grad-accum kept when given, "
-        "else searched at 2048 tokens), write the best as <run folder>/ds_config.json and "
-        "exit without training",
-    )
-    a("--machine", default="rtx4090_pcie4_8x", help="machine preset for --plan")
-    a("--plan-devices", type=int, help="devices for --plan (default: the machine's)")
-    a("--layers", type=int, default=4, help="tiny presets only")
-    a("--hidden", type=int, default=128, help="tiny presets only")
-    a("--schedule", choices=ENGINE_SCHEDULES)
-    a("--sync-optimizer", action="store_true", help="disable the async optimizer")
-    a("--save-dir", help="checkpoint folder (default: <run folder>/checkpoints)")
-    a("--seed", type=int, default=0)
-    a("--json", action="store_true", help="print the summary as JSON at the end")
-    a("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
-    return p  # fmt: skip
-
-
-class _Given(argparse.Action):
-    """Stores the value and records that the user gave it (``args.given``): ``--plan`` keeps
-    what was given and searches the rest."""
-
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-        option_string: str | None = None,
-    ) -> None:  # fmt: skip
-        setattr(namespace, self.dest, values)
-        given = set(getattr(namespace, "given", set()))
-        given.add(self.dest)
-        namespace.given = given
 
 
 def main(argv: list[str] | None = None) -> int:

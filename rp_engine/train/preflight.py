@@ -21,7 +21,8 @@ from typing import Any
 from torch import nn
 
 # the error and the two helpers initialize's own check uses too (host_preflight.py, one layer down)
-from rp_engine.host_preflight import PreflightError, available_bytes, format_bytes
+from rp_engine.host.units import format_mib_gib
+from rp_engine.host_preflight import PreflightError, available_bytes
 
 __all__ = [
     "PreflightError",
@@ -82,10 +83,10 @@ class HostEstimate:
 
     def lines(self) -> list[str]:
         return [
-            f"  compute weights        {format_bytes(self.weights)}",
-            f"  masters+grads+Adam     {format_bytes(self.optimizer_state)}",
-            f"  activations            {format_bytes(self.activations)}",
-            f"  CPU device copies      {format_bytes(self.device_copies)}",
+            f"  compute weights        {format_mib_gib(self.weights)}",
+            f"  masters+grads+Adam     {format_mib_gib(self.optimizer_state)}",
+            f"  activations            {format_mib_gib(self.activations)}",
+            f"  CPU device copies      {format_mib_gib(self.device_copies)}",
         ]
 
 
@@ -114,7 +115,7 @@ def check_host(estimate: HostEstimate, available: int | None = None) -> int:
         available = available_bytes()
     if estimate.total > available:
         raise PreflightError(
-            f"this run needs about {format_bytes(estimate.total)} of host memory but {format_bytes(available)} "
+            f"this run needs about {format_mib_gib(estimate.total)} of host memory but {format_mib_gib(available)} "
             "is available:\n"
             + "\n".join(estimate.lines())
             + "\nto fit: train a LoRA adapter (--lora 8,16: no optimizer state for the base "
@@ -140,9 +141,9 @@ def check_device(
     needed = weights + grads + acts
     if needed > budget_bytes:
         raise PreflightError(
-            f"the largest layer needs about {format_bytes(needed)} on a device (weights double-buffered "
-            f"{format_bytes(weights)}, gradients {format_bytes(grads)}, activations {format_bytes(acts)}) but a device has "
-            f"{format_bytes(budget_bytes)}:\nto fit: a shorter --seq-len, a smaller "
+            f"the largest layer needs about {format_mib_gib(needed)} on a device (weights double-buffered "
+            f"{format_mib_gib(weights)}, gradients {format_mib_gib(grads)}, activations {format_mib_gib(acts)}) but a device has "
+            f"{format_mib_gib(budget_bytes)}:\nto fit: a shorter --seq-len, a smaller "
             "train_micro_batch_size_per_gpu, bf16 (the config's bf16.enabled), or devices with "
             "more memory (roundpipe.device_memory_gb)"
         )
@@ -212,7 +213,7 @@ def format_plan(
     host's memory for the run as configured."""
     from rp_engine.plan.advise import format_table
 
-    peaks = ", ".join(format_bytes(b) for b in summary["device_peak_bytes"])
+    peaks = ", ".join(format_mib_gib(b) for b in summary["device_peak_bytes"])
     budget = summary["device_budget_bytes"]
     return "\n".join(
         [
@@ -224,13 +225,13 @@ def format_plan(
             f"micro-batches per step {summary['micro_batches_per_step']}, round size "
             f"{summary['round_size']}, optimizer state on the {summary['tier']}",
             f"  device memory peak per device: {peaks}"
-            + (f" (budget {format_bytes(budget)})" if budget else ""),
+            + (f" (budget {format_mib_gib(budget)})" if budget else ""),
             f"  predicted {summary['tokens_per_s']:.0f} tokens/s, iteration "
             f"{summary['iteration_ms']:.1f} ms, bubble {100 * summary['bubble_ratio']:.1f} %",
             f"  {summary['why']}",
             f"  ({summary['assumptions']})",
-            f"host memory (this host, the run as configured): {format_bytes(host.total)} "
-            f"needed, {format_bytes(available)} available",
+            f"host memory (this host, the run as configured): {format_mib_gib(host.total)} "
+            f"needed, {format_mib_gib(available)} available",
             *host.lines(),
         ]
     )

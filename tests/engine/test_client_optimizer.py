@@ -212,7 +212,7 @@ def test_deepspeed_cpu_adam_client_steps_layer_by_layer() -> None:
     through its own kernel."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from rp_engine.optim.jit_cache import cpu_adam_cache_dir, extensions_dir
+    from rp_engine.host.jit_cache import cpu_adam_cache_dir, extensions_dir
 
     model = tiny_qwen3(0, layers=2)
     with extensions_dir(cpu_adam_cache_dir()):  # the cached build, not a new one

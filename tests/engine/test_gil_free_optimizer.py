@@ -4,7 +4,7 @@
 of its GIL-holding binding (optim/nogil_adam.py): the same function, so the engine's losses and
 weights equal the binding's bit for bit in every mode that steps with it (sync and async, fp32
 and bf16, weight prediction, the NVMe tier, resume). ``roundpipe.optimizer_cores`` pins the
-optimizer thread and its OpenMP team to their own cores (optim/affinity.py).
+optimizer thread and its OpenMP team to their own cores (host/affinity.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from engine_helpers import config, engine_for
 from models import tiny_qwen3
 from nvme_helpers import assert_same, nvme_config, resume_from, run, save_after, save_and_go_on
 
-from rp_engine.optim.affinity import CoreSplit, available_cores, pin_process, split_cores
+from rp_engine.host.affinity import CoreSplit, available_cores, pin_process, split_cores
 
 CASES = {
     # name: (async, bf16, staleness compensation, NVMe optimizer tier)

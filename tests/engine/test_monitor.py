@@ -86,7 +86,7 @@ def test_wandb_goes_offline_without_a_key(tmp_path, monkeypatch) -> None:
 
 
 def test_cpu_adam_leaves_the_environment_alone(monkeypatch) -> None:
-    from rp_engine.optim.jit_cache import cpu_adam_cache_dir
+    from rp_engine.host.jit_cache import cpu_adam_cache_dir
     from rp_engine.optim.optimizer import build_inner_optimizer
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/some/where")
@@ -106,7 +106,7 @@ def test_jit_builds_run_the_environments_own_ninja(monkeypatch) -> None:
 
     import ninja
 
-    from rp_engine.optim.jit_cache import extensions_dir, with_own_ninja
+    from rp_engine.host.jit_cache import extensions_dir, with_own_ninja
 
     own = str(ninja.BIN_DIR)
     users = os.pathsep.join(["/usr/bin", own, "/bin"])

@@ -117,7 +117,7 @@ def avx2_env(ext_dir: Path = DEFAULT_DIR, *, torch_avx2: bool = True) -> dict[st
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TORCH_EXTENSIONS_DIR": str(ext_dir)}
     # the build probe's ninja: the environment's own, as the tests' (tests/conftest.py), or
     # every switch between this script run bare and under `make` rebuilds the op
-    from rp_engine.optim.jit_cache import with_own_ninja
+    from rp_engine.host.jit_cache import with_own_ninja
 
     env["PATH"] = with_own_ninja(env.get("PATH", ""))
     if torch_avx2:

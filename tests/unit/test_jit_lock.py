@@ -3,7 +3,7 @@
 torch's JIT loader takes ``<TORCH_EXTENSIONS_DIR>/<op>/lock`` (a FileBaton: O_CREAT|O_EXCL, no
 owner recorded) even to load an op already built, and waits forever, silently, while it exists. A
 loader killed in that window (an OOM kill) left the file, and every later run on the machine slept
-in ``baton.wait()``. ``op_load_guard`` (rp_engine/optim/jit_cache.py) clears a lock no live
+in ``baton.wait()``. ``op_load_guard`` (rp_engine/host/jit_cache.py) clears a lock no live
 process holds and says what it waits for otherwise.
 
 The killed loader is a real child process, SIGKILLed while it holds the rp_engine loader flock and
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from torch.utils.file_baton import FileBaton
 
-from rp_engine.optim.jit_cache import (
+from rp_engine.host.jit_cache import (
     BUILD_LOCK,
     LOADER_FLOCK,
     STALE_AFTER_S,

@@ -11,8 +11,10 @@ one, else the package. Not counted: the parent packages an import initialises on
 checked as a module of its own instead) and ``importlib.import_module`` strings (the plan
 package's lazy attributes).
 
-The plan package's own order (actions -> costs -> ... -> cli) is held by
-tests/plan/test_plan_imports.py; here plan is one layer. Above the package: nothing in
+The host room (``rp_engine/host``: units, pool defaults, the JIT cache, core placement) is the
+bottom layer and imports nothing of ours; the plan package and the config may import its
+constants (``HOST_CONSTANTS``) and nothing else of it. The plan package's own order (actions ->
+costs -> ... -> cli) is held by tests/plan/test_plan_imports.py; here plan is one layer. Above the package: nothing in
 rp_engine imports ``benchmarks``, ``tests`` or ``launch``, and the benchmarks import each other
 without circles.
 """
@@ -31,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # itself or a package above it); "rp_engine" names the package's __init__ only, so a new module
 # at the root must be given a layer here.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("plan", ("rp_engine.plan",)),  # plans are data: pure Python, nothing else of ours
+    # the host's plumbing: units, pool defaults, the JIT cache, core placement; nothing of ours
+    ("host", ("rp_engine.host",)),
+    ("plan", ("rp_engine.plan",)),  # plans are data: pure Python, only the host's constants
     ("config", ("rp_engine.config",)),  # ds_config -> dataclasses; reads the schedule registry
     ("device", ("rp_engine.device",)),  # the only place that knows CUDA; only torch
     ("model", ("rp_engine.model",)),  # layer sequences, the host store (weights, grads)
@@ -52,9 +56,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 # DESIGN.md's stricter rules: what a layer may import from outside itself, by module name.
+HOST_CONSTANTS = frozenset({"rp_engine.host.units", "rp_engine.host.defaults"})  # stdlib only
 ONLY: Mapping[str, frozenset[str]] = {
-    "plan": frozenset(),
-    "config": frozenset({"rp_engine.plan.schedules"}),
+    "host": frozenset(),
+    "plan": HOST_CONSTANTS,
+    "config": frozenset({"rp_engine.plan.schedules"}) | HOST_CONSTANTS,
     "device": frozenset(),
 }
 
@@ -285,8 +291,22 @@ def test_main_guards_and_relative_imports_count() -> None:
         ("rp_engine.config.parse", "import rp_engine.plan.partition\n", "imports only"),
         ("rp_engine.device.cpu", "from rp_engine.model.base import State\n", "above it"),
         ("rp_engine.plan.costs", "from rp_engine.config import DSConfig\n", "above it"),
+        ("rp_engine.plan.costs", "from rp_engine.host import jit_cache\n", "imports only"),
+        ("rp_engine.host.units", "from rp_engine.plan import actions\n", "above it"),
+        (
+            "rp_engine.host.jit_cache",
+            "def f():\n    import rp_engine.optim.optimizer\n",
+            "above it",
+        ),
     ],
-    ids=["config-only-the-registry", "device-only-torch", "plan-nothing-of-ours"],
+    ids=[
+        "config-only-the-registry",
+        "device-only-torch",
+        "plan-nothing-of-ours",
+        "plan-only-the-host-constants",
+        "host-nothing-of-ours",
+        "host-nothing-of-ours-in-a-function",
+    ],
 )
 def test_design_rules_of_the_bottom_layers(module: str, source: str, rule: str) -> None:
     (message,) = layer_violations(_fake({module: source}))
@@ -298,4 +318,6 @@ def test_layers_name_modules_by_longest_prefix() -> None:
     assert names[layer_of("rp_engine") or 0] == "doors"
     assert names[layer_of("rp_engine.train.preflight") or 0] == "doors"
     assert names[layer_of("rp_engine.checkpoint.safe_load") or 0] == "checkpoint"
+    assert layer_of("rp_engine.host.jit_cache") == names.index("host")
+    assert layer_of("rp_engine.host_preflight") == names.index("initialize checks")
     assert layer_of("rp_engine.new_module_at_the_root") is None

@@ -56,7 +56,7 @@ class WeightTraffic:
     ``prefetch_depth + 1`` back has downloaded its gradients and freed its weights (at most
     ``prefetch_depth + 1`` groups' weights held). At depth 0 the copies run between a device's
     groups, on the critical path; at depth 1 behind the previous group's compute. The link's
-    sharing between devices is not modelled here (``partition.transfer_ms`` bounds it)."""
+    sharing between devices is not modelled here (``estimate.transfer_ms`` bounds it)."""
 
     upload_ms: tuple[float, ...]
     download_ms: tuple[float, ...]

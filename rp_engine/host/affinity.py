@@ -32,7 +32,7 @@ __all__ = [
     "split_cores",
 ]
 
-log = logging.getLogger("rp_engine.optim")
+log = logging.getLogger("rp_engine.optim")  # its name before the move: log settings keep working
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ __all__ = [
     "with_own_ninja",
 ]
 
-log = logging.getLogger("rp_engine.optim")
+log = logging.getLogger("rp_engine.optim")  # its name before the move: log settings keep working
 
 BUILD_LOCK = "lock"  # torch's FileBaton in the op's build folder (cpp_extension._jit_compile)
 LOADER_FLOCK = "rp_loader.flock"  # ours, beside it: flock-held by the rp_engine process loading
