@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,16 @@ def loader_dataset(data: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for j, index in enumerate(order):
         items[index] = rows[j]
     return items
+
+
+def chosen_systems(parser: Any, given: str, known: Sequence[str]) -> list[str]:
+    """The ``--systems`` list (comma-separated), in order; an unknown name is the parser's
+    error, naming the choices."""
+    names = [s for s in given.split(",") if s]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {list(known)}")
+    return names
 
 
 def one_rank_env() -> None:

@@ -54,6 +54,7 @@ from benchmarks.common import (
     batches,
     build_model,
     child_json,
+    chosen_systems,
     ds_config,
     loader_dataset,
     machine_info,
@@ -765,10 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         row = run_system(args.system, preset, args)
         print("JSON:" + json.dumps(row), flush=True)
         return 0
-    names = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(names) - set(SYSTEMS))
-    if unknown:
-        p.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    names = chosen_systems(p, args.systems, SYSTEMS)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in names}
     timelines: dict[str, Any] = {}
     for rep in range(args.repeats):  # A B C D E, A B C D E: drift hits every system alike

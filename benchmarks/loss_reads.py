@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import PRESETS, machine_info
+from benchmarks.common import PRESETS, chosen_systems, machine_info
 from benchmarks.head_to_head import (
     READS,
     SETUP,
@@ -145,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         row.pop("timeline", None)
         print("JSON:" + json.dumps(row), flush=True)
         return 0
-    names = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(names) - set(SYSTEMS))
-    if unknown:
-        p.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    names = chosen_systems(p, args.systems, SYSTEMS)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in names}
     for rep in range(args.repeats):  # alternate: drift hits every system alike
         for system in names:

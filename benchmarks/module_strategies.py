@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import child_json, ds_config, machine_info, one_rank_env
+from benchmarks.common import child_json, chosen_systems, ds_config, machine_info, one_rank_env
 from benchmarks.host_load import CoreShare
 
 SYSTEMS = ("traced", "whole_module", "traced_train_batch", "whole_module_train_batch", "deepspeed")
@@ -354,10 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.system:
         print("JSON:" + json.dumps(run_system(args.system, args)), flush=True)
         return 0
-    names = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(names) - set(SYSTEMS))
-    if unknown:
-        p.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    names = chosen_systems(p, args.systems, SYSTEMS)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in names}
     for rep in range(args.repeats):  # A B C, A B C: drift hits every system alike
         for system in names:
