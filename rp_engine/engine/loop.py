@@ -519,18 +519,29 @@ class WindowRunner:
         fetched.issued = fetched.live = True
         self.stepper.journal = None  # two open steps, as overlapping train_batch calls
         self.gate.hold(fetched.step)
+        first_mb = self._next_microbatch()
         try:
-            fetched.losses = self.pipeline.issue(
-                fetched.batches, unit=1.0, factors=fetched.predicted,
-                first_microbatch=self._next_microbatch(), token_stats=fused,
-                provisional=self._discard_prefetch,
-            )  # fmt: skip
+            if self.planner.profile_left > 0:  # the planner's first steps: a run it can time
+                fetched.profiled = result = self.pipeline.run(
+                    self.planner.plan(len(fetched.batches)), fetched.batches,
+                    step=fetched.step, closes_step=False, profile=True, sole=True,
+                    grad_scale=self.host_optimizer.cur_scale, factors=fetched.predicted,
+                    microbatch_offset=first_mb, token_stats=fused,
+                )  # fmt: skip
+                fetched.losses = result.losses
+                fetched.stats = result.token_stats
+            else:
+                fetched.losses = self.pipeline.issue(
+                    fetched.batches, unit=1.0, factors=fetched.predicted,
+                    first_microbatch=first_mb, token_stats=fused,
+                    provisional=self._discard_prefetch,
+                )  # fmt: skip
         except BaseException as exc:
             self.gate.drop()
             self.prefetch = None
             self.window_lost(exc)
             raise
-        if fused:
+        if fused and fetched.profiled is None:
             fetched.stats = self.pipeline.token_stats()
         self.window.runs += 1
 
@@ -564,10 +575,16 @@ class WindowRunner:
         """Every backward of the prefetched window matched: its gradients go to the optimizer
         (its run in flight closes the step; step() applies the boundary)."""
         fetched.live = False
-        self.pipeline.confirm()  # a drain now closes its step
-        self.gate.release()
         for entry in self.window.entries:
             entry.landed = True
+        if fetched.profiled is not None:  # landed, drained: close the step; the planner learns
+            self.gate.release()
+            self._close_now()
+            self.pipeline.after_run(fetched.profiled, profile=True)
+            fetched.profiled = None
+            return
+        self.pipeline.confirm()  # a drain now closes its step
+        self.gate.release()
         self.window.closed = True
         if not self.overlap:  # iterations may not overlap here: finish the run now
             self.pipeline.drain()
@@ -580,7 +597,11 @@ class WindowRunner:
         if fetched is None or not fetched.live:
             return
         fetched.live = False
-        self.pipeline.discard(fetched.step)
+        if fetched.profiled is not None:  # landed, not closing: drop its gradients
+            fetched.profiled = None
+            self.stepper.store.zero_grads()
+        else:
+            self.pipeline.discard(fetched.step)
         self.gate.drop()
         self.window.runs = 0
         for entry in self.window.entries:

@@ -47,6 +47,9 @@ class Prefetch:
     step: int = 0  # the optimizer step the run belongs to
     issued: bool = False
     live: bool = False  # the run's gradients are still the step's candidate
+    # while the planner profiles its first steps: the window's run, drained (not in flight)
+    # and not closing its step, so that the planner can learn from it once it is confirmed
+    profiled: Any = None
 
     @property
     def done(self) -> bool:
