@@ -425,6 +425,7 @@ class WindowRunner:
         step = self.counters.global_steps + 1
         self.stepper.open_step(step)
         self.pipeline.record.last = self.stepper.close_step(step=step, skip=self.guard.force_skip())
+        self.pipeline.record.closed()  # its runs' traffic is the step's (last_step_stats)
         self.window.closed = True
 
     def _skip_lost_step(self) -> None:

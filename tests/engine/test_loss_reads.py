@@ -213,3 +213,28 @@ def test_reading_submodules_and_attributes_does_not_wait_for_the_step() -> None:
         assert engine.module is model  # published: the model itself
     finally:
         engine.destroy()
+
+
+def test_the_engines_loader_feeds_the_planners_profile() -> None:
+    """Without fixed cuts the planner times its first steps and may re-plan: the loader's
+    prefetched windows are those steps here (each run drained for the planner, its step closed
+    once every backward matched), and every step reports what it moved."""
+    batches = _batches()
+    model = tiny_qwen3(0, layers=4, hidden=32)
+    cfg = config(devices=2, gas=GAS, lr=1e-3)
+    engine, _, loader, _ = rp_engine.initialize(
+        model=model, config=cfg, training_data=_dataset(batches)
+    )
+    try:
+        assert engine.planner.profile_left > 0
+        it = iter(loader)
+        for _ in range(STEPS):
+            for _ in range(GAS):
+                loss = engine(**next(it)).loss
+                engine.backward(loss)
+                engine.step()
+                loss.item()
+            assert engine.last_step_stats()["uploads"] > 0  # the step's own traffic
+        assert engine.planner.profile_left == 0
+    finally:
+        engine.destroy()
