@@ -21,7 +21,16 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_close_named, config, engine_for, train_with_norms
+from engine_helpers import (
+    GRAD_NOISE,
+    AdamSlack,
+    assert_same_weights,
+    config,
+    engine_for,
+    mismatch_shares,
+    rounding_noise,
+    train_with_norms,
+)
 from models import lora_qwen3, tiny_qwen3
 from nvme_helpers import nvme_config, run, train
 
@@ -136,11 +145,17 @@ CLIPS = {"unclipped": 0.0, "clipped": 0.5}
 # ~1e-7 relative), DeepSpeed's CPU Adam folds the bias corrections as torch does not, and the
 # publish kernels use ~23-bit reciprocals. Measured: losses within 5e-7 relative and weights
 # within 8e-7 (0.04 % of lr) of the reference after five steps, with torch's AVX-512 kernels and
-# with its AVX2 ones (tests/support/avx2_cpu_adam.py). The tolerances are ten times that.
-# "none" against the same reference is off by 5e-3 to 3e-2 in the losses and 8e-3 (four steps)
-# in the weights; the bugs of the compensation tried are off in the losses by 1e-2 to 4e-2 (a
-# flipped sign, the tensor's norm for its rms, the clip coefficient left out) and by 2e-5 to
-# 6e-5 (the rms measured after the tensor's step instead of before).
+# with its AVX2 ones on an AMD EPYC. The tolerances are ten times that, and each weight element
+# is also allowed its Adam slack (engine_helpers.AdamSlack, recorded from the reference's own
+# optimizer): issue 51, on an Intel Xeon with torch's kernels capped at AVX2, "lookahead"
+# unclipped had elements 2.3e-3 relative (about 2.5 % of lr) off. Adam divides out a gradient's
+# scale, so an element whose gradient is at the rounding noise of its tensor takes a step made
+# of that noise, and the order in which a CPU's BLAS sums (MKL's AVX2 path differs between
+# Intel and AMD) decides it. ``test_gradient_rounding_alone_needs_the_slack`` reproduces that
+# here with noise of that size. "none" against the same reference is off by 5e-3 to 3e-2 in the
+# losses and 8e-3 (four steps) in the weights; the bugs of the compensation tried are off in the
+# losses by 1e-2 to 4e-2 (a flipped sign, the tensor's norm for its rms, the clip coefficient
+# left out) and by 2e-5 to 6e-5 (the rms measured after the tensor's step instead of before).
 LOSS_RTOL, WEIGHT_ATOL, WEIGHT_RTOL = 5e-6, 1e-5, 1e-5
 
 
@@ -151,21 +166,40 @@ class _References:
 
     def __init__(self) -> None:
         self.corpus = reference.stdlib_corpus()
-        self._runs: dict[tuple[str, float], tuple[list[float], dict[str, torch.Tensor]]] = {}
+        self._runs: dict[tuple[str, float, float], tuple[list[float], torch.nn.Module]] = {}
 
-    def run(self, form: str, clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
-        """The reference's losses of ``REF_STEPS`` steps and its masters after ``REF_STEPS``
+    def run(
+        self, form: str, clip: float, noise: float = 0.0
+    ) -> tuple[list[float], torch.nn.Module]:
+        """The reference's losses of ``REF_STEPS`` steps and its model after ``REF_STEPS``
         updates (staleness 1: its run of one step more applies the gradients of the first
-        ``REF_STEPS``, as the engine's drain at the end does)."""
-        if (form, clip) not in self._runs:
-            with pytest.MonkeyPatch.context() as patch:
+        ``REF_STEPS``, as the engine's drain at the end does), with its Adam slack attached.
+        ``noise`` > 0 moves its gradients by ``rounding_noise(noise)`` before each step."""
+        if (form, clip, noise) not in self._runs:
+            with AdamSlack.recording() as slack, pytest.MonkeyPatch.context() as patch:
                 patch.setattr(reference, "stdlib_corpus", lambda: self.corpus)
+                if noise:
+                    _perturb_before_steps(patch, rounding_noise(noise))
                 losses, model = reference.train(
                     form, lr=REF_LR, steps=REF_STEPS + 1, seed=REF_SEED, clip=clip
                 )
-            masters = {k: v.detach().clone() for k, v in model.named_parameters()}
-            self._runs[form, clip] = (losses[:REF_STEPS], masters)
-        return self._runs[form, clip]
+            slack.attach(model)
+            self._runs[form, clip, noise] = (losses[:REF_STEPS], model)
+        return self._runs[form, clip, noise]
+
+
+def _perturb_before_steps(patch: pytest.MonkeyPatch, perturb: Any) -> None:
+    """Apply ``perturb`` to the gradients of the parameters each AdamW step is about to read
+    (patched over ``AdamSlack.recording``'s wrapper, so the slack sees the edited ones; the
+    patch is undone first, then the recording's)."""
+    real = torch.optim.AdamW.step
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
+        holder = torch.nn.ParameterList([p for g in self.param_groups for p in g["params"]])
+        perturb(holder)
+        return real(self, *args, **kw)
+
+    patch.setattr(torch.optim.AdamW, "step", step)
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +207,9 @@ def references() -> _References:
     return _References()
 
 
-def _engine_run(
-    method: str, clip: float, corpus: bytes
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The engine's losses and masters on the reference's model, data and hyper-parameters."""
+def _engine_run(method: str, clip: float, corpus: bytes) -> tuple[list[float], torch.nn.Module]:
+    """The engine's losses and its model (holding the masters) on the reference's model, data
+    and hyper-parameters."""
     model = build_tiny_model(seed=REF_SEED, layers=2, hidden=64).float()
     cfg = config(
         devices=2, gas=reference.GAS, mbs=reference.MICRO, lr=REF_LR, async_optimizer=True,
@@ -195,7 +228,18 @@ def _engine_run(
     finally:
         engine.destroy()
     assert clip == 0.0 or min(norms) > clip, norms  # clipping binds at every step
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, model
+
+
+def _assert_matches(
+    got_losses: list[float], got: torch.nn.Module, want_losses: list[float], want: torch.nn.Module
+) -> None:
+    """Losses to ``LOSS_RTOL``; each weight to the fp32 tolerances plus its Adam slack."""
+    torch.testing.assert_close(
+        torch.tensor(got_losses), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0.0
+    )
+    assert [k for k, _ in got.named_parameters()] == [k for k, _ in want.named_parameters()]
+    assert_same_weights(got, want, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
 
 
 @pytest.mark.parametrize("clip", list(CLIPS.values()), ids=list(CLIPS))
@@ -208,12 +252,24 @@ def test_compensation_equals_the_pure_pytorch_reference(
     rounding, with clipping off and with clipping binding at every step."""
     got_losses, got = _engine_run(method, clip, references.corpus)
     want_losses, want = references.run(FORMS[method], clip)
-    torch.testing.assert_close(
-        torch.tensor(got_losses), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0.0
-    )
-    assert got.keys() == want.keys()
-    for name, w in want.items():
-        assert_close_named(got[name], w, name, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+    _assert_matches(got_losses, got, want_losses, want)
+
+
+def test_gradient_rounding_alone_needs_the_slack(references: _References) -> None:
+    """Issue 51's failure, reproduced on any CPU: the reference run again with its gradients
+    moved by a fifth of a unit in the last place of each tensor's largest element (what
+    another summation order leaves) differs from itself by far more than the fp32 tolerance on
+    elements whose gradients are near zero, and within the slack; the losses stay within
+    ``LOSS_RTOL``. Without the slack this test's comparison failed as the issue saw it."""
+    want_losses, want = references.run("lookahead", 0.0)
+    noisy_losses, noisy = references.run("lookahead", 0.0, noise=GRAD_NOISE / 100)
+    plain = [
+        name
+        for (name, p), (_, q) in zip(noisy.named_parameters(), want.named_parameters(), strict=True)
+        if not torch.allclose(p, q, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+    ]
+    assert plain, "the noise should move some element beyond the plain fp32 tolerance"
+    _assert_matches(noisy_losses, noisy, want_losses, want)
 
 
 @pytest.mark.parametrize("clip", list(CLIPS.values()), ids=list(CLIPS))
@@ -222,6 +278,7 @@ def test_without_compensation_the_reference_is_far_outside_the_tolerance(
 ) -> None:
     """The control: "none" (the masters published as they are) against each reference form
     misses by far more than the tolerances above once a step reads a prediction (step 3 on),
+    and most weight elements that had a gradient are outside their allowance, slack included,
     so the comparison tells a compensation from none."""
     got_losses, got = _engine_run("none", clip, references.corpus)
     for form in FORMS.values():
@@ -229,5 +286,6 @@ def test_without_compensation_the_reference_is_far_outside_the_tolerance(
         assert got_losses[:2] == pytest.approx(want_losses[:2], rel=LOSS_RTOL)
         gaps = [abs(a / b - 1) for a, b in zip(got_losses[2:], want_losses[2:], strict=True)]
         assert max(gaps) > 100 * LOSS_RTOL, (form, gaps)
-        moved = max(float((got[k] - w).abs().max()) for k, w in want.items())
-        assert moved > 100 * WEIGHT_ATOL, (form, moved)
+        shares = mismatch_shares(got, want, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+        few = {name: round(share, 3) for name, share in shares.items() if share < 0.5}
+        assert not few, (form, few)

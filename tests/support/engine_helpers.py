@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -239,6 +240,28 @@ class AdamSlack:
                 self._had[key] = self._had[key] | had if key in self._had else had
                 self._lr_sum[key] = self._lr_sum.get(key, 0.0) + float(lr)
 
+    @classmethod
+    @contextlib.contextmanager
+    def recording(cls) -> Iterator[AdamSlack]:
+        """A slack that records every ``torch.optim.AdamW`` step taken inside the block: for a
+        reference run whose optimizer loop is not ``reference_losses``' (a study's own trainer).
+        ``attach`` it to the run's model afterwards."""
+        slack, real = cls(), torch.optim.AdamW.step
+
+        def step(self: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
+            out = real(self, *args, **kw)
+            slack.record(self)
+            return out
+
+        with _monkeypatch() as patch:
+            patch.setattr(torch.optim.AdamW, "step", step)
+            yield slack
+
+    def attach(self, model: nn.Module) -> None:
+        """Make this the record of the reference runs over ``model`` (what ``of`` returns and
+        ``assert_same_weights`` applies when ``model`` is the expected side)."""
+        _SLACKS[model] = self
+
     def get(self, param: torch.Tensor) -> torch.Tensor | None:
         return self._slack.get(id(param))
 
@@ -259,6 +282,28 @@ class AdamSlack:
             if share > VACUOUS_SHARE:
                 out[name] = share
         return out
+
+
+def _monkeypatch() -> Any:
+    import pytest  # the helpers are also imported by support scripts that run without pytest
+
+    return pytest.MonkeyPatch.context()
+
+
+def rounding_noise(scale: float) -> Callable[[nn.Module], None]:
+    """A gradient edit standing for another arrangement of the same fp32 sums: each gradient
+    element moved by up to ``scale`` x its tensor's largest element (a fixed seed: the same
+    noise every run). An exact zero stays zero: no arrangement of no terms makes anything
+    else. Apply it to a model's gradients right before its optimizer steps."""
+    gen = torch.Generator().manual_seed(0)
+
+    def perturb(model: nn.Module) -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                noise = (torch.rand(p.shape, generator=gen) * 2 - 1) * (p.grad != 0)
+                p.grad.add_(noise * scale * float(p.grad.abs().max()))
+
+    return perturb
 
 
 # An allowance of half the summed lr is half of everything Adam can have moved an element (its

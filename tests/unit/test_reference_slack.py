@@ -22,6 +22,7 @@ from engine_helpers import (
     assert_same_weights,
     mismatch_shares,
     reference_losses,
+    rounding_noise,
     slack_used,
 )
 from models import random_batch, tiny_qwen3
@@ -62,21 +63,6 @@ def _trained(staleness: int, *, perturb: Callable[[torch.nn.Module], None]) -> A
     return model
 
 
-def _rounding(scale: float) -> Callable[[torch.nn.Module], None]:
-    """Each gradient element moved by up to ``scale`` x its tensor's largest element, as two
-    arrangements of the same fp32 sums do (a fixed seed: the same noise every run). An exact
-    zero stays zero: no arrangement of no terms makes anything else."""
-    gen = torch.Generator().manual_seed(0)
-
-    def perturb(model: torch.nn.Module) -> None:
-        for p in model.parameters():
-            if p.grad is not None:
-                noise = (torch.rand(p.shape, generator=gen) * 2 - 1) * (p.grad != 0)
-                p.grad.add_(noise * scale * float(p.grad.abs().max()))
-
-    return perturb
-
-
 def _assert_most_fail(got: torch.nn.Module, want: torch.nn.Module) -> None:
     """``assert_same_weights`` fails, and at least half of the elements that had a gradient
     are outside their allowance in every tensor that had one."""
@@ -95,7 +81,7 @@ def test_gradient_rounding_passes_with_the_slack_only() -> None:
     gradients (the engine's run with torch's AVX2 kernels: 13x), and uses a quarter of the
     slack at most (the engine's AVX2 run: a half; measured here: under 1 %)."""
     ref = _reference(1)
-    noisy = _trained(1, perturb=_rounding(GRAD_NOISE / 100))
+    noisy = _trained(1, perturb=rounding_noise(GRAD_NOISE / 100))
     with pytest.raises(AssertionError):
         for (name, p), (_, q) in zip(noisy.named_parameters(), ref.named_parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
