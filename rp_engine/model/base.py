@@ -152,6 +152,9 @@ class LayerSequence:
     kind: str
     # how the layers were made and why (model/module.py's Layering; None: a recognised shape)
     layering: Any = None
+    # called with each micro-batch dict before it runs; checks the first one (a family whose
+    # head was guessed: hf_families.FirstBatchCheck), None: nothing to check
+    first_batch_check: Any = None
 
     @property
     def returns_outputs(self) -> bool:

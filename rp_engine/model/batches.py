@@ -68,6 +68,8 @@ class BatchAdapter:
                 "causal-LM training pass labels=input_ids"
             )
         check_batch(batch, self.seq)  # before any device work: name the bad tensor
+        if self.seq.first_batch_check is not None:
+            self.seq.first_batch_check(batch)
         out = {
             k: v.to(self.dtype) if v.is_floating_point() and not k.startswith("labels") else v
             for k, v in batch.items()
@@ -89,15 +91,17 @@ class BatchAdapter:
         """The micro-batch's loss tokens: labels != -100 (shifted for causal LMs, as Hugging
         Face's Trainer counts ``num_items_in_batch``)."""
         labels = batch["labels"]
-        if self.seq.kind.startswith("hf:"):
+        if self.seq.kind.startswith("hf:") and getattr(self.seq.head, "shift_labels", True):
             labels = labels[..., 1:]
         return int((labels != -100).sum())
 
     def wrap_loss(self, loss: torch.Tensor) -> Any:
         """The loss as the model's own forward would return it."""
         if self.seq.kind.startswith("hf:"):
-            from transformers.modeling_outputs import CausalLMOutputWithPast
+            from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
 
+            if not getattr(self.seq.head, "shift_labels", True):  # BERT, RoBERTa
+                return MaskedLMOutput(loss=loss)
             return CausalLMOutputWithPast(loss=loss)
         return loss
 

@@ -10,16 +10,15 @@ Any model shaped ``model.model.{embed_tokens, layers, norm, rotary_emb}`` + ``mo
 The prefix mirrors ``<Family>Model.forward`` of transformers 5.24 (pinned): the masks come from
 ``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask`` with the model config,
 and each layer gets the mask of its type. Family differences that live outside the decoder layers
-are listed in ``_FAMILIES``; a family not listed follows the generic Llama-style forward (with a
-warning) unless its config shows a known out-of-layer quirk, which raises NotImplementedError.
-Not supported: MoE router auxiliary loss (``output_router_logits=True``), per-layer-type rotary
-embeddings (Gemma3), layer types other than full/sliding attention (linear attention, Mamba).
+are listed in ``_FAMILIES``; every other family (GPT-2, Falcon, BERT, Gemma 3, Cohere, and any
+family nobody listed) is cut through its own forward instead (hf_capture.py, hf_families.py).
+Not supported here: MoE router auxiliary loss (``output_router_logits=True``), layer types other
+than full/sliding attention (linear attention, Mamba).
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,18 @@ class _Family:
 
 # Families whose forward was read in transformers 5.24 and whose adapter is tested.
 _FAMILIES: dict[str, _Family] = {
+    # their forward is Llama's outside the decoder layers (issue 50's probe: losses equal)
+    **{
+        name: _Family()
+        for name in (
+            "phi3",
+            "olmo2",
+            "stablelm",
+            "starcoder2",
+            "mixtral",
+            "glm4",
+        )
+    },
     "llama": _Family(),
     "qwen2": _Family(),
     "qwen3": _Family(),
@@ -58,9 +69,7 @@ _FAMILIES: dict[str, _Family] = {
         embedding_multiplier="embedding_multiplier", logits_divisor="logits_scaling"
     ),
 }
-# Config attributes that mean "the forward does something outside the layers" in families we have
-# not mapped (granite variants, cohere, minicpm...): refuse rather than silently differ.
-_UNMAPPED_QUIRKS = ("embedding_multiplier", "logits_scaling", "logit_scale", "scale_emb")
+LLAMA_STYLE_FAMILIES = frozenset(_FAMILIES)
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -77,21 +86,12 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
 def _family(config: Any) -> _Family:
     model_type = str(getattr(config, "model_type", "?"))
     family = _FAMILIES.get(model_type)
-    if family is not None:
-        return family
-    quirks = [a for a in _UNMAPPED_QUIRKS if getattr(config, a, None) not in (None, 1, 1.0)]
-    if quirks:
+    if family is None:  # layers.to_layers sends only these here; others go through hf_capture
         raise NotImplementedError(
-            f"Hugging Face family {model_type!r} sets {quirks} in its config, which its forward "
-            "applies outside the decoder layers; rp_engine does not map that family yet"
+            f"{model_type!r} is not a Llama-style family ({sorted(_FAMILIES)}); it is cut "
+            "through its own forward (rp_engine/model/hf_families.py)"
         )
-    warnings.warn(
-        f"Hugging Face family {model_type!r} is not among the tested ones ({sorted(_FAMILIES)}); "
-        "rp_engine follows the generic Llama-style forward. Check LayerSequence.run_reference "
-        "against model(**batch).loss once.",
-        stacklevel=3,
-    )
-    return _Family()
+    return family
 
 
 def _mask_keys(config: Any, num_layers: int, rule: str | None) -> list[str]:
@@ -233,9 +233,13 @@ class HFDecoderBlock(nn.Module):
 class CausalLMHead(HeadModule):
     """Final norm + lm_head + causal-LM cross-entropy, ``chunk_tokens`` tokens at a time.
 
-    The loss is HF's ``ForCausalLMLoss``: labels shifted left (last position ignored), logits
-    upcast to fp32, ``ignore_index=-100``, summed and divided by the number of valid labels (or by
-    ``state["num_items_in_batch"]`` when present). As in HF, a batch with no valid label gives NaN.
+    ``norm`` is whatever runs between the last block and ``lm_head`` (a final norm, or a chain
+    of them with OPT's ``project_out``; Identity for a masked LM, whose ``lm_head`` is its whole
+    prediction head). With ``shift_labels=False`` the loss is a masked LM's: each position
+    scores its own label. Otherwise it is HF's ``ForCausalLMLoss``: labels shifted left (last
+    position ignored). Either way the logits are upcast to fp32, ``ignore_index=-100``, and the
+    sum is divided by the number of valid labels (or by ``state["num_items_in_batch"]`` when
+    present). As in HF, a batch with no valid label gives NaN.
     The norm is per token, so chunking over tokens is exact up to summation order.
 
     Token statistics (``token_stats = True``): given a dict as ``stats``, ``forward`` and
@@ -259,6 +263,8 @@ class CausalLMHead(HeadModule):
         chunk_tokens: int,
         softcap: float | None = None,
         logits_divisor: float = 1.0,
+        logits_multiplier: float = 1.0,
+        shift_labels: bool = True,
     ) -> None:
         super().__init__()
         self.norm = norm
@@ -266,12 +272,17 @@ class CausalLMHead(HeadModule):
         self.chunk_tokens = chunk_tokens
         self.softcap = softcap
         self.logits_divisor = logits_divisor
+        self.logits_multiplier = logits_multiplier
+        # False: a masked LM's loss, each position scoring its own label (BERT, RoBERTa)
+        self.shift_labels = shift_labels
 
     def _loss_sum(
         self, hidden_ND: torch.Tensor, labels_N: torch.Tensor, stats: list[torch.Tensor] | None
     ) -> torch.Tensor:
         logits_NV = self.lm_head(self.norm(hidden_ND))
-        if self.logits_divisor != 1.0:
+        if self.logits_multiplier != 1.0:  # Cohere's logit_scale
+            logits_NV = logits_NV * self.logits_multiplier
+        if self.logits_divisor != 1.0:  # Granite's logits_scaling
             logits_NV = logits_NV / self.logits_divisor
         if self.softcap is not None:  # Gemma2-style final logit soft-capping
             logits_NV = torch.tanh(logits_NV / self.softcap) * self.softcap
@@ -299,7 +310,8 @@ class CausalLMHead(HeadModule):
         if labels is None:
             raise ValueError("the state has no 'labels': the batch must carry labels for a loss")
         hidden = state["hidden"]
-        labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        if self.shift_labels:
+            labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         labels_N = labels.reshape(-1).to(hidden.device)
         denom = state.get("num_items_in_batch")
         if denom is None:

@@ -23,7 +23,13 @@ import torch
 from torch import nn
 
 from rp_engine.model.base import HeadModule, LayerSequence, State, batch_to_dict
-from rp_engine.model.hf import build_hf_blocks, is_hf_causal_lm
+from rp_engine.model.hf import LLAMA_STYLE_FAMILIES, build_hf_blocks, is_hf_causal_lm
+from rp_engine.model.hf_families import (
+    CAPTURED_FAMILIES,
+    FirstBatchCheck,
+    build_captured,
+    captured_family,
+)
 from rp_engine.model.module import module_layers
 from rp_engine.model.sequential import build_from_funcs, deepspeed_pipe
 
@@ -76,16 +82,34 @@ def to_layers(
     if not isinstance(model, nn.Module):
         raise ValueError(f"got a {type(model).__name__}: {_EXPECTED}")
     inner = _unwrap_peft(model)
-    if is_hf_causal_lm(inner):
-        if loss_fn is not None:
-            raise ValueError(
-                "loss_fn is not supported for Hugging Face causal LMs: the head computes the "
-                "model's own causal-LM loss (pass loss_fn=None)"
-            )
+    model_type = str(getattr(getattr(inner, "config", None), "model_type", "?"))
+    llama_style = is_hf_causal_lm(inner) and model_type in LLAMA_STYLE_FAMILIES
+    captured = None if llama_style else captured_family(inner)
+    if (llama_style or captured is not None) and loss_fn is not None:
+        raise ValueError(
+            "loss_fn is not supported for Hugging Face language models: the head computes the "
+            "model's own loss (pass loss_fn=None)"
+        )
+    if llama_style:
         hf_prefix, hf_blocks, hf_head, model_type = build_hf_blocks(
             inner, chunk_tokens=head_chunk_tokens
         )
         return _checked(LayerSequence(hf_prefix, hf_blocks, hf_head, model, f"hf:{model_type}"))
+    if captured is not None:
+        model_type, family = captured
+        listed = model_type in CAPTURED_FAMILIES
+        cap_prefix, cap_blocks, cap_head = build_captured(
+            inner, model_type, family, chunk_tokens=head_chunk_tokens, listed=listed
+        )
+        holder: list[LayerSequence] = []
+        check = None if listed else FirstBatchCheck(lambda: holder[0])
+        seq = _checked(
+            LayerSequence(
+                cap_prefix, cap_blocks, cap_head, model, f"hf:{model_type}", first_batch_check=check
+            )
+        )
+        holder.append(seq)
+        return seq
     if isinstance(model, nn.Sequential) and loss_fn is not None:
         prefix, blocks, head, root, kind = build_from_funcs(model, loss_fn=loss_fn)
         return _checked(LayerSequence(prefix, blocks, head, root, kind))

@@ -33,6 +33,7 @@ HF_FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "granite": models.tiny_granite,
     "lora_qwen3": models.lora_qwen3,
     "qwen3_tied": lambda: models.tiny_qwen3(tie=True, layers=2),
+    **{name: (lambda n=name: models.tiny(n)) for name in models.LLAMA_STYLE},
 }
 
 
@@ -286,10 +287,12 @@ def test_mask_per_layer_type() -> None:
     assert "mask_sliding" not in to_layers(models.tiny_qwen3()).prefix(batch)
 
 
-def test_unknown_family_uses_generic_path_with_warning() -> None:
-    from transformers import AutoModelForCausalLM, Olmo2Config
+def test_a_llama_shaped_family_nobody_listed_is_cut_through_its_own_forward(caplog) -> None:
+    """OLMo (1), Llama-shaped but in no table: the generic path (hf_families.generic_family)
+    with a warning and a first-batch check, the model's loss and gradients."""
+    from transformers import AutoModelForCausalLM, OlmoConfig
 
-    config = Olmo2Config(
+    config = OlmoConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, pad_token_id=0,
     )  # fmt: skip
@@ -297,21 +300,15 @@ def test_unknown_family_uses_generic_path_with_warning() -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     batch = models.random_batch(128, padded=True)
     want_loss, want = hf_reference(model, batch)
-    with pytest.warns(UserWarning, match="'olmo2' is not among the tested"):
+    with caplog.at_level("WARNING", logger="rp_engine"):
         seq = to_layers(model, head_chunk_tokens=6)
+    assert "'olmo' is not among the mapped ones" in caplog.text
+    assert seq.first_batch_check is not None and seq.num_blocks == 2
     torch.testing.assert_close(run_stages(seq, batch), want_loss, **TIGHT)
     assert_grads_close(take_grads(model), want, **TIGHT)
 
 
-def test_unmapped_family_quirks_and_router_loss_refused() -> None:
-    from transformers import AutoModelForCausalLM, CohereConfig
-
-    cohere = AutoModelForCausalLM.from_config(
-        CohereConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=4, num_key_value_heads=2)
-    )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="'cohere' sets \\['logit_scale'\\]"):
-        to_layers(cohere)
+def test_router_loss_refused() -> None:
     moe = models.tiny_qwen3_moe(layers=1)
     moe.config.output_router_logits = True
     with pytest.raises(NotImplementedError, match="output_router_logits = False"):

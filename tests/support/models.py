@@ -23,6 +23,9 @@ __all__ = [
     "tiny_qwen3_moe",
     "tiny_gemma2",
     "tiny_granite",
+    "tiny_hf",
+    "HF_CAPTURED",
+    "LLAMA_STYLE",
     "tiny_mlp",
     "mlp_batch",
     "tied_lm_layer_specs",
@@ -120,7 +123,23 @@ _FAMILIES: dict[str, tuple[str, Callable[..., dict[str, Any]] | None, bool]] = {
     "qwen3_moe": ("Qwen3MoeConfig", _moe_extra, False),
     "gemma2": ("Gemma2Config", _gemma2_extra, True),  # tied embeddings, as in the family
     "granite": ("GraniteConfig", _granite_extra, False),
+    # Llama's forward outside the decoder layers (issue 50's probe)
+    "phi3": ("Phi3Config", None, False),
+    "olmo2": ("Olmo2Config", None, False),
+    "stablelm": ("StableLmConfig", None, False),
+    "starcoder2": ("Starcoder2Config", lambda layers, hidden: {"sliding_window": 8}, False),
+    "mixtral": (
+        "MixtralConfig",
+        lambda layers, hidden: {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "output_router_logits": False,
+        },
+        False,
+    ),  # fmt: skip
+    "glm4": ("Glm4Config", None, False),
 }
+LLAMA_STYLE = ("phi3", "olmo2", "stablelm", "starcoder2", "mixtral", "glm4")
 
 
 def tiny(
@@ -166,6 +185,107 @@ tiny_qwen2 = _family("qwen2")
 tiny_qwen3_moe = _family("qwen3_moe")
 tiny_gemma2 = _family("gemma2")
 tiny_granite = _family("granite")
+
+
+# Families cut through their own forward (rp_engine/model/hf_families.py): each with its own
+# config keys (4 layers of hidden 64 by default). name -> (config class, keys of (layers, hidden,
+# vocab), masked LM?).
+def _gpt2_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    return {"n_layer": layers, "n_embd": hidden, "n_head": 4, "n_positions": 256,
+            "vocab_size": vocab, "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0}  # fmt: skip
+
+
+def _gptj_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    return {"n_layer": layers, "n_embd": hidden, "n_head": 4, "n_positions": 256,
+            "rotary_dim": 8, "vocab_size": vocab, "attn_pdrop": 0.0, "embd_pdrop": 0.0,
+            "resid_pdrop": 0.0, "tie_word_embeddings": False}  # fmt: skip
+
+
+def _llama_like_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    return {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": 4,
+            "intermediate_size": 2 * hidden, "vocab_size": vocab,
+            "max_position_embeddings": 256}  # fmt: skip
+
+
+def _neox_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    return {**_llama_like_keys(layers, hidden, vocab), "rotary_pct": 0.5,
+            "tie_word_embeddings": False}  # fmt: skip
+
+
+def _falcon_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    # rotary (not ALiBi), the parallel attention + MLP of falcon-7b
+    return {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": 4,
+            "vocab_size": vocab, "alibi": False, "parallel_attn": True, "bias": False,
+            "new_decoder_architecture": False, "multi_query": True}  # fmt: skip
+
+
+def _bloom_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    # ALiBi positions, the embedding layer norm
+    return {"n_layer": layers, "hidden_size": hidden, "n_head": 4, "vocab_size": vocab}
+
+
+def _opt_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    # learned positions (offset 2), project_in/project_out around the blocks (embedding width
+    # hidden // 2, as opt-350m has), pre-norm with the final layer norm
+    return {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": 4,
+            "ffn_dim": 2 * hidden, "vocab_size": vocab, "max_position_embeddings": 256,
+            "word_embed_proj_dim": hidden // 2, "dropout": 0.0, "pad_token_id": 1}  # fmt: skip
+
+
+def _phi_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    return {**_llama_like_keys(layers, hidden, vocab), "partial_rotary_factor": 0.5,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0}  # fmt: skip
+
+
+def _cohere_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    return {**_llama_like_keys(layers, hidden, vocab), "num_key_value_heads": 2,
+            "logit_scale": 0.5}  # fmt: skip
+
+
+def _gemma3_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    # sliding and full layers (every 2nd full) with their own rotary bases, soft-capping
+    return {**_llama_like_keys(layers, hidden, vocab), "num_key_value_heads": 2,
+            "head_dim": hidden // 4, "sliding_window": 8, "sliding_window_pattern": 2,
+            "final_logit_softcapping": 5.0, "query_pre_attn_scalar": hidden // 4}  # fmt: skip
+
+
+def _bert_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
+    return {**_llama_like_keys(layers, hidden, vocab), "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 64}  # fmt: skip
+
+
+_HF_FAMILIES: dict[str, tuple[str, Callable[[int, int, int], dict[str, Any]], bool]] = {
+    "gpt2": ("GPT2Config", _gpt2_keys, False),
+    "gpt_bigcode": ("GPTBigCodeConfig", _gpt2_keys, False),
+    "gptj": ("GPTJConfig", _gptj_keys, False),
+    "gpt_neox": ("GPTNeoXConfig", _neox_keys, False),
+    "falcon": ("FalconConfig", _falcon_keys, False),
+    "bloom": ("BloomConfig", _bloom_keys, False),
+    "opt": ("OPTConfig", _opt_keys, False),
+    "phi": ("PhiConfig", _phi_keys, False),
+    "cohere": ("CohereConfig", _cohere_keys, False),
+    "gemma3_text": ("Gemma3TextConfig", _gemma3_keys, False),
+    "bert": ("BertConfig", _bert_keys, True),
+    "roberta": ("RobertaConfig", _bert_keys, True),
+}
+HF_CAPTURED = tuple(_HF_FAMILIES)
+
+
+def tiny_hf(
+    family: str, seed: int = 0, *, layers: int = 4, hidden: int = 64, vocab: int = 128, **extra: Any
+) -> nn.Module:
+    """A tiny model of a family of ``_HF_FAMILIES`` (a causal LM, or a masked LM for BERT and
+    RoBERTa), seeded, fp32, eager attention, no dropout; ``extra`` overrides config keys."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    config_name, keys, masked = _HF_FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        **{**keys(layers, hidden, vocab), "initializer_range": 0.1, "use_cache": False, **extra}
+    )
+    torch.manual_seed(seed)
+    auto = AutoModelForMaskedLM if masked else AutoModelForCausalLM
+    return auto.from_config(config, attn_implementation="eager", dtype=torch.float32).train()
 
 
 def lora_qwen3(
