@@ -348,13 +348,14 @@ class ThreadedDevice:
     """Streams (one ``ThreadStream`` per role), memory ledger, synchronize/reset/close.
 
     Shared by ``CPUDevice`` and ``CUDADevice``; subclasses build ``self._streams``.
+    ``torch_device``: where ``empty`` allocates (``cpu``, or ``cuda:<index>``).
     """
 
-    index: int
-    torch_device: torch.device
-
-    def __init__(self, index: int, *, capacity_bytes: int | None) -> None:
+    def __init__(
+        self, index: int, *, torch_device: torch.device, capacity_bytes: int | None
+    ) -> None:
         self.index = index
+        self.torch_device = torch_device
         self._ledger = MemoryLedger(index, capacity_bytes)
         self._streams: dict[StreamRole, ThreadStream] = {}
         self._closed = False
@@ -479,8 +480,7 @@ class CPUDevice(ThreadedDevice):
     ) -> None:
         if pcie_gbps is not None and pcie_gbps <= 0:
             raise ValueError(f"pcie_gbps must be positive or None, got {pcie_gbps}")
-        super().__init__(index, capacity_bytes=capacity_bytes)
-        self.torch_device = torch.device("cpu")
+        super().__init__(index, torch_device=torch.device("cpu"), capacity_bytes=capacity_bytes)
         self.pcie_gbps = pcie_gbps
         self._pool = pool
         self._h2d_link = threading.Lock()

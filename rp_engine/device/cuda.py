@@ -289,9 +289,10 @@ class CUDADevice(ThreadedDevice):
     """
 
     def __init__(self, index: int, *, capacity_bytes: int | None = None) -> None:
-        super().__init__(index, capacity_bytes=capacity_bytes)
+        super().__init__(
+            index, torch_device=torch.device("cuda", index), capacity_bytes=capacity_bytes
+        )
         torch.cuda.init()  # fills torch.cuda.default_generators
-        self.torch_device = torch.device("cuda", index)
         self._fraction_before: float | None = None
         self.cap_bytes = 0  # 0: the allocator is not capped by this device
         if capacity_bytes is not None:

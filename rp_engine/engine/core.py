@@ -36,7 +36,7 @@ from rp_engine.device import make_devices
 from rp_engine.device.cuda import pin as cuda_pin
 from rp_engine.device.cuda import pinned_empty
 from rp_engine.distributed import data_parallel, dp_world
-from rp_engine.engine.api import DeepSpeedAccessors
+from rp_engine.engine.api import DeepSpeedAccessors, EngineParts
 from rp_engine.engine.boundary import Boundary, boundary_in_flight_ok
 from rp_engine.engine.ds_surface import CONFIG_ACCESSORS, GAPS, DeepSpeedConfigView, DeepSpeedGap
 from rp_engine.engine.loop import LoopMisuseError, WindowRunner
@@ -157,7 +157,8 @@ class RoundPipeEngine(DeepSpeedAccessors):
         self._progress = Progress(
             steps_per_print=cfg.steps_per_print, wall_clock_breakdown=cfg.wall_clock_breakdown,
             batch_size=cfg.train_batch_size, flags=TimerFlags.from_raw(cfg.raw),
-            rank0=self.global_rank == 0, memory=self._device_memory,
+            rank0=self.stepper.dp is None or self.stepper.dp.rank == 0,
+            memory=self._device_memory,
         )  # fmt: skip
         if cfg.steps_per_print:  # progress asked for: the plan is its first line
             layers = f"{self.seq.kind}, {len(list(self.seq.modules()))} layers"
@@ -190,11 +191,20 @@ class RoundPipeEngine(DeepSpeedAccessors):
             managed=cfg.managed_gradient_accumulation, overlap=self._overlap,
         )  # fmt: skip
         self.pipeline.on_abort = self.loop.window_lost  # the loop's open window is lost with it
-        self.training = model.training
-        # Last: it also marks the engine as fully built (attribute fall-through needs that).
         self._finalizer = watch(
             self, stepper=self.stepper, pool=self.pool, inflight=self.pipeline.box,
             tier=self.tiers,
+        )  # fmt: skip
+        # Last: DeepSpeed's accessors (api.py) get the parts they read; this also marks the
+        # engine as fully built (attribute fall-through needs that).
+        DeepSpeedAccessors.__init__(
+            self,
+            EngineParts(
+                config=cfg, module=model, counters=self._counters, store=self.store,
+                host_optimizer=self.host_optimizer, client_optimizer=optimizer,
+                stepper=self.stepper, nvme_tier=self.nvme_tier, tiers=self.tiers,
+                progress=self._progress, pipeline=self.pipeline, finalizer=self._finalizer,
+            ),
         )  # fmt: skip
 
     def _wire(
@@ -570,7 +580,7 @@ class RoundPipeEngine(DeepSpeedAccessors):
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: fall through to the wrapped module, as DeepSpeed
         # does (engine.generate(...), engine.config attributes of HF models...).
-        if name == "module" or name.startswith("__") or "_finalizer" not in self.__dict__:
+        if name == "module" or name.startswith("__") or "_parts" not in self.__dict__:
             raise AttributeError(name)  # (also while __init__ runs: hasattr must not recurse)
         # DeepSpeedEngine's own names never reach the module: answered, or refused (ds_surface)
         if name in CONFIG_ACCESSORS:

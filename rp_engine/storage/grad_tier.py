@@ -69,21 +69,21 @@ class GradTier(PooledTier):
         self, group_bytes: Sequence[int], *, folder: str, rank: int, engine: IOEngine,
         buffer_count: int, alloc: Callable[[int], torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
-        self.engine = engine
         self._records = grad_records(group_bytes)
         self.disk_bytes = sum(r.nbytes for r in self._records.values())
-        self.file = SwapFile(folder, f"rp_engine/rank{rank}/grads.swp", max(self.disk_bytes, ALIGN))
-        self.path = self.file.path
+        file = SwapFile(folder, f"rp_engine/rank{rank}/grads.swp", max(self.disk_bytes, ALIGN))
+        self.path = file.path
         sizes = size_classes(group_bytes)
         self.buffer_count = buffer_count
         self.big_count = sizes.big_count
         try:
-            self.pool = RecordPool(
+            pool = RecordPool(
                 self.path, engine, buffer_count=buffer_count, sizes=sizes, lazy=True, alloc=alloc
             )
         except BaseException:
-            self.file.close()
+            file.close()
             raise
+        super().__init__(engine=engine, file=file, pool=pool)
         self.buffer_bytes = self.pool.buffer_bytes
         log.info(
             "gradient tier: %d buffers of %.1f MiB%s, file %s",

@@ -103,15 +103,15 @@ class OptimizerTier(PooledTier):
     ) -> None:  # fmt: skip
         self.store = store
         self.inner = optimizer.optimizer
-        self.engine = engine
         self._records = _layouts(store)
         live = [r for r in self._records if r is not None]
         self.disk_bytes = sum(r.nbytes for r in live)
-        self.file = SwapFile(folder, f"rp_engine/rank{rank}/optimizer.swp", self.disk_bytes)
-        self.path = self.file.path
-        self.pool = RecordPool(
+        file = SwapFile(folder, f"rp_engine/rank{rank}/optimizer.swp", self.disk_bytes)
+        self.path = file.path
+        pool = RecordPool(
             self.path, engine, buffer_count=buffer_count, sizes=size_classes(r.nbytes for r in live)
         )
+        super().__init__(engine=engine, file=file, pool=pool)
         self.buffer_bytes = self.pool.buffer_bytes
         self._materialized: bool | None = None  # inside materialized(): whether writable
         self._placeholders = {id(hp): placeholder(hp.master.shape) for hp in store.owned_params()}

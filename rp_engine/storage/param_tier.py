@@ -120,7 +120,6 @@ class ParamTier(PooledTier):
         buffer_count: int,
     ) -> None:  # fmt: skip
         self.store = store
-        self.engine = engine
         self.copies = store.weight_copies
         self.plan = plan
         self._records: dict[tuple[int, int], _Record] = {}
@@ -135,11 +134,12 @@ class ParamTier(PooledTier):
                 self._records[(layer, copy)] = rec
                 offset += rec.nbytes
         self.disk_bytes = offset
-        self.file = SwapFile(folder, f"rp_engine/rank{rank}/params.swp", self.disk_bytes)
-        self.path = self.file.path
-        self.pool = RecordPool(
+        file = SwapFile(folder, f"rp_engine/rank{rank}/params.swp", self.disk_bytes)
+        self.path = file.path
+        pool = RecordPool(
             self.path, engine, buffer_count=buffer_count, sizes=plan.sizes(), grow=True
         )
+        super().__init__(engine=engine, file=file, pool=pool)
         self._owner = {id(p): layer for layer, ts in plan.paged.items() for p in ts}
         self._placeholders = {
             id(p): placeholder(p.shape, p.dtype) for ts in plan.paged.values() for p in ts

@@ -424,14 +424,17 @@ def _quiet(buf: _Buffer) -> bool:
 
 
 class PooledTier:
-    """What both tiers share: an I/O engine, their swap file, a ``RecordPool`` over it."""
+    """What the tiers share: an I/O engine, their swap file, a ``RecordPool`` over it. Each
+    tier builds the three and hands them to ``__init__`` before it writes anything."""
 
-    engine: IOEngine
-    file: SwapFile
-    pool: RecordPool
     # the tier writes its whole file at initialize (the initial state); the gradient tier
     # writes only what it evicts
     writes_initially = True
+
+    def __init__(self, *, engine: IOEngine, file: SwapFile, pool: RecordPool) -> None:
+        self.engine = engine
+        self.file = file
+        self.pool = pool
 
     @property
     def stats(self) -> IOStats:
@@ -445,7 +448,6 @@ class PooledTier:
     def close(self) -> None:
         """Wait for the writes, stop the engine, remove the swap file (idempotent)."""
         with contextlib.suppress(Exception):
-            if hasattr(self, "pool"):  # a constructor that failed before the pool existed
-                self.flush()
+            self.flush()
         self.engine.close()
         self.file.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 from engine_helpers import config, engine_for
 from models import random_batch, tiny_qwen3
 
+from rp_engine.engine.api import EngineParts
 from rp_engine.engine.boundary import Boundary
 from rp_engine.engine.loop import WindowRunner
 from rp_engine.engine.pipeline import Pipeline
@@ -60,3 +61,26 @@ def test_the_engine_holds_its_parts_and_they_share_its_state() -> None:
         assert report is None or report.step <= engine.global_steps == 1
     finally:
         engine.destroy()
+
+
+def test_the_deepspeed_accessors_are_given_the_engines_parts() -> None:
+    """api.py's accessors read one typed object, ``EngineParts``, made of the engine's own
+    parts (no member of theirs is left for the engine class to provide)."""
+    engine = engine_for(tiny_qwen3(0, layers=2), config(devices=1, gas=1, lr=1e-2))
+    try:
+        parts = engine._parts
+        assert isinstance(parts, EngineParts)
+        assert parts.config is engine._config and parts.module is engine._module
+        assert parts.counters is engine._counters and parts.progress is engine._progress
+        assert parts.store is engine.store and parts.host_optimizer is engine.host_optimizer
+        assert parts.stepper is engine.stepper and parts.pipeline is engine.pipeline
+        assert parts.tiers is engine.tiers and parts.nvme_tier is engine.nvme_tier is None
+        assert parts.client_optimizer is engine.client_optimizer is None
+        assert parts.finalizer is engine._finalizer and parts.finalizer.alive
+        engine.train_batch(iter([random_batch(128, batch=2, seq=8, seed=0)]))
+        assert engine.global_steps == parts.counters.global_steps == 1
+        engine.global_steps = 5  # checkpoint loading sets the counters through the accessors
+        assert parts.counters.global_steps == 5
+    finally:
+        engine.destroy()
+    assert not parts.finalizer.alive
