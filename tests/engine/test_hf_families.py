@@ -2,7 +2,8 @@
 cut through their own code (rp_engine/model/hf_capture.py, hf_families.py) into one stage per
 block, and train through the engine as plain PyTorch trains them.
 
-Per family: the layer sequence has one block per layer; its stages (each block its own autograd
+Per family (and the Llama-style families issue 50's probe added to hf.py's table): the layer
+sequence has one block per layer; its stages (each block its own autograd
 graph, as the pipeline runs them) give the model's own loss and gradients; and three steps
 through ``initialize`` (2 CPU devices, 2 micro-batches a step, AdamW) give plain PyTorch's
 losses and global gradient norms (Adam divides a gradient's scale out, the norm does not). LoRA
@@ -92,12 +93,16 @@ def _train(
     return losses, norms, want, norm_of.norms, model, ref
 
 
-@pytest.mark.parametrize("family", models.HF_CAPTURED)
+def _tiny(family: str) -> nn.Module:
+    return models.tiny(family) if family in models.LLAMA_STYLE else models.tiny_hf(family)
+
+
+@pytest.mark.parametrize("family", models.HF_CAPTURED + models.LLAMA_STYLE)
 def test_trains_as_plain_pytorch(family: str) -> None:
     """Three steps through the engine: plain PyTorch's losses and gradient norms. (Not the
     weights element by element: an attention's key bias has a gradient that is zero but for
     rounding, softmax being blind to it, so Adam steps it by noise: engine_helpers.AdamSlack.)"""
-    losses, norms, want, want_norms, model, ref = _train(lambda: models.tiny_hf(family))
+    losses, norms, want, want_norms, model, ref = _train(lambda: _tiny(family))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=LOSS_RTOL, atol=0)
     torch.testing.assert_close(
         torch.tensor(norms), torch.tensor(want_norms), rtol=NORM_RTOL, atol=0
