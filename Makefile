@@ -1,7 +1,7 @@
 # Two entry points for a fresh machine (see README.md):
 #   make train   - create .venv, install, run rp-train on its embedded default job
-#   make test    - create .venv, install, lint + type-check, build the NVMe tier's aio op, the
-#                  whole test suite (what CI runs)
+#   make test    - create .venv, install, lint + type-check, the whole test suite while the NVMe
+#                  tier's aio op and the AVX2 CPU Adam build beside it (what CI runs)
 #   make test-fast - the edit-run loop: plan, config, counters, device and optimizer unit tests
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -45,9 +45,19 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check rp_engine tests benchmarks
 	$(VENV)/bin/mypy rp_engine
 
-test: lint aio
-	$(VENV)/bin/pytest -q -ra --durations=15
-	$(MAKE) test-avx2
+# The native ops build in the background while lint and the first tests run (tests/support/
+# prebuild.py: each test that needs one waits for it); then the suite, then the AVX2 leg.
+PREBUILD := $(abspath .prebuild)
+test: $(VENV)/.installed
+	@rm -rf $(PREBUILD) && mkdir -p $(PREBUILD)
+	@( $(MAKE) --no-print-directory aio > $(PREBUILD)/aio.log 2>&1; echo $$? > $(PREBUILD)/aio.done ) &
+	@( $(PY) tests/support/avx2_cpu_adam.py --build-only > $(PREBUILD)/avx2.log 2>&1; \
+		echo $$? > $(PREBUILD)/avx2.done ) &
+	$(MAKE) --no-print-directory lint
+	RP_TESTS_PREBUILD=$(PREBUILD) $(VENV)/bin/pytest -q -ra --durations=15
+	RP_TESTS_PREBUILD=$(PREBUILD) $(PY) tests/support/prebuild.py wait aio avx2
+	@cat $(PREBUILD)/aio.log
+	$(MAKE) --no-print-directory test-avx2
 
 # DeepSpeed's CPU Adam and torch's kernels as on an AVX2 machine (no AVX-512), also on one that
 # has AVX-512: the tests that compare the engine's weights with plain PyTorch's must hold on

@@ -44,7 +44,13 @@ SIMD = "-D__AVX256__"
 # The AVX2 + FMA level of every AVX2 x86 CPU (Haswell, Zen 1-3), without AVX-512: the ISA the
 # kernel's scalar tails are compiled for on such a machine, whatever -march=native names it.
 ARCH = "-march=x86-64-v3"
-DEFAULT_DIR = Path.home() / ".cache" / "rp_engine" / "torch_extensions_avx2"
+# Beside the native build's cache (``<TORCH_EXTENSIONS_DIR>_avx2``): a run with its own cache
+# (a from-scratch timing of `make test`) builds its own AVX2 variant too.
+_NATIVE_DIR = Path(
+    os.environ.get("TORCH_EXTENSIONS_DIR")
+    or Path.home() / ".cache" / "rp_engine" / "torch_extensions"
+)
+DEFAULT_DIR = _NATIVE_DIR.with_name(_NATIVE_DIR.name + "_avx2")
 _TARGET = "deepspeed.ops.op_builder.builder"
 # What an AVX2 machine's torch runs: ATen's CPU dispatch, oneDNN and MKL capped at AVX2.
 TORCH_AVX2_ENV = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import prebuild
 import pytest
 import torch
 from engine_helpers import engine_for
@@ -124,7 +125,9 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 def aio_engine() -> str:
-    """ "aio", or a skip saying why DeepSpeed's aio op cannot run here."""
+    """ "aio", or a skip saying why DeepSpeed's aio op cannot run here (after its background
+    build under `make test` ended: tests/support/prebuild.py)."""
+    prebuild.wait("aio")
     if not aio_op_built():
         pytest.skip(
             "DeepSpeed's aio op is not built here (needs libaio-dev; `make aio` builds it "

@@ -6,6 +6,7 @@ import errno
 import os
 import time
 
+import prebuild
 import pytest
 import torch
 
@@ -46,6 +47,7 @@ def test_thread_engine_reads_back_what_it_wrote(tmp_path) -> None:
 
 
 def test_aio_engine_reads_back_what_it_wrote(tmp_path) -> None:
+    prebuild.wait("aio")  # `make test` builds it beside the first tests
     if not aio_op_built():
         pytest.skip("DeepSpeed's aio op is not built here (needs libaio-dev; make aio)")
     SwapFile(str(tmp_path), "f.swp", 8 * ALIGN)
