@@ -9,6 +9,7 @@ parameters are shared, never copied.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "batch_to_dict",
     "grad_key",
     "grad_keys",
+    "structural_copy",
     "writable",
 ]
 
@@ -204,3 +206,22 @@ def _named(tensors: Iterator[Any], names: dict[int, str], what: str) -> list[tup
             raise ValueError(f"a {what} of shape {tuple(t.shape)} is not part of the root model")
         out.append((name, t))
     return out
+
+
+def structural_copy(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    """A copy of ``module``'s tree in which every submodule is ``copy.copy``-ed with its own
+    ``_parameters`` / ``_buffers`` / ``_modules`` dicts holding the same tensors: assigning into
+    the copy leaves the original untouched, and nothing is copied but the containers. ``memo``
+    (id of an original -> its copy) keeps a submodule reused in two places one object; an entry
+    put there beforehand replaces that submodule in the copy (hf_capture's stand-ins)."""
+    if id(module) in memo:
+        return memo[id(module)]
+    clone = copy.copy(module)
+    memo[id(module)] = clone
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    clone._modules = {
+        name: (None if child is None else structural_copy(child, memo))
+        for name, child in module._modules.items()
+    }
+    return clone

@@ -6,7 +6,7 @@ OPT's ``project_in``, embedding layer norms, the extended attention mask of an e
 passes its blocks different arguments. Rather than rewrite each family's prefix, the prefix runs
 the family's own forward on a *shell* of the model:
 
-    shell   a structural copy of the model (model/replica-style: the user's parameters, never
+    shell   a structural copy of the model (base.structural_copy: the user's parameters, never
             copied) whose blocks are recorders and whose head modules are stubs that must not run
     prefix  calls the shell with the batch's inputs; recorder i notes the arguments block i is
             called with and passes its hidden input on; the last one stops the forward (the final
@@ -28,7 +28,6 @@ batch is checked against ``model(**batch).loss`` (``check_first_batch``) before 
 
 from __future__ import annotations
 
-import copy
 import inspect
 import threading
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rp_engine.model.base import State
+from rp_engine.model.base import State, structural_copy
 
 __all__ = ["CapturedBlock", "CapturedPrefix", "Template", "resolve", "submodule"]
 
@@ -158,24 +157,6 @@ class _Unreached(nn.Module):
         )
 
 
-def _shell(model: nn.Module, memo: dict[int, nn.Module], swaps: dict[int, nn.Module]) -> nn.Module:
-    """A structural copy of ``model`` (own ``_parameters``/``_buffers``/``_modules`` dicts, the
-    same tensors) in which each module whose id is in ``swaps`` is replaced by its stand-in."""
-    if id(model) in swaps:
-        return swaps[id(model)]
-    if id(model) in memo:
-        return memo[id(model)]
-    clone = copy.copy(model)
-    memo[id(model)] = clone
-    clone._parameters = dict(model._parameters)
-    clone._buffers = dict(model._buffers)
-    clone._modules = {
-        name: None if child is None else _shell(child, memo, swaps)
-        for name, child in model._modules.items()
-    }
-    return clone
-
-
 class CapturedPrefix(nn.Module):
     """batch -> state: {"hidden", "ctx.<j>"..., "ctx.calls", "labels"[, "num_items_in_batch"]}.
 
@@ -197,7 +178,7 @@ class CapturedPrefix(nn.Module):
         }
         for path, module in head_modules:
             swaps.setdefault(id(module), _Unreached(path))
-        self.shell = _shell(model, {}, swaps)
+        self.shell = structural_copy(model, dict(swaps))  # the stand-ins replace theirs
         self.num_blocks = n
         forward = inspect.signature(model.forward).parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in forward.values())

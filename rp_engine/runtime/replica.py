@@ -10,10 +10,10 @@ of micro-batch m+1 on one device while the backward of m runs on another).
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
+
+from rp_engine.model.base import structural_copy
 
 __all__ = ["Replica"]
 
@@ -23,7 +23,7 @@ class Replica:
 
     def __init__(self, module: nn.Module) -> None:
         memo: dict[int, nn.Module] = {}
-        self.module = _structural_copy(module, memo)
+        self.module = structural_copy(module, memo)
         # (replica submodule, attribute, host tensor) for every slot; a tied tensor reached under
         # several names appears in several slots with the same host tensor.
         self._param_slots = _slots(module, memo, "_parameters")
@@ -61,20 +61,6 @@ class Replica:
             owner._parameters[attr] = None
         for owner, attr, _ in self._buffer_slots:
             owner._buffers[attr] = None
-
-
-def _structural_copy(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
-    if id(module) in memo:  # a submodule reused in two places stays one object
-        return memo[id(module)]
-    clone = copy.copy(module)
-    memo[id(module)] = clone
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    clone._modules = {
-        name: (None if child is None else _structural_copy(child, memo))
-        for name, child in module._modules.items()
-    }
-    return clone
 
 
 def _slots(
