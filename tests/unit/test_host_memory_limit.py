@@ -144,3 +144,24 @@ def test_no_cgroup_files_and_no_proc(tmp_path: Path) -> None:
 def test_this_host_reads_without_error() -> None:
     found = ml.host_memory()
     assert found.available > 0 and any(lim.source == "host MemAvailable" for lim in found.limits)
+
+
+# --- the preflight holds a run to the limit that binds ----------------------------------------
+def test_the_budget_binds_the_initialize_preflight_and_is_named() -> None:
+    import torch
+
+    from rp_engine.config import load_config
+    from rp_engine.host_preflight import PreflightError, check_initialize
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    base = {"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    check_initialize(model, load_config(base))  # 2 MiB of state: fits this host
+    # a budget below the process's resident memory leaves nothing: refused, the key named
+    tight = load_config({**base, "roundpipe": {"host_memory_gb": 0.001}})
+    with pytest.raises(PreflightError) as err:
+        check_initialize(model, tight)
+    text = str(err.value)
+    assert f"the limit that binds: 0.0 MiB available under {ml.BUDGET_KEY}" in text
+    assert "fp32 masters" in text and f"raise {ml.BUDGET_KEY}" in text
+    off = load_config({**base, "roundpipe": {"host_memory_gb": 0.001, "host_preflight": False}})
+    check_initialize(model, off)
