@@ -116,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def advise_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    bound = ""  # the limit that binds, with --host-ram-gb here
     try:
         shape = load_shape(args.model)
         machine = load_machine(args.machine)
@@ -133,7 +134,8 @@ def advise_main(argv: list[str]) -> int:
             clipping=not args.no_clipping, lora=args.lora, top=args.top, finalists=args.top,
         )  # fmt: skip
     except (AdviceError, ValueError) as e:
-        print(f"python -m rp_engine.plan advise: error: {e}", file=sys.stderr)
+        where = f" ({bound})" if bound else ""
+        print(f"python -m rp_engine.plan advise: error: {e}{where}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([a.to_json() for a in found], indent=1))
