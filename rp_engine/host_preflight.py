@@ -26,6 +26,14 @@ Not counted: activations and the CPU virtual devices' stage copies (host memory 
 depend on the plan; so passing the preflight is necessary, not sufficient.
 ``roundpipe.host_preflight: false`` skips the check.
 
+"Available" is what the limit that binds leaves (host/memory_limit.py): the smallest of the
+process's cgroup limits (v2 ``memory.max`` / ``memory.high`` up the hierarchy, v1
+``memory.limit_in_bytes``) less the group's working set, ``RLIMIT_AS`` less the address space,
+``roundpipe.host_memory_gb`` less the resident memory, and the host's ``MemAvailable``
+(``available_bytes``, the seam tests patch). A refusal names that limit and where it comes from.
+Both checks run before the engine writes anything: ``check_initialize`` first thing in
+``initialize``, ``check_tiers`` before any NVMe tier creates its swap files.
+
 With the tiers, ``check_tiers`` (called by the engine once the model is cut into layers, before
 any tier allocates) predicts the run's whole host RAM from its largest layers, its pools and its
 devices (plan/host_ram.py), logs it, and refuses a run whose need beyond what the process holds
@@ -42,6 +50,7 @@ import torch
 from torch import nn
 
 from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
+from rp_engine.host.memory_limit import BUDGET_KEY, HostMemory, Limit, host_memory
 from rp_engine.host.units import format_mib_gib
 from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, tier_host_ram
 
@@ -54,6 +63,8 @@ __all__ = [
     "check_initialize",
     "check_tiers",
     "available_bytes",
+    "memory_for",
+    "limit_lines",
 ]
 
 
@@ -62,10 +73,43 @@ class PreflightError(RuntimeError):
 
 
 def available_bytes() -> int:
-    """Host memory the OS can give without swapping (psutil's ``available``)."""
+    """Host memory the OS can give without swapping (psutil's ``available``), before any
+    cgroup, rlimit or budget (``memory_for`` applies those)."""
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def memory_for(cfg: Any = None, *, available: int | None = None) -> HostMemory:
+    """The limit that binds a run of ``cfg`` (a DSConfig; None: no budget): host/memory_limit.py
+    with ``roundpipe.host_memory_gb`` as the budget. ``available``: the caller's figure instead
+    of every limit (tests)."""
+    if available is not None:
+        return HostMemory((Limit("the available memory given to the check", available, 0),))
+    gb = cfg.roundpipe.host_memory_gb if cfg is not None else None
+    budget = None if gb is None else int(gb * 2**30)
+    return host_memory(budget_bytes=budget, host_available=available_bytes())
+
+
+def limit_lines(memory: HostMemory) -> str:
+    """The limit that binds, and how to change it, for a refusal."""
+    lines = [f"the limit that binds: {memory.describe(format_mib_gib)}"]
+    others = [lim for lim in memory.limits if lim is not memory.binding]
+    if others:
+        lines.append(
+            "other limits: "
+            + "; ".join(f"{lim.source}: {format_mib_gib(lim.available)} left" for lim in others)
+        )
+    source = memory.source
+    if source.startswith("cgroup"):
+        lines.append(
+            "(a container's or job's memory limit: Docker --memory, a Kubernetes "
+            "resources.limits.memory, Slurm --mem; past it the kernel kills the run without a "
+            "message)"
+        )
+    elif source == BUDGET_KEY:
+        lines.append(f"(your budget: raise {BUDGET_KEY} if the machine has more)")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -147,7 +191,8 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
     )  # fmt: skip
     if not rp.host_preflight:
         return need
-    free = available_bytes() if available is None else available
+    memory = memory_for(cfg, available=available)
+    free = memory.available
     if need.total > free:
         fixes = [
             "train a LoRA adapter (peft: only the adapters get masters, gradients and moments)",
@@ -161,12 +206,17 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
                          "only if memory allows)")  # fmt: skip
         if need.cast:
             fixes.append("bf16.enabled (the model is cast to a wider dtype)")
-        fixes.append("a host with more memory, or roundpipe.host_preflight false to try anyway")
+        fixes.append(
+            "a higher memory limit (the container's, the job's or roundpipe.host_memory_gb), a "
+            "host with more memory, or roundpipe.host_preflight false to try anyway"
+        )
         raise PreflightError(
             f"rp_engine.initialize: training this model needs about {format_mib_gib(need.total)} more host "
             f"memory ({need.trainable:,} trainable parameters) but {format_mib_gib(free)} is available, so "
             "the run would be killed by the OOM killer:\n"
             + "\n".join(need.lines())
+            + "\n"
+            + limit_lines(memory)
             + "\nto fit: "
             + "; ".join(fixes)
         )
@@ -234,17 +284,23 @@ def check_tiers(
         return need
     held = need.runtime + need.model
     more = need.peak - held
-    free = available_bytes() if available is None else available
+    memory = memory_for(cfg, available=available)
+    free = memory.available
     if more > free:
         raise PreflightError(
             f"rp_engine.initialize: with the NVMe tiers this run needs about "
             f"{format_mib_gib(need.peak)} of host RAM, {format_mib_gib(held)} of it in use already "
             f"(the runtime and your model): {format_mib_gib(more)} more, but "
-            f"{format_mib_gib(free)} is available:\n" + "\n".join(need.lines()) + "\nto fit: "
+            f"{format_mib_gib(free)} is available:\n"
+            + "\n".join(need.lines())
+            + "\n"
+            + limit_lines(memory)
+            + "\nto fit: "
             "fewer buffers (zero_optimization.offload_optimizer.buffer_count, "
             "roundpipe.grad_buffers, offload_param.buffer_count), offload_param "
-            '{"device": "nvme"} for the compute weights, a smaller roundpipe.device_memory_gb '
-            "on CPU devices, a host with more memory, or roundpipe.host_preflight false to try "
-            "anyway"
+            '{"device": "nvme"} for the compute weights, fewer or smaller CPU devices '
+            "(roundpipe.devices, roundpipe.device_memory_gb), a LoRA adapter (peft), a higher "
+            "memory limit (the container's, the job's or roundpipe.host_memory_gb), a host with "
+            "more memory, or roundpipe.host_preflight false to try anyway"
         )
     return need

@@ -325,6 +325,10 @@ class RoundPipeConfig:
     )
     # initialize refuses a model whose host state would not fit in available memory
     host_preflight: bool = True
+    # host memory this run may use, in GiB (null: no budget): the preflight holds the run to the
+    # smallest of this, the cgroup's limit, RLIMIT_AS and the host's free memory
+    # (host/memory_limit.py), counted against the process's resident memory
+    host_memory_gb: float | None = field(default=None, metadata=_m(gt=0))
     # DeepSpeed's CPU Adam kernel called without the GIL, so the pipeline threads issue work
     # while it runs (bit-identical; optim/nogil_adam.py); false: through DeepSpeed's binding,
     # which holds the GIL for each slice

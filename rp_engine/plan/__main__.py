@@ -1,14 +1,17 @@
 """``python -m rp_engine.plan SUBCOMMAND``: the plan package's command lines.
 
     python -m rp_engine.plan advise --model qwen3-1.7b [--machine rtx4090_pcie4_8x]
-        [--devices N] [--seq-len S] [--micro-batch B] [--tokens-per-step T] [--host-ram-gb G]
+        [--devices N] [--seq-len S] [--micro-batch B] [--tokens-per-step T] [--host-ram-gb G|here]
         [--nvme-gbps X] [--sync] [--no-clipping] [--lora R] [--top K]
         [--write ds_config.json] [--json]
     python -m rp_engine.plan simulate ...   # the same as python -m rp_engine.plan.simulate
 
 ``--model``: a preset name (``MODEL_PRESETS``: the projection's four shapes and rp-train's
-presets), a Hugging Face model folder (its config.json) or a config.json path. Exit status 2
-with a message naming the bad input and the fix.
+presets), a Hugging Face model folder (its config.json) or a config.json path.
+``--host-ram-gb here``: the memory this host leaves a run now, under the limit that binds
+(rp_engine/host/memory_limit.py: the cgroup's ``memory.max`` / ``memory.high`` /
+``memory.limit_in_bytes``, ``RLIMIT_AS`` or ``MemAvailable``), printed with its source. Exit
+status 2 with a message naming the bad input and the fix.
 """
 
 from __future__ import annotations
@@ -62,6 +65,26 @@ def load_shape(model: str) -> Shape:
     )
 
 
+def host_ram_bytes(value: str | None) -> tuple[int | None, str]:
+    """``--host-ram-gb``: (bytes or None for unlimited, a line naming the limit that binds when
+    read from this host, else ""). Raises ValueError naming the input."""
+    if value is None:
+        return None, ""
+    if value == "here":
+        from rp_engine.host.memory_limit import host_memory
+        from rp_engine.host.units import format_mib_gib
+
+        memory = host_memory()
+        return memory.available, f"host RAM: {memory.describe(format_mib_gib)}"
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = float("nan")
+    if not gb > 0:
+        raise ValueError(f"--host-ram-gb {value}: give a positive number of GiB, or 'here'")
+    return int(gb * 2**30), ""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rp_engine.plan advise",
@@ -74,7 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     a("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
     a("--micro-batch", type=int, help="sequences per micro-batch (default: searched)")
     a("--tokens-per-step", type=int, help="tokens per optimizer step (default: searched)")
-    a("--host-ram-gb", type=float, help="host RAM (default: unlimited; the NVMe tier when short)")
+    a(
+        "--host-ram-gb",
+        help="host RAM in GiB, or 'here': what this host's binding limit (cgroup, "
+        "RLIMIT_AS, free memory) leaves (default: unlimited; the NVMe tier when short)",
+    )
     a("--nvme-gbps", type=float, help="NVMe bandwidth (default: the machine's nvme_read_gbps)")
     a("--nvme", action="store_true", help="always use the NVMe optimizer tier")
     a("--nvme-path", default="/local_nvme", help="nvme_path written in the config")
@@ -89,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def advise_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    bound = ""  # the limit that binds, with --host-ram-gb here
     try:
         shape = load_shape(args.model)
         machine = load_machine(args.machine)
@@ -98,7 +126,7 @@ def advise_main(argv: list[str]) -> int:
             machine = dataclasses.replace(machine, num_devices=args.devices)
         if args.top < 1:
             raise ValueError(f"--top {args.top}: must be >= 1")
-        host_ram = int(args.host_ram_gb * 2**30) if args.host_ram_gb is not None else None
+        host_ram, bound = host_ram_bytes(args.host_ram_gb)
         found = advise(
             shape, machine, host_ram_bytes=host_ram, nvme=True if args.nvme else None,
             nvme_gbps=args.nvme_gbps, seq_len=args.seq_len, micro_batch=args.micro_batch,
@@ -106,12 +134,15 @@ def advise_main(argv: list[str]) -> int:
             clipping=not args.no_clipping, lora=args.lora, top=args.top, finalists=args.top,
         )  # fmt: skip
     except (AdviceError, ValueError) as e:
-        print(f"python -m rp_engine.plan advise: error: {e}", file=sys.stderr)
+        where = f" ({bound})" if bound else ""
+        print(f"python -m rp_engine.plan advise: error: {e}{where}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([a.to_json() for a in found], indent=1))
     else:
         print(format_table(found))
+        if bound:
+            print(bound)
     if args.write:
         Path(args.write).write_text(
             json.dumps(found[0].ds_config(nvme_path=args.nvme_path), indent=2) + "\n"

@@ -109,9 +109,9 @@ class _Job:
             cpu_devices=_cpu_devices(cfg.roundpipe.devices),
         )  # fmt: skip
         if args.plan:
-            return self._plan(counts, host, shape, raw)
+            return self._plan(counts, host, shape, raw, cfg)
         if not args.no_preflight:
-            preflight.check_host(host)
+            preflight.check_host(host, cfg=cfg)
             budget = _device_budget(cfg)
             if budget is not None:
                 preflight.check_device(
@@ -187,7 +187,9 @@ class _Job:
         return make(args.out, name)  # type: ignore[no-any-return]
 
     # --- plan preview -----------------------------------------------------------------------------
-    def _plan(self, counts: Any, host: Any, shape: Any, raw: dict[str, Any]) -> int:
+    def _plan(
+        self, counts: Any, host: Any, shape: Any, raw: dict[str, Any], cfg: Any = None
+    ) -> int:
         """The advisor's table for this model on --machine; the best configuration becomes
         <run folder>/ds_config.json (the job's optimizer and scheduler kept), plan.json and
         plan.png (its simulated Gantt)."""
@@ -215,8 +217,9 @@ class _Job:
             async_optimizer=raw.get("roundpipe", {}).get("async_optimizer", True),
             clipping=float(raw.get("gradient_clipping", 1.0) or 0) > 0,
         )  # fmt: skip
-        available = preflight.available_bytes()
-        print(preflight.format_plan(summary, host, available, found))
+        memory = preflight.memory_for(cfg)  # the limit that binds (host_preflight.py)
+        print(preflight.format_plan(summary, host, memory.available, found))
+        print(f"  bound by {memory.source}")
         best = found[0].ds_config()
         for key in ("optimizer", "scheduler"):  # the job's own, "auto" values filled
             if key in raw:

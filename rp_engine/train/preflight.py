@@ -22,7 +22,7 @@ from torch import nn
 
 # the error and the two helpers initialize's own check uses too (host_preflight.py, one layer down)
 from rp_engine.host.units import format_mib_gib
-from rp_engine.host_preflight import PreflightError, available_bytes
+from rp_engine.host_preflight import PreflightError, limit_lines, memory_for
 
 __all__ = [
     "PreflightError",
@@ -108,22 +108,26 @@ def estimate_host(
     return HostEstimate(weights, state, acts, copies)
 
 
-def check_host(estimate: HostEstimate, available: int | None = None) -> int:
-    """Raise PreflightError when the estimate exceeds available host memory (psutil); returns
-    the available bytes."""
-    if available is None:
-        available = available_bytes()
-    if estimate.total > available:
+def check_host(estimate: HostEstimate, available: int | None = None, cfg: Any = None) -> int:
+    """Raise PreflightError when the estimate exceeds what the limit that binds leaves (the
+    cgroup's, RLIMIT_AS, ``cfg``'s roundpipe.host_memory_gb or the host's free memory:
+    host_preflight.memory_for; ``available``: that figure given instead); returns the
+    available bytes."""
+    memory = memory_for(cfg, available=available)
+    if estimate.total > memory.available:
         raise PreflightError(
-            f"this run needs about {format_mib_gib(estimate.total)} of host memory but {format_mib_gib(available)} "
-            "is available:\n"
+            f"this run needs about {format_mib_gib(estimate.total)} of host memory but "
+            f"{format_mib_gib(memory.available)} is available:\n"
             + "\n".join(estimate.lines())
+            + "\n"
+            + limit_lines(memory)
             + "\nto fit: train a LoRA adapter (--lora 8,16: no optimizer state for the base "
             "weights), use bf16 (the config's bf16.enabled), a shorter --seq-len, fewer "
             "micro-batches (train_micro_batch_size_per_gpu / gradient_accumulation_steps), a "
-            "smaller --model, or --no-preflight to try anyway"
+            "smaller --model, a higher memory limit (the container's, the job's or "
+            "roundpipe.host_memory_gb), or --no-preflight to try anyway"
         )
-    return available
+    return memory.available
 
 
 def check_device(

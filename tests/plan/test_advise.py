@@ -229,3 +229,25 @@ def test_the_simulation_runs_the_machines_own_compute_times() -> None:
     assert best.sim.busy_ms == pytest.approx(per_iteration, rel=1e-6)
     assert best.iteration_ms >= per_iteration / machine.num_devices
     assert best.tokens_per_s <= _compute_ceiling(best, machine)  # 257k was above it
+
+
+def test_host_ram_here_plans_for_the_limit_that_binds(monkeypatch, capsys) -> None:
+    """``--host-ram-gb here``: the advisor plans for what this host's binding limit
+    (rp_engine/host/memory_limit.py) leaves, and names it."""
+    from rp_engine.host import memory_limit as ml
+    from rp_engine.plan.__main__ import main
+
+    def limited(available: int):
+        source = "cgroup v2 memory.max at /sys/fs/cgroup/job"
+        return lambda **_: ml.HostMemory((ml.Limit(source, available, 0),))
+
+    monkeypatch.setattr(ml, "host_memory", limited(2**20))  # 1 MiB: nothing fits
+    argv = ["advise", "--model", "qwen3-0.6b", "--top", "1", "--host-ram-gb", "here"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "host_ram is 1.0 MiB" in err and "cgroup v2 memory.max at /sys/fs/cgroup/job" in err
+    monkeypatch.setattr(ml, "host_memory", limited(64 * 2**30))
+    assert main(argv) == 0
+    assert "host RAM: 64.00 GiB available under cgroup v2 memory.max" in capsys.readouterr().out
+    assert main([*argv[:-1], "-2"]) == 2
+    assert "--host-ram-gb -2" in capsys.readouterr().err

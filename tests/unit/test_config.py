@@ -729,6 +729,8 @@ def test_roundpipe_fields():
         ({"fwd_cuts": [2, 2], "bwd_cuts": [1, 2]}, ["fwd_cuts (sum 4)", "bwd_cuts (sum 3)"]),
         ({"head_chunk_tokens": 0}, ["roundpipe.head_chunk_tokens", "> 0"]),
         ({"device_memory_gb": -1}, ["roundpipe.device_memory_gb"]),
+        ({"host_memory_gb": 0}, ["roundpipe.host_memory_gb", "> 0"]),
+        ({"host_memory_gb": "8G"}, ["roundpipe.host_memory_gb", "a number"]),
         ({"async_optimizer": "no"}, ["roundpipe.async_optimizer"]),
     ],
 )

@@ -59,7 +59,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 HOST_CONSTANTS = frozenset({"rp_engine.host.units", "rp_engine.host.defaults"})  # stdlib only
 ONLY: Mapping[str, frozenset[str]] = {
     "host": frozenset(),
-    "plan": HOST_CONSTANTS,
+    # and the host's memory limit (stdlib only): the advisor's --host-ram-gb here
+    "plan": HOST_CONSTANTS | {"rp_engine.host.memory_limit"},
     "config": frozenset({"rp_engine.plan.schedules"}) | HOST_CONSTANTS,
     "device": frozenset(),
 }
