@@ -43,6 +43,7 @@ already (the runtime and the user's model) exceeds the available memory, with bo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +53,13 @@ from torch import nn
 from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
 from rp_engine.host.memory_limit import BUDGET_KEY, HostMemory, Limit, host_memory
 from rp_engine.host.units import format_mib_gib
-from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, tier_host_ram
+from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, PoolCounts, fit_pools, tier_host_ram
 
 log = logging.getLogger("rp_engine")
 
 __all__ = [
+    "TierFit",
+    "wanted_counts",
     "PreflightError",
     "HostNeed",
     "host_need",
@@ -225,9 +228,33 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
 
 def tier_need(
     store: Any, cfg: Any, *, devices: int, grad_buffers: int, weight_copies: int,
-    device_bytes: int = 0, cpu_devices: bool = False,
+    device_bytes: int = 0, cpu_devices: bool = False, counts: PoolCounts | None = None,
 ) -> HostRam:  # fmt: skip
-    """The host RAM of ``store``'s layers trained with ``cfg``'s tiers (plan/host_ram.py)."""
+    """The host RAM of ``store``'s layers trained with ``cfg``'s tiers (plan/host_ram.py), with
+    the pools of ``counts`` (None: what ``cfg`` and ``grad_buffers`` ask for)."""
+    return _need_of(
+        store, cfg, devices=devices, weight_copies=weight_copies, device_bytes=device_bytes,
+        cpu_devices=cpu_devices,
+    )(counts or wanted_counts(cfg, grad_buffers))  # fmt: skip
+
+
+def wanted_counts(cfg: Any, grad_buffers: int) -> PoolCounts:
+    """The pools' buffers ``cfg`` asks for (its buffer counts, DeepSpeed's defaults)."""
+    zero = cfg.zero
+    return PoolCounts(
+        optimizer=(
+            zero.offload_optimizer.buffer_count if zero.offload_optimizer else OPTIMIZER_BUFFERS
+        ),
+        grad=grad_buffers,
+        param=zero.offload_param.buffer_count if zero.offload_param else PARAM_BUFFERS,
+    )
+
+
+def _need_of(
+    store: Any, cfg: Any, *, devices: int, weight_copies: int, device_bytes: int,
+    cpu_devices: bool,
+) -> Callable[[PoolCounts], HostRam]:  # fmt: skip
+    """counts -> the run's host RAM: the store's layers read once, the pools left to vary."""
     from rp_engine.model.batches import compute_dtype
 
     users = store.param_users()
@@ -241,24 +268,29 @@ def tier_need(
         p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params.values()
     }
     runtime = max(RUNTIME_BYTES, process_rss() - sum(storages.values()))
-    return tier_host_ram(
-        layer_params=[n + (shared if i == 0 else 0) for i, n in enumerate(own)],
-        layer_trainable=[sum(hp.master.numel() for hp in layer.owned) for layer in store.layers],
-        dtype_bytes=torch.empty(0, dtype=compute_dtype(cfg)).element_size(),
-        devices=devices,
-        optimizer_tier=zero.offload_optimizer_device == "nvme",
-        param_tier=zero.offload_param_device == "nvme",
-        grad_buffers=grad_buffers,
-        optimizer_buffers=(
-            zero.offload_optimizer.buffer_count if zero.offload_optimizer else OPTIMIZER_BUFFERS
-        ),
-        param_buffers=zero.offload_param.buffer_count if zero.offload_param else PARAM_BUFFERS,
-        weight_copies=weight_copies,
-        shared_params=shared,
-        device_bytes=device_bytes,
-        cpu_devices=cpu_devices,
-        runtime_bytes=runtime,
-    )
+    layer_params = [n + (shared if i == 0 else 0) for i, n in enumerate(own)]
+    layer_trainable = [sum(hp.master.numel() for hp in layer.owned) for layer in store.layers]
+    dtype_bytes = torch.empty(0, dtype=compute_dtype(cfg)).element_size()
+
+    def need(counts: PoolCounts) -> HostRam:
+        return tier_host_ram(
+            layer_params=layer_params,
+            layer_trainable=layer_trainable,
+            dtype_bytes=dtype_bytes,
+            devices=devices,
+            optimizer_tier=zero.offload_optimizer_device == "nvme",
+            param_tier=zero.offload_param_device == "nvme",
+            grad_buffers=counts.grad,
+            optimizer_buffers=counts.optimizer,
+            param_buffers=counts.param,
+            weight_copies=weight_copies,
+            shared_params=shared,
+            device_bytes=device_bytes,
+            cpu_devices=cpu_devices,
+            runtime_bytes=runtime,
+        )
+
+    return need
 
 
 def process_rss() -> int:
@@ -268,39 +300,69 @@ def process_rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+@dataclass(frozen=True)
+class TierFit:
+    """What ``check_tiers`` found: the pools the run gets (``counts``, the config's or fewer
+    to fit the limit that binds), their predicted host RAM (``need``) and the least host RAM
+    the run can work with, every pool at its fewest buffers (``least``)."""
+
+    counts: PoolCounts
+    need: HostRam
+    least: HostRam
+
+
 def check_tiers(
     store: Any, cfg: Any, *, devices: int, grad_buffers: int, weight_copies: int,
     device_bytes: int = 0, cpu_devices: bool = False, available: int | None = None,
-) -> HostRam:  # fmt: skip
-    """With a tier on NVMe: log the run's predicted host RAM and raise ``PreflightError`` when
-    what it needs beyond the runtime and the model (which exist already) exceeds the available
-    memory (unless ``roundpipe.host_preflight`` is false). Returns the prediction."""
-    need = tier_need(
-        store, cfg, devices=devices, grad_buffers=grad_buffers, weight_copies=weight_copies,
-        device_bytes=device_bytes, cpu_devices=cpu_devices,
+) -> TierFit:  # fmt: skip
+    """With a tier on NVMe: fit the pools to the limit that binds (``fit_pools``: fewer
+    buffers, a warning saying so), log the run's predicted host RAM, and raise
+    ``PreflightError`` when even the fewest buffers need more beyond the runtime and the model
+    (which exist already) than the limit leaves (unless ``roundpipe.host_preflight`` is
+    false: then the config's pools, unchecked)."""
+    need_of = _need_of(
+        store, cfg, devices=devices, weight_copies=weight_copies, device_bytes=device_bytes,
+        cpu_devices=cpu_devices,
     )  # fmt: skip
-    log.info("host RAM with the NVMe tiers (predicted):\n%s", "\n".join(need.lines()))
+    wanted = wanted_counts(cfg, grad_buffers)
+    fewest = PoolCounts.fewest(devices, grad_tier=grad_buffers > 0)
+    least = need_of(fewest)
     if not cfg.roundpipe.host_preflight:
-        return need
-    held = need.runtime + need.model
-    more = need.peak - held
+        need = need_of(wanted)
+        log.info("host RAM with the NVMe tiers (predicted):\n%s", "\n".join(need.lines()))
+        return TierFit(wanted, need, least)
     memory = memory_for(cfg, available=available)
     free = memory.available
+    held = least.runtime + least.model
+    counts, need = fit_pools(held + free, wanted, fewest, need_of)
+    if counts != wanted:
+        log.warning(
+            "host RAM: the NVMe pools shrink to fit %s: %s (fewer reads ahead and more waits "
+            "for write-backs: speed, never results)",
+            memory.describe(format_mib_gib),
+            ", ".join(
+                f"{name} {getattr(wanted, name)} -> {getattr(counts, name)} buffers"
+                for name in ("optimizer", "grad", "param")
+                if getattr(wanted, name) != getattr(counts, name)
+            ),
+        )
+    log.info("host RAM with the NVMe tiers (predicted):\n%s", "\n".join(need.lines()))
+    more = need.peak - held
     if more > free:
         raise PreflightError(
             f"rp_engine.initialize: with the NVMe tiers this run needs about "
             f"{format_mib_gib(need.peak)} of host RAM, {format_mib_gib(held)} of it in use already "
             f"(the runtime and your model): {format_mib_gib(more)} more, but "
-            f"{format_mib_gib(free)} is available:\n"
+            f"{format_mib_gib(free)} is available, with every pool at its fewest buffers (the "
+            f"least this run can work with: {format_mib_gib(least.peak)}):\n"
             + "\n".join(need.lines())
             + "\n"
             + limit_lines(memory)
             + "\nto fit: "
-            "fewer buffers (zero_optimization.offload_optimizer.buffer_count, "
-            "roundpipe.grad_buffers, offload_param.buffer_count), offload_param "
+            "offload_param "
             '{"device": "nvme"} for the compute weights, fewer or smaller CPU devices '
             "(roundpipe.devices, roundpipe.device_memory_gb), a LoRA adapter (peft), a higher "
             "memory limit (the container's, the job's or roundpipe.host_memory_gb), a host with "
             "more memory, or roundpipe.host_preflight false to try anyway"
         )
-    return need
+    return TierFit(counts, need, least)

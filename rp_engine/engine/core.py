@@ -55,7 +55,7 @@ from rp_engine.engine.progress import (
 )
 from rp_engine.engine.record import StepRecord
 from rp_engine.host.affinity import available_cores, pin_pipeline, pin_process, split_cores
-from rp_engine.host_preflight import check_tiers
+from rp_engine.host_preflight import TierFit, check_tiers
 from rp_engine.model.batches import BatchAdapter, compute_dtype
 from rp_engine.model.host_store import HostStore
 from rp_engine.model.layers import LayerSequence, to_layers, uses_dropout
@@ -69,7 +69,7 @@ from rp_engine.optim.build import (
 )
 from rp_engine.optim.nonfinite import NonFiniteGuard
 from rp_engine.optim.stepper import OptimizerStepper, staleness_compensation
-from rp_engine.plan.host_ram import HostRam
+from rp_engine.plan.host_ram import HostRam, PoolCounts
 from rp_engine.plan.schedules import SCHEDULES
 from rp_engine.runtime.counters import StepCounters
 from rp_engine.runtime.executor import Executor, GradSink, RunResult, staging_pools
@@ -239,12 +239,18 @@ class RoundPipeEngine(DeepSpeedAccessors):
         # a sync-only schedule (the Mobius baseline) steps synchronously, as Mobius does
         async_mode = rp.async_optimizer and not SCHEDULES[rp.schedule].sync_only and trains
         self.host_ram: HostRam | None = None  # predicted with the tiers (host_preflight.py)
+        # the NVMe pools' buffers (the config's, or fewer to fit the limit that binds), their
+        # predicted host RAM and the least the run can work with
+        self.tier_fit: TierFit | None = None
+        counts: PoolCounts | None = None
         if wants_optimizer_tier(cfg) or wants_param_tier(cfg):
-            self.host_ram = check_tiers(
+            fit = check_tiers(
                 self.store, cfg, devices=len(self.pool), grad_buffers=grad_buffers,
                 weight_copies=2 if async_mode else 1,
                 device_bytes=budget or 0, cpu_devices=self.pool.kind == "cpu",
             )  # fmt: skip
+            self.tier_fit, self.host_ram, counts = fit, fit.need, fit.counts
+            grad_buffers = counts.grad
         self.host_optimizer = build_optimizer(
             cfg, self.store, model=model, client_optimizer=optimizer,
             model_parameters=model_parameters, device_kind=self.pool.kind,
@@ -255,6 +261,7 @@ class RoundPipeEngine(DeepSpeedAccessors):
             self.nvme_tier = build_optimizer_tier(
                 cfg, self.store, self.host_optimizer, rank=0,
                 data_parallel=dp_world() > 1,
+                buffer_count=counts.optimizer if counts else None,
             )  # fmt: skip
             self.store.pager = self.nvme_tier
         self.grad_tier: GradTier | None = None
@@ -331,8 +338,9 @@ class RoundPipeEngine(DeepSpeedAccessors):
         self.param_tier: ParamTier | None = None
         if paged_weights:  # compute weights on NVMe (storage/param_tier.py)
             self.param_tier = build_param_tier(
-                cfg, self.store, rank=0, data_parallel=dp_world() > 1
-            )
+                cfg, self.store, rank=0, data_parallel=dp_world() > 1,
+                buffer_count=counts.param if counts else None,
+            )  # fmt: skip
             self.store.allocate_shadows()  # the layers max_in_cpu keeps in RAM
         self.tiers = Tiers(self.nvme_tier, self.grad_tier, self.param_tier)
         self.planner = Planner(

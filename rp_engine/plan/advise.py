@@ -56,12 +56,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rp_engine.host.defaults import default_grad_buffers
+from rp_engine.host.units import format_mib_gib
 
 from . import schedules
 from .actions import Plan, format_bytes
 from .advice import NVME_BUFFERS, Advice, AdviceError, Grid, format_table
 from .costs import LayerCosts
-from .host_ram import HostRam, tier_host_ram
+from .host_ram import HostRam, PoolCounts, tier_host_ram
 from .lower import lower
 from .partition import (
     Partition,
@@ -150,19 +151,26 @@ class _Ctx:
         # the tier streams a layer's state through its buffers while CPU Adam steps another
         return max(self.adam_ms, self.disk_ms(tier))
 
-    def host_bytes(self, tier: str, acts: int) -> int:
+    def host_bytes(self, tier: str, acts: int, *, fewest: bool = False) -> int:
         """Host RAM of the run: bf16 weights of every parameter and the optimizer state of the
         trainable ones (host tier), or with the NVMe optimizer tier what host_ram.py counts
-        (the weights, the tier's and the gradient pool's buffers of a few layers, staging),
-        and the stashed activations ``acts``."""
+        (the weights, the tier's and the gradient pool's buffers of a few layers, staging;
+        ``fewest``: every pool at its fewest buffers), and the stashed activations ``acts``."""
         s = self.shape
         if tier == "host":
             return 2 * s.total_params + HOST_STATE_BYTES * s.trainable_params + acts
-        return self.tier_ram().peak + acts
+        return self.tier_ram(fewest=fewest).peak + acts
 
-    def tier_ram(self) -> HostRam:
-        """The host RAM with the NVMe optimizer tier, by part (host_ram.py)."""
+    def tier_ram(self, *, fewest: bool = False) -> HostRam:
+        """The host RAM with the NVMe optimizer tier, by part (host_ram.py); ``fewest``: with
+        every pool at its fewest buffers, the least the run can work with (host_preflight.py
+        shrinks the pools that far to fit a limit, and refuses below)."""
         s = self.shape
+        counts = (
+            PoolCounts.fewest(self.n, grad_tier=True)
+            if fewest
+            else PoolCounts(NVME_BUFFERS, default_grad_buffers(self.n), 0)
+        )
         per_layer = s.trainable_params // max(s.layers, 1)
         head = 0 if s.lora else s.head_params
         embed = 0 if s.tied else head
@@ -171,7 +179,7 @@ class _Ctx:
             + [s.layer_params] * s.layers + [s.head_params],
             layer_trainable=[embed] + [per_layer] * s.layers + [head],
             dtype_bytes=2, devices=self.n, optimizer_tier=True, param_tier=False,
-            grad_buffers=default_grad_buffers(self.n), optimizer_buffers=NVME_BUFFERS,
+            grad_buffers=counts.grad, optimizer_buffers=counts.optimizer,
             weight_copies=2 if self.async_opt else 1, device_bytes=self.budget or 0,
         )  # fmt: skip
 
@@ -187,6 +195,15 @@ class _Ctx:
         # keeps two iterations in flight
         boundary = self.layer_costs(mb).boundary_bytes
         return num_bwd * gas * boundary * (2 if self.async_opt else 1)
+
+
+def _tier_lines(ctx: _Ctx) -> tuple[str, ...]:
+    """Where the host RAM goes with the NVMe tier, and the least the run can work with."""
+    least = ctx.tier_ram(fewest=True).peak
+    return (
+        *ctx.tier_ram().lines(),
+        f"  {'least that can work (fewest buffers)':<38}{format_mib_gib(least)}",
+    )
 
 
 def _load_ms(costs: LayerCosts, part: Partition | tuple, n: int, m: int) -> float:
@@ -424,7 +441,7 @@ def _advice(ctx: _Ctx, p: _Point, part: Partition, sim: SimResult) -> Advice:
         device_peak_bytes=int(max(sim.peak_memory_bytes) + _context_bytes(ctx.machine)),
         device_budget_bytes=ctx.machine.memory_bytes,
         host_ram_bytes=ctx.host_bytes(p.tier, acts),
-        host_ram_lines=tuple(ctx.tier_ram().lines()) if p.tier == "nvme" else (),
+        host_ram_lines=_tier_lines(ctx) if p.tier == "nvme" else (),
         pcie_bytes_per_step=int(pcie / iters),
         nvme_bytes_per_step=ctx.nvme_bytes(p.tier),
         binds=binds,
@@ -736,7 +753,7 @@ def _nothing_fits(ctx: _Ctx, micro_batch: int | None, tokens_per_step: int | Non
             "micro_batch"
         )
     if ctx.host_ram is not None:
-        need = min(ctx.host_bytes(t, 0) for t in ("host", "nvme"))
+        need = min(ctx.host_bytes(t, 0, fewest=True) for t in ("host", "nvme"))
         if need > ctx.host_ram:
             return (
                 f"{s.name}: the host needs at least {format_bytes(need)} of RAM even with the "

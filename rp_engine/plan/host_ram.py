@@ -31,8 +31,8 @@ but the host room's constants (host/units.py, host/defaults.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
 from rp_engine.host.units import ALIGN, format_mib_gib
@@ -41,7 +41,9 @@ __all__ = [
     "RUNTIME_BYTES",
     "RUNTIME_GROWTH",
     "HostRam",
+    "PoolCounts",
     "PoolSizes",
+    "fit_pools",
     "size_classes",
     "tier_host_ram",
 ]
@@ -165,3 +167,44 @@ def tier_host_ram(
     if cpu_devices and device_bytes:
         parts.append(("CPU virtual devices", devices * device_bytes))
     return HostRam(tuple(parts), total * dtype_bytes, runtime_bytes)
+
+
+@dataclass(frozen=True)
+class PoolCounts:
+    """Buffers of the three tiers' pools: ``optimizer`` (offload_optimizer.buffer_count),
+    ``grad`` (roundpipe.grad_buffers; 0: no gradient tier), ``param``
+    (offload_param.buffer_count)."""
+
+    optimizer: int
+    grad: int
+    param: int
+
+    @staticmethod
+    def fewest(devices: int, *, grad_tier: bool) -> PoolCounts:
+        """The fewest buffers each pool can make progress with: 2 per record pool (one pinned
+        while another is read or written back), and for the gradient tier one per device's host
+        thread, the optimizer's and one to spare (storage/build.py's ``grad_buffer_count``)."""
+        return PoolCounts(2, devices + 2 if grad_tier else 0, 2)
+
+
+def fit_pools(
+    budget: int, wanted: PoolCounts, fewest: PoolCounts, need: Callable[[PoolCounts], HostRam]
+) -> tuple[PoolCounts, HostRam]:
+    """The pools a run of ``budget`` host bytes (its whole peak) gets: ``wanted`` when its
+    ``need(...).peak`` fits, else fewer buffers, one at a time from the pool whose buffer is
+    largest (the most bytes back per buffer given up), down to ``fewest``. Fewer buffers cost
+    speed (fewer reads ahead, more waits for write-backs), never a result: the tiers move the
+    same bytes. Returns the counts and their need; when even ``fewest`` does not fit, those
+    (the caller refuses, naming ``need(fewest).peak`` as the least the run can work with)."""
+    counts = wanted
+    current = need(counts)
+    while current.peak > budget:
+        options = []
+        for name in ("optimizer", "grad", "param"):
+            if getattr(counts, name) > getattr(fewest, name):
+                smaller = replace(counts, **{name: getattr(counts, name) - 1})
+                options.append((need(smaller), smaller))
+        if not options:
+            break
+        current, counts = min(options, key=lambda option: option[0].peak)
+    return counts, current

@@ -39,10 +39,12 @@ def wants_optimizer_tier(cfg: Any) -> bool:
 
 
 def build_optimizer_tier(
-    cfg: Any, store: Any, optimizer: Any, *, rank: int, data_parallel: bool
-) -> OptimizerTier:
+    cfg: Any, store: Any, optimizer: Any, *, rank: int, data_parallel: bool,
+    buffer_count: int | None = None,
+) -> OptimizerTier:  # fmt: skip
     """The optimizer tier over ``store``'s paged masters and ``optimizer``'s moments (see
-    storage/optimizer_tier.py), its swap file reserved under the config's ``nvme_path``."""
+    storage/optimizer_tier.py), its swap file reserved under the config's ``nvme_path``;
+    ``buffer_count``: its pool's (None: ``offload_optimizer.buffer_count``)."""
     if not optimizer.per_layer:
         raise ValueError(
             'zero_optimization.offload_optimizer.device "nvme" streams Adam state layer by '
@@ -60,13 +62,13 @@ def build_optimizer_tier(
             'of RAM: use "if_memory_allows" or "off" with offload_optimizer.device "nvme"'
         )
     opt = cfg.zero.offload_optimizer
-    disk, _ = tier_bytes(store, opt.buffer_count)
+    count = opt.buffer_count if buffer_count is None else buffer_count
+    disk, _ = tier_bytes(store, count)
     folder = check_nvme_path(opt.nvme_path, disk, key=_KEY)
     engine = make_io_engine(cfg.roundpipe.nvme_io_engine, cfg.aio)
     try:
         return OptimizerTier(
-            store, optimizer, folder=folder, rank=rank, engine=engine,
-            buffer_count=opt.buffer_count,
+            store, optimizer, folder=folder, rank=rank, engine=engine, buffer_count=count,
         )  # fmt: skip
     except NvmeSpaceError as exc:
         engine.close()
@@ -134,10 +136,13 @@ def wants_param_tier(cfg: Any) -> bool:
     return bool(cfg.zero.offload_param_device == "nvme")
 
 
-def build_param_tier(cfg: Any, store: Any, *, rank: int, data_parallel: bool) -> ParamTier | None:
+def build_param_tier(
+    cfg: Any, store: Any, *, rank: int, data_parallel: bool, buffer_count: int | None = None
+) -> ParamTier | None:
     """The parameter tier over ``store``'s compute weights (storage/param_tier.py), its swap
     file under ``offload_param.nvme_path``; None when ``max_in_cpu`` keeps every layer in RAM.
-    Call it once the store's weight buffers are decided (double-buffered or not)."""
+    Call it once the store's weight buffers are decided (double-buffered or not).
+    ``buffer_count``: its pool's (None: ``offload_param.buffer_count``)."""
     if data_parallel:
         raise ValueError(
             'zero_optimization.offload_param.device "nvme" is not supported with data parallel '
@@ -155,7 +160,12 @@ def build_param_tier(cfg: Any, store: Any, *, rank: int, data_parallel: bool) ->
     engine = make_io_engine(cfg.roundpipe.nvme_io_engine, cfg.aio)
     try:
         tier = ParamTier(
-            store, plan, folder=folder, rank=rank, engine=engine, buffer_count=conf.buffer_count
+            store,
+            plan,
+            folder=folder,
+            rank=rank,
+            engine=engine,
+            buffer_count=conf.buffer_count if buffer_count is None else buffer_count,
         )
     except NvmeSpaceError as exc:
         engine.close()

@@ -441,9 +441,51 @@ def test_initialize_with_the_tiers_predicts_host_ram_and_refuses_what_does_not_f
         rp_engine.initialize(model=model, config=cfg)
     text = str(err.value)
     assert "with the NVMe tiers this run needs about" in text and "is available" in text
-    assert "gradient tier buffers" in text and "roundpipe.grad_buffers" in text
+    assert "gradient tier buffers" in text and "every pool at its fewest buffers" in text
     assert not list(tmp_path.rglob("*.swp")), "refused before any tier wrote"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     off = copy.deepcopy(cfg)
     off["roundpipe"]["host_preflight"] = False
     engine_for(model, off).destroy()  # the check switched off
+
+
+def test_the_pools_shrink_to_fit_the_limit_and_train_the_same(tmp_path, monkeypatch) -> None:
+    """Issue 49: a limit that the configured pools exceed but their fewest buffers fit: the
+    pools get fewer buffers (a warning says which), the prediction fits the limit, and the
+    losses are bit for bit those of the configured pools (the tiers move the same bytes)."""
+    from nvme_helpers import nvme_config, run
+
+    from rp_engine import host_preflight
+    from rp_engine.plan.host_ram import PoolCounts
+
+    # 512 wide: the pools' buffers differ by tens of MB, more than the process's RSS (the
+    # runtime the check measures) moves between two engines
+    model = tiny_qwen3(0, layers=4, hidden=512)
+
+    def cfg_in(folder: str) -> dict:
+        (tmp_path / folder).mkdir()
+        base = config(devices=2, async_optimizer=True)
+        return nvme_config(base, str(tmp_path / folder), params=True, buffers=6)
+
+    cfg = cfg_in("a")
+    losses, _ = run(copy.deepcopy(model), cfg)
+    engine = engine_for(copy.deepcopy(model), cfg)
+    try:
+        fit = engine.tier_fit
+        assert fit is not None and fit.counts == PoolCounts(6, 8, 6)  # what the config asks
+        held = fit.least.runtime + fit.least.model
+        room = (fit.need.peak + fit.least.peak) // 2 - held  # between the fewest and the asked
+    finally:
+        engine.destroy()
+    monkeypatch.setattr(host_preflight, "available_bytes", lambda: room)
+    shrunk_cfg = cfg_in("b")
+    engine = engine_for(copy.deepcopy(model), shrunk_cfg)
+    try:
+        fit = engine.tier_fit
+        assert fit is not None
+        assert fit.counts != PoolCounts(6, 8, 6)
+        assert fit.need.peak - (fit.least.runtime + fit.least.model) <= room
+    finally:
+        engine.destroy()
+    shrunk, _ = run(copy.deepcopy(model), shrunk_cfg)
+    assert shrunk == losses

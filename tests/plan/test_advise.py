@@ -146,6 +146,12 @@ def test_ds_config_parses_and_round_trips_the_cuts(tmp_path: Path) -> None:
         and nvme.nvme_bytes_per_step == 24 * SHAPES["llama3.1-8b"].trainable_params
     )
     assert nvme.host_ram_bytes <= 100 * 2**30
+    # the least host RAM the run can work with (every pool at its fewest buffers: issue 49),
+    # below what the advised pools take
+    least = [line for line in nvme.host_ram_lines if "least that can work" in line]
+    peak = [line for line in nvme.host_ram_lines if line.strip().startswith("peak")]
+    assert len(least) == 1 and len(peak) == 1
+    assert _gib(least[0]) < _gib(peak[0])
     parsed = rp_config.load_config(nvme.ds_config(nvme_path=str(tmp_path)))
     assert parsed.zero.offload_optimizer_device == "nvme"
     assert parsed.zero.offload_optimizer is not None
@@ -251,3 +257,9 @@ def test_host_ram_here_plans_for_the_limit_that_binds(monkeypatch, capsys) -> No
     assert "host RAM: 64.00 GiB available under cgroup v2 memory.max" in capsys.readouterr().out
     assert main([*argv[:-1], "-2"]) == 2
     assert "--host-ram-gb -2" in capsys.readouterr().err
+
+
+def _gib(line: str) -> float:
+    """The size at the end of a host RAM line ("... 12.3 GiB" or "... 456.7 MiB"), in GiB."""
+    value, unit = line.split()[-2:]
+    return float(value.replace(",", "")) / (1024 if unit == "MiB" else 1)

@@ -7,6 +7,8 @@ from rp_engine.plan.host_ram import (
     RUNTIME_BYTES,
     RUNTIME_GROWTH,
     HostRam,
+    PoolCounts,
+    fit_pools,
     size_classes,
     tier_host_ram,
 )
@@ -49,3 +51,35 @@ def test_the_pools_are_sized_by_ordinary_layers_and_the_big_few() -> None:
         [4 * HEAD] + [4 * LAYER] * 20 + [4 * HEAD]
     ).pool_bytes(8)
     assert ram["runtime (Python, torch, DeepSpeed)"] == RUNTIME_BYTES + RUNTIME_GROWTH
+
+
+def _need(counts: PoolCounts) -> HostRam:
+    return tier_host_ram(
+        layer_params=[HEAD] + [LAYER] * 20 + [HEAD],
+        layer_trainable=[HEAD] + [LAYER] * 20 + [HEAD],
+        dtype_bytes=2, devices=2, optimizer_tier=True, param_tier=True,
+        grad_buffers=counts.grad, optimizer_buffers=counts.optimizer, param_buffers=counts.param,
+    )  # fmt: skip
+
+
+WANTED, FEWEST = PoolCounts(6, 8, 5), PoolCounts.fewest(2, grad_tier=True)
+
+
+def test_pools_that_fit_are_kept() -> None:
+    counts, need = fit_pools(_need(WANTED).peak, WANTED, FEWEST, _need)
+    assert counts == WANTED and need == _need(WANTED)
+
+
+def test_pools_shrink_largest_buffer_first_to_fit_and_stop_at_the_fewest() -> None:
+    """An optimizer buffer (12 B per parameter of a layer) gives back three gradient buffers'
+    worth (4 B): the optimizer pool shrinks first; no budget takes any pool below its
+    fewest."""
+    assert FEWEST == PoolCounts(2, 4, 2)
+    one_less = _need(PoolCounts(5, 8, 5)).peak
+    counts, need = fit_pools(one_less, WANTED, FEWEST, _need)
+    assert counts == PoolCounts(5, 8, 5) and need.peak <= one_less
+    budget = (_need(WANTED).peak + _need(FEWEST).peak) // 2
+    counts, need = fit_pools(budget, WANTED, FEWEST, _need)
+    assert need.peak <= budget and FEWEST.optimizer <= counts.optimizer < WANTED.optimizer
+    counts, need = fit_pools(1, WANTED, FEWEST, _need)  # nothing fits: the least is returned
+    assert counts == FEWEST and need == _need(FEWEST)
