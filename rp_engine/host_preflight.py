@@ -359,8 +359,12 @@ def check_tiers(
             + "\n"
             + limit_lines(memory)
             + "\nto fit: "
-            "offload_param "
-            '{"device": "nvme"} for the compute weights, fewer or smaller CPU devices '
+            + (
+                ""
+                if cfg.zero.offload_param_device == "nvme"
+                else 'offload_param {"device": "nvme"} for the compute weights, '
+            )
+            + "fewer or smaller CPU devices "
             "(roundpipe.devices, roundpipe.device_memory_gb), a LoRA adapter (peft), a higher "
             "memory limit (the container's, the job's or roundpipe.host_memory_gb), a host with "
             "more memory, or roundpipe.host_preflight false to try anyway"
