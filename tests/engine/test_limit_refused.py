@@ -66,7 +66,7 @@ def test_a_cgroup_limit_too_small_is_refused_naming_the_cgroup(tmp_path: Path) -
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("JSON:")]
     assert lines, run.stderr[-6000:]
     kind = "v1 memory.limit_in_bytes" if run.mechanism == "cgroup-v1" else "v2 memory.max"
-    tiers = ("gradient tier buffers", "optimizer tier buffers", "roundpipe.grad_buffers")
+    tiers = ("gradient tier buffers", "optimizer tier buffers", "every pool at its fewest buffers")
     text = _assert_refused(json.loads(lines[-1][5:]), tmp_path, f"cgroup {kind} at ", tiers)
     assert "with the NVMe tiers this run needs about" in text
     assert "rp_memlimit_" in text  # the child's own group (tests/support/memory_limit.py)
