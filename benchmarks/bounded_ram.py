@@ -18,6 +18,7 @@ Run in a fresh process per variant (tests/engine/test_bounded_ram.py, benchmarks
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -92,6 +93,8 @@ def config(spec: dict) -> dict:
         cfg["roundpipe"]["device_memory_gb"] = spec["device_memory_gb"]
     if spec.get("grad_buffers") is not None:
         cfg["roundpipe"]["grad_buffers"] = spec["grad_buffers"]
+    if spec.get("host_memory_gb"):  # a budget: the NVMe pools fit it (host_preflight.py)
+        cfg["roundpipe"]["host_memory_gb"] = spec["host_memory_gb"]
     if spec["tiers"]:
         folder = spec["dir"]
         cfg["zero_optimization"] = {
@@ -119,6 +122,9 @@ def main(spec: dict) -> None:
     with _peak() as init:
         engine, _, _, _ = rp_engine.initialize(model=model, config=config(spec))
     predicted = engine.host_ram.peak if engine.host_ram is not None else None
+    fit = engine.tier_fit
+    least = fit.least.peak if fit is not None else None
+    counts = dataclasses.asdict(fit.counts) if fit is not None else None
     gen = torch.Generator().manual_seed(1)
     losses = []
     with _peak() as train:
@@ -141,6 +147,8 @@ def main(spec: dict) -> None:
         "train_peak": train[0],
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "predicted_peak": predicted,  # the initialize preflight's (with the tiers)
+        "least_peak": least,  # the same with every pool at its fewest buffers
+        "pool_counts": counts,  # the pools' buffers: the config's, or fewer to fit the budget
     }
     print("JSON:" + json.dumps(out), flush=True)
 

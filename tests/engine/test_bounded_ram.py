@@ -100,3 +100,23 @@ def test_a_deeper_model_needs_no_more_ram(tmp_path: Path) -> None:
     # (the runs' peaks vary by about +-5 % from run to run and machine to machine)
     for layers, r in runs.items():
         assert abs(r["predicted_peak"] - r["peak_rss"]) <= 0.20 * r["peak_rss"], (layers, r)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_budget_shrinks_the_pools_and_the_prediction_holds(tmp_path: Path) -> None:
+    """Issue 49 (d): at two budgets, none and one between the configured pools' need and the
+    fewest buffers', the prediction is the measured peak +-20 %; the second run's pools shrank
+    to fit its budget (roundpipe.host_memory_gb, counted against the process's RSS) and its
+    losses are the first's, bit for bit."""
+    spec = {**SPEC, "layers": 48, "tiers": True}
+    (tmp_path / "a").mkdir()
+    free = bounded_ram.run({**spec, "dir": str(tmp_path / "a")})
+    assert free["least_peak"] < free["predicted_peak"]
+    budget = (free["predicted_peak"] + free["least_peak"]) / 2
+    (tmp_path / "b").mkdir()
+    tight = bounded_ram.run({**spec, "dir": str(tmp_path / "b"), "host_memory_gb": budget / 2**30})
+    assert tight["pool_counts"] != free["pool_counts"], (free["pool_counts"], tight["pool_counts"])
+    assert tight["predicted_peak"] <= budget
+    for r in (free, tight):
+        assert abs(r["predicted_peak"] - r["peak_rss"]) <= 0.20 * r["peak_rss"], r
+    assert tight["losses"] == free["losses"]
