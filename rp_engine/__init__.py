@@ -152,7 +152,7 @@ def _model_and_checkpoint(model: Any, checkpoint: Any) -> tuple[Any, Any]:
     return model, None
 
 
-def _load_folder(model: Any, folder: str, cfg: Any) -> None:
+def _load_folder(model: Any, folder: str | os.PathLike[str], cfg: Any) -> None:
     """Read ``model``'s weights from ``folder`` in the run's compute dtype, then check every
     parameter holds them (model/folder.py)."""
     from rp_engine.model.batches import compute_dtype

@@ -171,11 +171,11 @@ class _Mappings:
         size = torch.empty(0, dtype=entry.dtype).element_size()
         if entry.start % size or (entry.end - entry.start) != size * _numel(entry.shape):
             return None
-        storage = self._storages.get(entry.path)
-        if storage is None:
+        if entry.path not in self._storages:
             nbytes = entry.path.stat().st_size
-            storage = torch.UntypedStorage.from_file(str(entry.path), shared=False, nbytes=nbytes)
-            self._storages[entry.path] = storage
+            mapped = torch.UntypedStorage.from_file(str(entry.path), shared=False, nbytes=nbytes)
+            self._storages[entry.path] = mapped  # type: ignore[assignment]
+        storage = self._storages[entry.path]
         t = torch.empty(0, dtype=entry.dtype)
         return t.set_(storage, entry.start // size, entry.shape, _strides(entry.shape))
 
@@ -265,7 +265,7 @@ def _parameters_on_meta() -> Iterator[None]:
             meta.__dict__.update(attrs)
             module._parameters[name] = meta
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -301,14 +301,18 @@ def _key_resolver(model: nn.Module, keys: set[str]) -> dict[str, str]:
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
     except ImportError:  # pragma: no cover - transformers is a dependency
         return {k: k for k in keys}
     if not isinstance(model, PreTrainedModel):
         return {k: k for k in keys}
     transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     own = dict.fromkeys(model.state_dict(), True)  # names only: values are meta / buffers
     out: dict[str, str] = {}
     for key in sorted(keys):
