@@ -482,8 +482,10 @@ def from_folder(folder: str | os.PathLike[str], *, dtype: torch.dtype | None = N
             "(huggingface_hub.snapshot_download) and pass its path"
         )
     config = _load_config(path)
-    if dtype is None:
-        dtype = config.dtype if isinstance(config.dtype, torch.dtype) else None
+    if dtype is None:  # the config's dtype ("bfloat16" or a torch.dtype), else the files'
+        named = getattr(config, "dtype", None)
+        named = getattr(torch, named, None) if isinstance(named, str) else named
+        dtype = named if isinstance(named, torch.dtype) else None
     model = build_empty(config, dtype=dtype)
     load_weights(model, path, dtype=dtype)
     return model
