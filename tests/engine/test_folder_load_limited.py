@@ -100,7 +100,9 @@ def test_lora_from_a_folder_twice_the_limit_trains_and_saves(saved: tuple, tmp_p
     assert run.returncode == 0, run.stderr[-6000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     print(
-        f"{name}: limit {limit / MIB:.0f} MiB, peak {run.peak_bytes / MIB:.0f} MiB ({run.mechanism})"
+        f"{name}: limit {limit / MIB:.0f} MiB, cgroup peak {run.peak_bytes / MIB:.0f} MiB "
+        f"(page cache included), at the end anonymous {out['rssanon'] / MIB:.0f} MiB, "
+        f"file-backed {out['rssfile'] / MIB:.0f} MiB"
     )
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert size >= 2 * (limit - ALLOWANCE)

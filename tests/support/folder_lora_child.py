@@ -1,5 +1,6 @@
 """Child of tests/engine/test_folder_load_limited.py: LoRA on a ``save_pretrained`` folder,
-2 steps, then the adapter saved; prints one JSON line ``{"losses", "peak_rss", "adapter"}``.
+2 steps, then the adapter saved; prints one JSON line ``{"losses", "peak_rss", "adapter",
+"rssanon", "rssfile"}`` (the last two: resident anonymous and file-backed bytes at the end).
 
     python folder_lora_child.py FOLDER OUT --load folder|whole --compute bf16|fp32
 
@@ -75,8 +76,19 @@ def main(argv: list[str]) -> int:
     model.save_pretrained(args.out)  # the adapter only (peft)
     engine.destroy()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"losses": losses, "peak_rss": peak, "adapter": args.out}))
+    print(json.dumps({"losses": losses, "peak_rss": peak, "adapter": args.out, **_rss()}))
     return 0
+
+
+def _rss() -> dict[str, int]:
+    """This process's resident memory now, anonymous and file-backed (/proc/self/status)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                out[key.lower()] = int(value.split()[0]) * 1024
+    return out
 
 
 if __name__ == "__main__":
