@@ -12,6 +12,7 @@ Public names: ``initialize``, ``RoundPipeEngine``, ``add_config_arguments``,
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -44,6 +45,7 @@ def initialize(
     config_params: Any = None,
     *,
     auto_values: dict[str, Any] | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
 ) -> tuple[RoundPipeEngine, Any, Any, Any]:
     """Same arguments and 4-tuple as ``deepspeed.initialize``.
 
@@ -61,6 +63,13 @@ def initialize(
     A model built under ``deepspeed.zero.Init`` (or Transformers' ``HfDeepSpeedConfig``) is taken
     over from its ZeRO-3 partitions layer by layer first (model/zero3.py); a parameter that holds
     no data for its shape raises ``EmptyParameterError`` naming it.
+
+    ``model`` may also be the path of a Hugging Face ``save_pretrained`` folder (a str or
+    ``os.PathLike``; hub ids are not fetched: download the folder first), and a model whose
+    parameters are on the meta device may come with ``checkpoint=<folder>``: the weights are
+    then read layer by layer from the folder's safetensors files, in the run's dtype, frozen
+    ones (``requires_grad=False``) served from the file mapping without a copy
+    (model/folder.py). Trainable weights backed by a file are copied into memory first.
     """
     from rp_engine.autotune import advise_batch
     from rp_engine.config import load_config, load_raw_config, resolve_config_arg
@@ -74,8 +83,10 @@ def initialize(
         )
     if mpu is not None or mesh_param is not None:
         raise ValueError("model parallelism (mpu / mesh_param) is not supported by rp_engine")
+    model, checkpoint = _model_and_checkpoint(model, checkpoint)
     world = _data_parallel_world(distributed_port, dist_init_required)
-    _take_over_weights(model)
+    if checkpoint is None:
+        _take_over_weights(model)
     source = resolve_config_arg(args, config, config_params)
     # DeepSpeed's autotuning block: the advisor fills "auto" batch sizes (autotune.py); the
     # caller's own auto_values win
@@ -83,6 +94,8 @@ def initialize(
     if tuned:
         auto_values = {**tuned, **(auto_values or {})}
     cfg = load_config(source, world_size=world, auto_values=auto_values)
+    if checkpoint is not None:  # the run's dtype is known now: files are cast to it per layer
+        _load_folder(model, checkpoint, cfg)
     check_initialize(model, cfg)  # before anything is allocated: refuse rather than be OOM-killed
     engine = RoundPipeEngine(
         model=model,
@@ -96,6 +109,59 @@ def initialize(
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
+def _model_and_checkpoint(model: Any, checkpoint: Any) -> tuple[Any, Any]:
+    """``(module, folder to load it from or None)``: a folder path as ``model`` becomes its
+    model built with parameters on the meta device (model/folder.py); ``checkpoint`` must come
+    with a model whose parameters are (some of them) on the meta device."""
+    import torch
+
+    from rp_engine.model.folder import FolderError, build_empty, is_model_folder
+
+    if isinstance(model, str | os.PathLike):
+        from transformers import AutoConfig
+
+        if checkpoint is not None:
+            raise FolderError(
+                f"initialize(model={os.fspath(model)!r}, checkpoint=...): give the folder once, "
+                "as model= (or a meta-device module as model= and the folder as checkpoint=)"
+            )
+        path = os.path.expanduser(os.fspath(model))
+        if os.path.isfile(os.path.join(path, "adapter_config.json")) and not is_model_folder(path):
+            from rp_engine.model.folder import from_folder
+
+            # a peft adapter: its base folder loaded in the config's dtype (a frozen base in
+            # another dtype than the run's is cast whole by the engine), the adapter trainable
+            return from_folder(path), None
+        if not is_model_folder(path):
+            raise FolderError(
+                f"initialize(model={os.fspath(model)!r}): not a save_pretrained folder "
+                "(config.json and model.safetensors or model.safetensors.index.json); hub ids "
+                "are not fetched here: download the folder first (snapshot_download) and pass "
+                "its path"
+            )
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        return build_empty(config), path
+    if checkpoint is not None:
+        if not isinstance(model, torch.nn.Module) or not any(p.is_meta for p in model.parameters()):
+            raise FolderError(
+                "initialize(checkpoint=...) fills a model whose parameters are on the meta "
+                "device (built under torch.device('meta')); this model already holds its "
+                "weights: load them yourself, or build it on meta"
+            )
+        return model, os.path.expanduser(os.fspath(checkpoint))
+    return model, None
+
+
+def _load_folder(model: Any, folder: str | os.PathLike[str], cfg: Any) -> None:
+    """Read ``model``'s weights from ``folder`` in the run's compute dtype, then check every
+    parameter holds them (model/folder.py)."""
+    from rp_engine.model.batches import compute_dtype
+    from rp_engine.model.folder import load_weights
+
+    load_weights(model, folder, dtype=compute_dtype(cfg))
+    _take_over_weights(model)
+
+
 def _take_over_weights(model: Any) -> None:
     """Whole weights in every parameter before anything sizes or cuts the model: a model built
     under ``deepspeed.zero.Init`` (or Transformers' ``HfDeepSpeedConfig``) is gathered from its
@@ -103,11 +169,15 @@ def _take_over_weights(model: Any) -> None:
     its shape is refused by name. A LayerSpec list builds its modules later (model/layers.py)."""
     import torch
 
+    from rp_engine.model.folder import own_trainable
     from rp_engine.model.zero3 import check_parameter_storage, take_over
 
     if isinstance(model, torch.nn.Module):
         take_over(model)
         check_parameter_storage(model)
+        # trainable weights still in a file mapping (a folder's model) are written by the
+        # optimizer: into ordinary memory now, frozen ones stay served from the files
+        own_trainable(model)
 
 
 def _data_parallel_world(port: int, dist_init_required: bool | None) -> int:

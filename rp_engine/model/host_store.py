@@ -4,7 +4,8 @@ All model state lives here, in host memory; devices only ever hold copies for th
 stage. Per layer (index in the LayerSequence order: prefix, blocks..., head) the store keeps:
 
 - the layer's own host module parameters: the *compute weights* that uploads read (bf16/fp16/fp32,
-  pinned when the pool is CUDA);
+  pinned when the pool is CUDA, except frozen weights served from their file's mapping, which
+  stay there: model/folder.py);
 - for every trainable parameter the layer *owns*, an fp32 *master* tensor and an fp32 gradient
   buffer, a fixed view into the store's one gradient arena (``grad_buffers.py``: preallocated,
   pinned on CUDA, first contribution of a step copied there by the device when it can, else
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from rp_engine.model.folder import FileMappings
 from rp_engine.model.grad_buffers import GradBuffers
 from rp_engine.model.host_grads import GradLanding, HostGrads
 from rp_engine.model.host_layers import HostLayer, HostParam
@@ -127,9 +129,14 @@ class HostStore:
                 double_buffer = _second_arena_fits(sum(m.numel() for m in masters) * 4)
             self.grads = GradBuffers(masters, alloc=alloc, copies=2 if double_buffer else 1)
         if pin is not None:  # in place (``.data``): the modules and uploads keep the objects
+            mapped = FileMappings.read()
             for layer in self.layers:
                 for _, t in [*layer.params, *layer.buffers]:
-                    t.data = pin(t.data)  # a shared one is pinned once (pin returns it as is)
+                    # a frozen weight served from its file's mapping (model/folder.py) stays
+                    # there: pinning would copy it whole into locked anonymous memory; its
+                    # uploads copy from pageable memory instead
+                    if mapped.path_of(t) is None:
+                        t.data = pin(t.data)  # a shared one is pinned once (pin returns it)
         self.gradients = HostGrads(self.layers, self._owner, self.grads)
         self._pin = pin
         self._shadow: dict[int, torch.Tensor] = {}  # id(param) -> its compute weight, buffer 1

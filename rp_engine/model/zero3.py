@@ -22,9 +22,9 @@ a plain ``nn.Module`` before it is cut into layers:
   file deleted, ``ds_tensor`` dropped) with every DeepSpeed attribute of the parameter, so at
   most one layer exists twice at any time and the whole model never does.
 
-The per-layer loop (:func:`layer_groups` + :func:`materialize_layer`) is meant to be shared by
-loading a model layer by layer from a folder (issue 49): a loader fills one layer's parameters,
-this module's check then applies unchanged.
+The per-layer order (:func:`layer_groups`) is shared with loading a model layer by layer from
+its folder (model/folder.py): that loader fills one layer's parameters at a time, and this
+module's check then applies unchanged.
 
 :func:`check_parameter_storage` is the guard behind it for every model: a parameter whose storage
 is empty, on the meta device, or smaller than its shape is refused by name, instead of failing

@@ -76,6 +76,7 @@ class _Job:
 
     # --- set-up ---------------------------------------------------------------------------------
     def run(self) -> int:
+        from rp_engine.model.batches import compute_dtype
         from rp_engine.train import data as D
         from rp_engine.train import preflight
         from rp_engine.train.presets import apply_lora, load_model
@@ -121,7 +122,10 @@ class _Job:
         data = D.MicroBatches(train_set, mbs, seed=args.seed)
         self.eval_batches = D.eval_batches(eval_set, mbs)[: max(args.eval_batches, 0)]
         self.steps = self._total_steps(data.per_epoch, gas)
-        loaded = load_model(args.model, layers=args.layers, hidden=args.hidden, seed=args.seed)
+        loaded = load_model(
+            args.model, layers=args.layers, hidden=args.hidden, seed=args.seed,
+            dtype=compute_dtype(cfg),
+        )  # fmt: skip
         model = apply_lora(loaded.model, args.lora) if args.lora else loaded.model
         self.model: Any = model
         self.tokenizer: Any = loaded.tokenizer

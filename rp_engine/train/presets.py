@@ -3,8 +3,11 @@
 Presets are built from a config with random weights (nothing is downloaded): ``tiny-qwen3`` (the
 embedded default) and ``tiny-llama`` for quick runs, and the real shapes ``qwen3-0.6b``,
 ``qwen3-1.7b`` and ``llama-3.1-8b`` (their public ``config.json`` values) for benchmarking. Presets
-use the byte-level tokenizer below. A local directory is loaded with ``from_pretrained``
-(weights + tokenizer, offline); a hub id is fetched only because the user named one.
+use the byte-level tokenizer below. A local ``save_pretrained`` folder with safetensors weights
+is loaded layer by layer by model/folder.py (frozen weights, a LoRA base, stay served from the
+files: a model bigger than RAM fine-tunes), other local folders (``.bin`` weights) with
+``from_pretrained``, offline; a hub id is fetched with ``from_pretrained`` only because the user
+named one.
 """
 
 from __future__ import annotations
@@ -159,11 +162,14 @@ def _meta_device(enabled: bool) -> Iterator[None]:
 
 
 def load_model(
-    spec: str, *, layers: int = 4, hidden: int = 128, seed: int = 0, meta: bool = False
-) -> LoadedModel:
+    spec: str, *, layers: int = 4, hidden: int = 128, seed: int = 0, meta: bool = False,
+    dtype: torch.dtype | None = None,
+) -> LoadedModel:  # fmt: skip
     """A preset name, a local model directory, or a hub id ("org/name") -> model + tokenizer.
 
     ``meta=True`` builds presets on the meta device (shapes only, no memory): for ``--plan``.
+    ``dtype``: the run's compute dtype; a local folder's weights in another dtype are cast to it
+    layer by layer while read (None: the folder's config dtype).
     Raises ModelError for an unknown preset or a path that does not exist.
     """
     from transformers import AutoModelForCausalLM
@@ -182,7 +188,7 @@ def load_model(
                 f"--model {spec}: {path} has no config.json; give a folder written by "
                 "save_pretrained (config.json + weights + tokenizer files)"
             )
-        return _from_pretrained(str(path), path.resolve().name, "local", meta)
+        return _from_pretrained(str(path), path.resolve().name, "local", meta, dtype)
     looks_like_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
     if looks_like_hub_id:
         try:
@@ -198,14 +204,23 @@ def load_model(
     )
 
 
-def _from_pretrained(where: str, name: str, source: str, meta: bool) -> LoadedModel:
+def _from_pretrained(
+    where: str, name: str, source: str, meta: bool, dtype: torch.dtype | None = None
+) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rp_engine.model.folder import FolderError, from_folder, is_model_folder
 
     local = source == "local"
     config = AutoConfig.from_pretrained(where, local_files_only=local)
     if meta:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
+    elif local and is_model_folder(where):
+        try:  # layer by layer, frozen weights served from the files (model/folder.py)
+            model = from_folder(where, dtype=dtype)
+        except FolderError as e:
+            raise ModelError(f"--model {where}: {e}") from e
     else:
         model = AutoModelForCausalLM.from_pretrained(where, local_files_only=local)
     try:
