@@ -6,7 +6,7 @@ Builds the model in bf16 (the user's own model is the first thing in RAM), initi
 engine (both tiers on NVMe under ``dir`` when ``tiers``; else host-resident), trains ``steps``
 steps on 2 CPU virtual devices and prints ``JSON:{...}``: ``losses``; ``state`` (bytes of the
 training state: bf16 weights, fp32 masters, Adam moments and fp32 gradients, 18 B per
-parameter); ``params``; ``peak_rss`` (ru_maxrss: the whole run); ``init_peak`` and
+parameter); ``params``; ``peak_rss`` (VmHWM, ``common.peak_rss``: the whole run); ``init_peak`` and
 ``train_peak`` (RSS sampled every 2 ms during ``initialize`` and during training);
 ``model_rss`` (RSS once the model is built, before ``initialize``); ``import_rss``.
 ``predicted_peak``: the host RAM the initialize preflight predicted (tiers only, else null).
@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ import psutil
 import torch
 
 import rp_engine
+from benchmarks.common import peak_rss
 
 
 def _rss() -> int:
@@ -145,7 +145,7 @@ def main(spec: dict) -> None:
         "model_rss": model_rss,
         "init_peak": init[0],
         "train_peak": train[0],
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": peak_rss(),
         "predicted_peak": predicted,  # the initialize preflight's (with the tiers)
         "least_peak": least,  # the same with every pool at its fewest buffers
         "pool_counts": counts,  # the pools' buffers: the config's, or fewer to fit the budget

@@ -53,6 +53,26 @@ PRESETS: dict[str, dict[str, Any]] = {
 _RUN_KEYS = ("mbs", "seq", "gas", "dtype", "device_memory_gb")
 
 
+def peak_rss() -> int:
+    """This process's own peak resident memory, bytes: ``/proc/self/status`` VmHWM, the
+    high-water mark of its address space since its ``exec``.
+
+    Not ``getrusage(RUSAGE_SELF).ru_maxrss``: Linux folds the high-water RSS of the address
+    space a process ``exec``s from into its ``ru_maxrss``, and a child started by Python's
+    ``subprocess`` (vfork/fork, then exec) ``exec``s from its parent's. Under a test runner
+    holding 2.85 GB, two children that peaked at 2.4 and 2.1 GB on their own both reported
+    2.85 GB (issue 51's fresh-clone run). Falls back to ``ru_maxrss`` where there is no /proc."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def ds_config(preset: dict[str, Any], *, devices: str | None, pcie_gbps: float | None) -> dict:
     """The one config every system reads (DeepSpeed ignores the "roundpipe" section)."""
     cfg: dict[str, Any] = {

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -59,6 +58,7 @@ from benchmarks.common import (
     loader_dataset,
     machine_info,
     one_rank_env,
+    peak_rss,
 )
 from benchmarks.host_load import CoreShare
 
@@ -117,7 +117,7 @@ def run_system(
         "s_per_step": seconds / args.steps,
         "step_losses": [float(x) for x in losses],
         "final_loss": float(losses[-1]),
-        "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "peak_host_gb": peak_rss() / 1e9,
         "peak_device_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "bytes_per_step": 0,
@@ -191,7 +191,7 @@ def _run_trainer(system: str, preset: dict[str, Any], args: argparse.Namespace) 
         "s_per_step": seconds / args.steps,
         "step_losses": losses,
         "final_loss": losses[-1],
-        "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "peak_host_gb": peak_rss() / 1e9,
         "peak_device_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else pool_peak,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "bytes_per_step": stats.get("h2d_bytes", 0) + stats.get("d2h_bytes", 0),

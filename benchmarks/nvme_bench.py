@@ -51,10 +51,10 @@ One run measures, in this order of the report:
     two depths (``--ram-layers``, default 48 and 96 layers of hidden 512, vocab 8192; with
     ``--quick`` 8 and 16 layers of hidden 128, vocab 1024), and the same model host-resident at
     the smaller depth. Per run: parameters, training state (18 B/param), peak RSS of the whole
-    run (``ru_maxrss``), the training peak, peak / state; and the growth of the peak between the
+    run (VmHWM, ``common.peak_rss``), the training peak, peak / state; and the growth of the peak between the
     two depths over the state added (the issue's bar: under 10 %).
 
-Every training run is its own process (so ``ru_maxrss`` is that run's peak RSS); the variants
+Every training run is its own process (so VmHWM is that run's peak RSS); the variants
 alternate (A B C D E F, ``--repeats`` times) so drift hits all alike; each warms up, then times
 one window of ``--steps`` steps synchronised only at its two ends (``engine.synchronize()``,
 which also waits for the tier's write-backs). Medians over repeats. Also reported per run: the
@@ -66,7 +66,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -76,7 +75,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine_info, one_rank_env
+from benchmarks.common import machine_info, one_rank_env, peak_rss
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "data" / "nvme_bench.json"
 DEFAULT_DIR = "/tmp/rp_nvme_bench"
@@ -506,7 +505,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
             "error": text[:6],
             "traceback": traceback.format_exc().splitlines()[-12:],
         }
-    row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    row["peak_rss_mb"] = peak_rss() / 2**20
     return row
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 
 import torch
+
+from benchmarks.common import peak_rss
 
 
 def main(argv: list[str]) -> int:
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> int:
     engine.synchronize()
     model.save_pretrained(args.out)  # the adapter only (peft)
     engine.destroy()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     print(json.dumps({"losses": losses, "peak_rss": peak, "adapter": args.out, **_rss()}))
     return 0
 

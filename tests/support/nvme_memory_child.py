@@ -7,7 +7,7 @@ the parameter tier too (``offload_param.device: "nvme"``, nothing kept by ``max_
 
 prints ``JSON:{"peak_rss": bytes, "init_rss": bytes, "trainable": n, "losses": [...],
 "weight_copies": n}`` (``init_rss``: right after ``initialize``). Run in a fresh process
-per variant so each peak (``ru_maxrss``) is that run's own (tests/engine/test_nvme_memory.py).
+per variant so each peak (VmHWM: ``benchmarks.common.peak_rss``) is that run's own (tests/engine/test_nvme_memory.py).
 
 ``checkpoint`` (a folder): after training, save a checkpoint there, train one more step
 (``saved_next``: its loss), destroy the engine, build a fresh one over a model initialised from
@@ -22,7 +22,6 @@ at will, which RSS counts while they are mapped).
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 import rp_engine
+from benchmarks.common import peak_rss
 
 
 def _rss_anon() -> int:
@@ -118,7 +118,7 @@ def main(spec: dict) -> None:
         result["loaded_next"] = float(engine.train_batch(iter([nxt])))
         result.update(save_rise=save_rise[0], load_rise=load_rise[0])
     engine.destroy()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = peak_rss()  # this process's own (benchmarks/common.py)
     trainable = sum(p.numel() for p in model.parameters())
     out = {
         "peak_rss": peak, "init_rss": init_rss, "trainable": trainable, "losses": losses,
