@@ -26,14 +26,16 @@ $(VENV)/.installed: pyproject.toml
 # are root and can), and its first JIT build takes minutes (~200 s on 2 cores): built once into
 # the shared cache. Not part of install (`make train` never asks for NVMe): a run whose NVMe tier
 # finds it unbuilt starts this build in the background and uses the built-in engine meanwhile
-# (RP_ENGINE_AIO_BUILD=0 turns that off); `make test` builds it first, the tests exercise it.
+# (RP_ENGINE_AIO_BUILD=0 turns that off); `make test` builds it beside the first tests, the tests
+# that exercise it wait for it. (Not `$(MAKE) aio` there: `make -n test` would run that line.)
 # Never fails: without it the tier uses its built-in O_DIRECT engine.
-aio: $(VENV)/.installed
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libaio-dev >/dev/null 2>&1; then \
+AIO_BUILD = if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libaio-dev >/dev/null 2>&1; then \
 		apt-get install -y -q libaio-dev >/dev/null 2>&1 || \
 		echo "rp_engine: could not install libaio-dev; the NVMe tier will use its built-in engine"; \
-	fi
-	-$(PY) -m rp_engine.storage.build_aio
+	fi; \
+	$(PY) -m rp_engine.storage.build_aio || true
+aio: $(VENV)/.installed
+	@$(AIO_BUILD)
 
 install: $(VENV)/.installed
 
@@ -50,7 +52,7 @@ lint: $(VENV)/.installed
 PREBUILD := $(abspath .prebuild)
 test: $(VENV)/.installed
 	@rm -rf $(PREBUILD) && mkdir -p $(PREBUILD)
-	@( $(MAKE) --no-print-directory aio > $(PREBUILD)/aio.log 2>&1; echo $$? > $(PREBUILD)/aio.done ) &
+	@( $(AIO_BUILD); echo $$? > $(PREBUILD)/aio.done ) > $(PREBUILD)/aio.log 2>&1 &
 	@( $(PY) tests/support/avx2_cpu_adam.py --build-only > $(PREBUILD)/avx2.log 2>&1; \
 		echo $$? > $(PREBUILD)/avx2.done ) &
 	$(MAKE) --no-print-directory lint
