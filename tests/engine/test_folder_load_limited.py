@@ -33,6 +33,8 @@ import torch
 from memory_limit import cgroup_mechanism, run_limited
 from models import tiny
 
+from benchmarks.folder_load import drop_cache
+
 MIB = 2**20
 ALLOWANCE = 640 * MIB
 WEIGHTS = 2**30
@@ -53,16 +55,9 @@ def _save(folder: Path, name: str) -> int:
     model = tiny("qwen3", 0, layers=LAYERS[name], hidden=1024, vocab=128).to(dtype)
     model.save_pretrained(folder, max_shard_size="200MB")
     del model
-    size = 0
-    for shard in folder.glob("*.safetensors"):
-        size += shard.stat().st_size
-        fd = os.open(shard, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return size
+    shards = sorted(folder.glob("*.safetensors"))
+    drop_cache(shards)
+    return sum(shard.stat().st_size for shard in shards)
 
 
 def _argv(folder: Path, out: Path, load: str, name: str, *extra: str) -> list[str]:
