@@ -270,3 +270,36 @@ def test_a_hidden_computation_is_caught_on_the_first_batch(hide: str) -> None:
         engine.destroy()
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_deepspeeds_loop_as_in_its_tutorials(family: str) -> None:
+    """``out = engine(**batch); engine.backward(out.loss); engine.step()`` (DeepSpeed's BERT and
+    GPT-2 tutorials' loop): the model's own output type, plain PyTorch's losses."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
+
+    model = models.tiny_hf(family)
+    ref = copy.deepcopy(model)
+    batches = _batches(model, STEPS * GAS)
+    engine = engine_for(model, config(devices=2, gas=GAS, lr=LR))
+    try:
+        losses = []
+        for batch in batches:
+            out = engine(**batch)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(float(out.loss))
+    finally:
+        engine.destroy()
+    kind = MaskedLMOutput if family == "bert" else CausalLMOutputWithPast
+    assert type(out) is kind
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    want = []
+    for i, batch in enumerate(batches):
+        loss = ref(**batch).loss
+        (loss / GAS).backward()
+        want.append(float(loss.detach()))
+        if i % GAS == GAS - 1:
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=LOSS_RTOL, atol=0)
