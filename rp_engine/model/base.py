@@ -154,8 +154,8 @@ class LayerSequence:
     kind: str
     # how the layers were made and why (model/module.py's Layering; None: a recognised shape)
     layering: Any = None
-    # called with each micro-batch dict before it runs; checks the first one (a family whose
-    # head was guessed: hf_families.FirstBatchCheck), None: nothing to check
+    # called as ``check(seq, batch)`` with each micro-batch dict before it runs; checks the
+    # first one (a family whose head was guessed: hf_families.FirstBatchCheck), None: nothing
     first_batch_check: Any = None
 
     @property

@@ -34,6 +34,9 @@ class BatchAdapter:
         self.seq = seq
         self.dtype = dtype
         self.pin = pin
+        self._hf = seq.kind.startswith("hf:")
+        # a masked LM (BERT, RoBERTa) scores every position's own label; a causal LM the next's
+        self._masked_lm = self._hf and not getattr(seq.head, "shift_labels", True)
 
     def to_dict(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, fed: bool = False
@@ -69,7 +72,7 @@ class BatchAdapter:
             )
         check_batch(batch, self.seq)  # before any device work: name the bad tensor
         if self.seq.first_batch_check is not None:
-            self.seq.first_batch_check(batch)
+            self.seq.first_batch_check(self.seq, batch)
         out = {
             k: v.to(self.dtype) if v.is_floating_point() and not k.startswith("labels") else v
             for k, v in batch.items()
@@ -91,18 +94,16 @@ class BatchAdapter:
         """The micro-batch's loss tokens: labels != -100 (shifted for causal LMs, as Hugging
         Face's Trainer counts ``num_items_in_batch``)."""
         labels = batch["labels"]
-        if self.seq.kind.startswith("hf:") and getattr(self.seq.head, "shift_labels", True):
+        if self._hf and not self._masked_lm:
             labels = labels[..., 1:]
         return int((labels != -100).sum())
 
     def wrap_loss(self, loss: torch.Tensor) -> Any:
         """The loss as the model's own forward would return it."""
-        if self.seq.kind.startswith("hf:"):
+        if self._hf:
             from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
 
-            if not getattr(self.seq.head, "shift_labels", True):  # BERT, RoBERTa
-                return MaskedLMOutput(loss=loss)
-            return CausalLMOutputWithPast(loss=loss)
+            return (MaskedLMOutput if self._masked_lm else CausalLMOutputWithPast)(loss=loss)
         return loss
 
 

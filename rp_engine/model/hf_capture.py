@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from rp_engine.model.base import State, structural_copy
@@ -87,16 +88,14 @@ class Template:
 
 
 def resolve(value: Any, state: State, hidden: torch.Tensor) -> Any:
-    """A template leaf (or tuple/list/dict of them) with refs and the hidden slot filled in."""
-    if value is _HIDDEN:
-        return hidden
-    if isinstance(value, _Ref):
-        return state[value.key]
-    if isinstance(value, tuple | list):
-        return type(value)(resolve(v, state, hidden) for v in value)
-    if isinstance(value, dict):
-        return {k: resolve(v, state, hidden) for k, v in value.items()}
-    return value
+    """A template (any pytree of leaves) with refs and the hidden slot filled in."""
+
+    def fill(leaf: Any) -> Any:
+        if leaf is _HIDDEN:
+            return hidden
+        return state[leaf.key] if isinstance(leaf, _Ref) else leaf
+
+    return pytree.tree_map(fill, value)
 
 
 class _Out(tuple):  # type: ignore[type-arg]
@@ -178,7 +177,7 @@ class CapturedPrefix(nn.Module):
         }
         for path, module in head_modules:
             swaps.setdefault(id(module), _Unreached(path))
-        self.shell = structural_copy(model, dict(swaps))  # the stand-ins replace theirs
+        self.shell = structural_copy(model, swaps)  # the stand-ins replace theirs
         self.num_blocks = n
         forward = inspect.signature(model.forward).parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in forward.values())
@@ -219,46 +218,42 @@ def _state_of(calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> State:
     state: dict[str, Any] = {}
     keys: dict[int, str] = {}
 
-    def leaf(value: Any, where: str) -> Any:
-        if isinstance(value, _Out):
+    def leaf(path: Any, value: Any, where: str) -> Any:
+        if isinstance(value, _Out):  # the hidden state a recorder passed on
             return _HIDDEN
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad:
-                raise NotImplementedError(
-                    f"{where} is a tensor that carries gradient; rp_engine passes only the "
-                    "hidden state's gradient between stages"
-                )
-            key = keys.get(id(value))
-            if key is None:
-                key = keys[id(value)] = f"ctx.{len(keys)}"
-                state[key] = value
-            return _Ref(key)
-        if isinstance(value, tuple | list):
-            return type(value)(leaf(v, f"{where}[{i}]") for i, v in enumerate(value))
-        if isinstance(value, dict):
-            return {k: leaf(v, f"{where}[{k!r}]") for k, v in value.items()}
-        return value
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.requires_grad:
+            raise NotImplementedError(
+                f"{where}{pytree.keystr(path)} is a tensor that carries gradient; rp_engine "
+                "passes only the hidden state's gradient between stages"
+            )
+        key = keys.get(id(value))
+        if key is None:
+            key = keys[id(value)] = f"ctx.{len(keys)}"
+            state[key] = value
+        return _Ref(key)
 
     templates = []
     for i, (args, kwargs) in enumerate(calls):
-        hidden_arg = args[0] if args else kwargs.get("hidden_states")
+        if args:
+            hidden, args = args[0], (_HIDDEN, *args[1:])
+        else:  # the hidden state passed as ``hidden_states=``
+            hidden, kwargs = kwargs.get("hidden_states"), {**kwargs, "hidden_states": _HIDDEN}
         if i == 0:
-            if not isinstance(hidden_arg, torch.Tensor) or not hidden_arg.is_floating_point():
+            if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
                 raise NotImplementedError(
                     "the first block's first argument is not a floating tensor (the hidden "
-                    f"state): got {type(hidden_arg).__name__}"
+                    f"state): got {type(hidden).__name__}"
                 )
-            state["hidden"] = hidden_arg
-        rest_args = tuple(leaf(a, f"block {i} argument {j}") for j, a in enumerate(args[1:]))
-        rest_kwargs = tuple(
-            (k, leaf(v, f"block {i} argument {k!r}"))
-            for k, v in kwargs.items()
-            if not (not args and k == "hidden_states")
-        )
-        if args:
-            templates.append(Template((_HIDDEN, *rest_args), rest_kwargs))
-        else:
-            templates.append(Template((), (("hidden_states", _HIDDEN), *rest_kwargs)))
+            state["hidden"] = hidden
+
+        def note(path: Any, value: Any, i: int = i) -> Any:
+            return leaf(path, value, f"block {i} argument ")
+
+        args = pytree.tree_map_with_path(note, args)
+        kwargs = pytree.tree_map_with_path(note, kwargs)
+        templates.append(Template(tuple(args), tuple(kwargs.items())))
     state[CALLS_KEY] = tuple(templates)
     return state
 

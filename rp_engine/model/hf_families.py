@@ -121,18 +121,16 @@ def generic_family(model: nn.Module) -> CapturedFamily | None:
     if head_path is None:
         return None
     parent = blocks_path.rpartition(".")[0]
-    final = tuple(
-        f"{parent}.{n}" if parent else n
-        for n in _FINAL_NAMES
-        if isinstance(submodule(model, f"{parent}.{n}" if parent else n), nn.Module)
-    )
+    beside = [f"{parent}.{n}" if parent else n for n in _FINAL_NAMES]
+    final = tuple(path for path in beside if isinstance(submodule(model, path), nn.Module))
     return CapturedFamily(blocks_path, head_path, final)
 
 
 def build_captured(
-    model: nn.Module, model_type: str, family: CapturedFamily, *, chunk_tokens: int, listed: bool
-) -> tuple[CapturedPrefix, list[nn.Module], CausalLMHead]:
-    """prefix, blocks, head of ``model`` (unwrapped from peft) cut as ``family`` says."""
+    model: nn.Module, model_type: str, family: CapturedFamily, *, chunk_tokens: int
+) -> tuple[CapturedPrefix, list[nn.Module], CausalLMHead, FirstBatchCheck | None]:
+    """prefix, blocks, head of ``model`` (unwrapped from peft) cut as ``family`` says, and the
+    first-batch check of a family that is not listed (its head was guessed; None: listed)."""
     config: Any = model.config
     layers_list = submodule(model, family.blocks)
     if not isinstance(layers_list, nn.ModuleList):
@@ -158,16 +156,17 @@ def build_captured(
         logits_multiplier=factor(family.logits_multiplier, 1.0),
         shift_labels=not masked,
     )
-    if not listed:
-        log.warning(
-            "rp_engine: Hugging Face family %r is not among the mapped ones; pipelined through "
-            "its own forward with blocks %r and head %s; its first batch is checked against "
-            "model(**batch).loss",
-            model_type,
-            family.blocks,
-            [*family.final, family.lm_head],
-        )
-    return prefix, blocks, head
+    if model_type in CAPTURED_FAMILIES:
+        return prefix, blocks, head, None
+    log.warning(
+        "rp_engine: Hugging Face family %r is not among the mapped ones; pipelined through "
+        "its own forward with blocks %r and head %s; its first batch is checked against "
+        "model(**batch).loss",
+        model_type,
+        family.blocks,
+        [*family.final, family.lm_head],
+    )
+    return prefix, blocks, head, FirstBatchCheck()
 
 
 class FirstBatchCheck:
@@ -176,17 +175,16 @@ class FirstBatchCheck:
     row cut to ``max_tokens`` tokens (bounded cost). A mismatch raises with both numbers: a
     family whose head was guessed must never train silently wrong."""
 
-    def __init__(self, seq_of: Any, *, rtol: float | None = None, max_tokens: int = 64) -> None:
-        self._seq_of = seq_of  # () -> LayerSequence, set once the sequence exists
+    def __init__(self, *, rtol: float | None = None, max_tokens: int = 64) -> None:
         self.rtol = rtol  # None: 1e-3 for fp32 weights, 2e-2 for fp16/bf16 (their rounding)
         self.max_tokens = max_tokens
         self.done = False
 
-    def __call__(self, batch: dict[str, Any]) -> None:
+    def __call__(self, seq: LayerSequence, batch: dict[str, Any]) -> None:
+        """Check ``seq`` (the sequence holding this check) on ``batch``, the first time."""
         if self.done:
             return
         self.done = True
-        seq: LayerSequence = self._seq_of()
         model = seq.root
         params = list(model.parameters())
         if any(p.device.type != "cpu" or p.untyped_storage().size() == 0 for p in params):
@@ -221,6 +219,6 @@ class FirstBatchCheck:
                 f"rp_engine: the pipelined form of this {type(model).__name__} does not compute "
                 f"the model's loss on the first batch: {got:.6g} against model(**batch).loss "
                 f"{want:.6g}. Its family is not mapped and its head was guessed; it is not "
-                "trained silently wrong. Map the family (rp_engine/model/hf_families.py) or "
-                "name its cut points with roundpipe.split_points."
+                "trained silently wrong. Map the family: a row in CAPTURED_FAMILIES "
+                "(rp_engine/model/hf_families.py) naming its blocks, final modules and LM head."
             )

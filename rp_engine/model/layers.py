@@ -24,12 +24,7 @@ from torch import nn
 
 from rp_engine.model.base import HeadModule, LayerSequence, State, batch_to_dict
 from rp_engine.model.hf import LLAMA_STYLE_FAMILIES, build_hf_blocks, is_hf_causal_lm
-from rp_engine.model.hf_families import (
-    CAPTURED_FAMILIES,
-    FirstBatchCheck,
-    build_captured,
-    captured_family,
-)
+from rp_engine.model.hf_families import build_captured, captured_family
 from rp_engine.model.module import module_layers
 from rp_engine.model.sequential import build_from_funcs, deepspeed_pipe
 
@@ -97,19 +92,14 @@ def to_layers(
         return _checked(LayerSequence(hf_prefix, hf_blocks, hf_head, model, f"hf:{model_type}"))
     if captured is not None:
         model_type, family = captured
-        listed = model_type in CAPTURED_FAMILIES
-        cap_prefix, cap_blocks, cap_head = build_captured(
-            inner, model_type, family, chunk_tokens=head_chunk_tokens, listed=listed
+        cap_prefix, cap_blocks, cap_head, check = build_captured(
+            inner, model_type, family, chunk_tokens=head_chunk_tokens
         )
-        holder: list[LayerSequence] = []
-        check = None if listed else FirstBatchCheck(lambda: holder[0])
-        seq = _checked(
+        return _checked(
             LayerSequence(
                 cap_prefix, cap_blocks, cap_head, model, f"hf:{model_type}", first_batch_check=check
             )
         )
-        holder.append(seq)
-        return seq
     if isinstance(model, nn.Sequential) and loss_fn is not None:
         prefix, blocks, head, root, kind = build_from_funcs(model, loss_fn=loss_fn)
         return _checked(LayerSequence(prefix, blocks, head, root, kind))
