@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rp_engine.host.jit_cache import with_own_ninja
+from rp_engine.host.memory_limit import status_bytes
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen3-1.7B (public config), random weights: 1.72 B parameters; the GPU configuration
@@ -62,12 +63,9 @@ def peak_rss() -> int:
     ``subprocess`` (vfork/fork, then exec) ``exec``s from its parent's. Under a test runner
     holding 2.85 GB, two children that peaked at 2.4 and 2.1 GB on their own both reported
     2.85 GB (issue 51's fresh-clone run). Falls back to ``ru_maxrss`` where there is no /proc."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine_info, one_rank_env, peak_rss
+from rp_engine.host.memory_limit import status_bytes
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "data" / "nvme_bench.json"
 DEFAULT_DIR = "/tmp/rp_nvme_bench"
@@ -281,13 +282,9 @@ def rp_config(
 
 def _rss_mb() -> dict[str, float]:
     """This process's resident set now and its peak so far (``/proc/self/status`` VmRSS,
-    VmHWM), MB (2**20 bytes, as ``ru_maxrss``), or {} where there is none."""
-    try:
-        lines = Path("/proc/self/status").read_text().splitlines()
-    except OSError:
-        return {}
-    pairs = (ln.split(":", 1) for ln in lines if ln.startswith(("VmRSS:", "VmHWM:")))
-    return {k: int(v.split()[0]) / 1024 for k, v in pairs}
+    VmHWM), MB (2**20 bytes), or {} where there is none."""
+    found = {key: status_bytes(key) for key in ("VmRSS", "VmHWM")}
+    return {key: value / 2**20 for key, value in found.items() if value is not None}
 
 
 def _proc_io() -> dict[str, int]:

@@ -59,7 +59,6 @@ log = logging.getLogger("rp_engine")
 
 __all__ = [
     "TierFit",
-    "wanted_counts",
     "PreflightError",
     "HostNeed",
     "host_need",
@@ -226,19 +225,7 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
     return need
 
 
-def tier_need(
-    store: Any, cfg: Any, *, devices: int, grad_buffers: int, weight_copies: int,
-    device_bytes: int = 0, cpu_devices: bool = False, counts: PoolCounts | None = None,
-) -> HostRam:  # fmt: skip
-    """The host RAM of ``store``'s layers trained with ``cfg``'s tiers (plan/host_ram.py), with
-    the pools of ``counts`` (None: what ``cfg`` and ``grad_buffers`` ask for)."""
-    return _need_of(
-        store, cfg, devices=devices, weight_copies=weight_copies, device_bytes=device_bytes,
-        cpu_devices=cpu_devices,
-    )(counts or wanted_counts(cfg, grad_buffers))  # fmt: skip
-
-
-def wanted_counts(cfg: Any, grad_buffers: int) -> PoolCounts:
+def _wanted_counts(cfg: Any, grad_buffers: int) -> PoolCounts:
     """The pools' buffers ``cfg`` asks for (its buffer counts, DeepSpeed's defaults)."""
     zero = cfg.zero
     return PoolCounts(
@@ -324,7 +311,7 @@ def check_tiers(
         store, cfg, devices=devices, weight_copies=weight_copies, device_bytes=device_bytes,
         cpu_devices=cpu_devices,
     )  # fmt: skip
-    wanted = wanted_counts(cfg, grad_buffers)
+    wanted = _wanted_counts(cfg, grad_buffers)
     fewest = PoolCounts.fewest(devices, grad_tier=grad_buffers > 0)
     least = need_of(fewest)
     if not cfg.roundpipe.host_preflight:

@@ -39,7 +39,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BUDGET_KEY", "NO_LIMIT_V1", "HostMemory", "Limit", "find_limits", "host_memory"]
+__all__ = [
+    "BUDGET_KEY",
+    "NO_LIMIT_V1",
+    "HostMemory",
+    "Limit",
+    "find_limits",
+    "host_memory",
+    "status_bytes",
+]
 
 BUDGET_KEY = "roundpipe.host_memory_gb"
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 on 4 KiB pages);
@@ -286,5 +294,11 @@ def _meminfo_kib(proc: Path, key: str) -> int | None:
     return _kib_field(proc / "meminfo", key)
 
 
+def status_bytes(key: str, *, proc: Path = Path("/proc")) -> int | None:
+    """This process's ``key`` of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``,
+    ``RssFile``, ``VmSize``...), bytes; None where there is no such line (or no /proc)."""
+    return _kib_field(proc / "self" / "status", key)
+
+
 def _status_kib(proc: Path, key: str) -> int:
-    return _kib_field(proc / "self" / "status", key) or 0
+    return status_bytes(key, proc=proc) or 0

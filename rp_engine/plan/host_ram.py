@@ -183,7 +183,8 @@ class PoolCounts:
     def fewest(devices: int, *, grad_tier: bool) -> PoolCounts:
         """The fewest buffers each pool can make progress with: 2 per record pool (one pinned
         while another is read or written back), and for the gradient tier one per device's host
-        thread, the optimizer's and one to spare (storage/build.py's ``grad_buffer_count``)."""
+        thread, the optimizer's and one to spare (storage/build.py's ``grad_buffer_count``
+        refuses fewer)."""
         return PoolCounts(2, devices + 2 if grad_tier else 0, 2)
 
 

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from rp_engine.host.defaults import default_grad_buffers
+from rp_engine.plan.host_ram import PoolCounts
 from rp_engine.storage.grad_tier import GradTier, grad_records
 from rp_engine.storage.io_engine import IOStats, make_io_engine
 from rp_engine.storage.optimizer_tier import OptimizerTier, tier_bytes
@@ -97,10 +98,11 @@ def grad_buffer_count(cfg: Any, *, trains: bool, num_devices: int) -> int:
             f"roundpipe.grad_buffers = {chosen}: the gradient pool spills to the NVMe folder of "
             'zero_optimization.offload_optimizer (device "nvme"); set that, or grad_buffers 0'
         )
-    if chosen and chosen < num_devices + 2:
+    fewest = PoolCounts.fewest(num_devices, grad_tier=True).grad
+    if chosen and chosen < fewest:
         raise ValueError(
             f"roundpipe.grad_buffers = {chosen} is too few for {num_devices} device(s): at least "
-            f"{num_devices + 2} (one per device's host thread, the optimizer's, one to spare); "
+            f"{fewest} (one per device's host thread, the optimizer's, one to spare); "
             "null chooses"
         )
     return int(chosen)

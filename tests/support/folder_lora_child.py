@@ -20,6 +20,7 @@ import sys
 import torch
 
 from benchmarks.common import peak_rss
+from rp_engine.host.memory_limit import status_bytes
 
 
 def main(argv: list[str]) -> int:
@@ -83,13 +84,8 @@ def main(argv: list[str]) -> int:
 
 def _rss() -> dict[str, int]:
     """This process's resident memory now, anonymous and file-backed (/proc/self/status)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile"):
-                out[key.lower()] = int(value.split()[0]) * 1024
-    return out
+    found = {key.lower(): status_bytes(key) for key in ("RssAnon", "RssFile")}
+    return {key: value for key, value in found.items() if value is not None}
 
 
 if __name__ == "__main__":

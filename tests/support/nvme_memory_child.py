@@ -33,14 +33,14 @@ from torch import nn
 
 import rp_engine
 from benchmarks.common import peak_rss
+from rp_engine.host.memory_limit import status_bytes
 
 
 def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
+    anon = status_bytes("RssAnon")
+    if anon is None:
+        raise RuntimeError("no RssAnon in /proc/self/status")
+    return anon
 
 
 def _rss() -> int:
