@@ -196,9 +196,8 @@ def _gpt2_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
 
 
 def _gptj_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
-    return {"n_layer": layers, "n_embd": hidden, "n_head": 4, "n_positions": 256,
-            "rotary_dim": 8, "vocab_size": vocab, "attn_pdrop": 0.0, "embd_pdrop": 0.0,
-            "resid_pdrop": 0.0, "tie_word_embeddings": False}  # fmt: skip
+    # GPT-2's names, rotary positions on part of each head, an untied head
+    return {**_gpt2_keys(layers, hidden, vocab), "rotary_dim": 8, "tie_word_embeddings": False}
 
 
 def _llama_like_keys(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
