@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ from torch import nn
 
 from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
 from rp_engine.host.memory_limit import BUDGET_KEY, HostMemory, Limit, host_memory
-from rp_engine.host.units import format_mib_gib
+from rp_engine.host.units import ALIGN, format_mib_gib
 from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, PoolCounts, fit_pools, tier_host_ram
 
 log = logging.getLogger("rp_engine")
@@ -228,12 +228,22 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
 def _wanted_counts(cfg: Any, grad_buffers: int) -> PoolCounts:
     """The pools' buffers ``cfg`` asks for (its buffer counts, DeepSpeed's defaults)."""
     zero = cfg.zero
+    mb = cfg.roundpipe.optimizer_slice_mb
     return PoolCounts(
         optimizer=(
             zero.offload_optimizer.buffer_count if zero.offload_optimizer else OPTIMIZER_BUFFERS
         ),
         grad=grad_buffers,
         param=zero.offload_param.buffer_count if zero.offload_param else PARAM_BUFFERS,
+        optimizer_slice=int(mb * 2**20) // ALIGN * ALIGN if mb else 0,
+    )
+
+
+def can_slice(cfg: Any) -> bool:
+    """Whether the optimizer tier may slice layers below their size (delay compensation,
+    ``staleness_compensation`` "lookahead_dc", needs each tensor whole)."""
+    return bool(cfg.zero.offload_optimizer_device == "nvme") and (
+        cfg.roundpipe.staleness_compensation != "lookahead_dc"
     )
 
 
@@ -269,6 +279,7 @@ def _need_of(
             param_tier=zero.offload_param_device == "nvme",
             grad_buffers=counts.grad,
             optimizer_buffers=counts.optimizer,
+            optimizer_slice=counts.optimizer_slice,
             param_buffers=counts.param,
             weight_copies=weight_copies,
             shared_params=shared,
@@ -312,7 +323,15 @@ def check_tiers(
         cpu_devices=cpu_devices,
     )  # fmt: skip
     wanted = _wanted_counts(cfg, grad_buffers)
-    fewest = PoolCounts.fewest(devices, grad_tier=grad_buffers > 0)
+    slicing = can_slice(cfg)
+    fewest = PoolCounts.fewest(devices, grad_tier=grad_buffers > 0, slicing=slicing)
+    if wanted.optimizer_slice:  # asked for: never larger than that
+        fewest = replace(
+            fewest,
+            optimizer_slice=min(
+                wanted.optimizer_slice, fewest.optimizer_slice or wanted.optimizer_slice
+            ),
+        )
     least = need_of(fewest)
     if not cfg.roundpipe.host_preflight:
         need = need_of(wanted)
@@ -321,16 +340,26 @@ def check_tiers(
     memory = memory_for(cfg, available=available)
     free = memory.available
     held = least.runtime + least.model
-    counts, need = fit_pools(held + free, wanted, fewest, need_of)
+    largest = 12 * max(
+        (sum(hp.master.numel() for hp in layer.owned) for layer in store.layers), default=0
+    )
+    counts, need = fit_pools(held + free, wanted, fewest, need_of, largest_record=largest)
     if counts != wanted:
         log.warning(
             "host RAM: the NVMe pools shrink to fit %s: %s (fewer reads ahead and more waits "
             "for write-backs: speed, never results)",
             memory.describe(format_mib_gib),
             ", ".join(
-                f"{name} {getattr(wanted, name)} -> {getattr(counts, name)} buffers"
-                for name in ("optimizer", "grad", "param")
-                if getattr(wanted, name) != getattr(counts, name)
+                [
+                    f"{name} {getattr(wanted, name)} -> {getattr(counts, name)} buffers"
+                    for name in ("optimizer", "grad", "param")
+                    if getattr(wanted, name) != getattr(counts, name)
+                ]
+                + (
+                    [f"optimizer state in slices of {format_mib_gib(counts.optimizer_slice)}"]
+                    if counts.optimizer_slice != wanted.optimizer_slice
+                    else []
+                )
             ),
         )
     log.info("host RAM with the NVMe tiers (predicted):\n%s", "\n".join(need.lines()))

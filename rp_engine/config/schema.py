@@ -342,6 +342,11 @@ class RoundPipeConfig:
     # (storage/grad_tier.py): null = on with the tier, 2 x devices + 4 buffers; N = N buffers
     # (at least devices + 2); 0 = the whole-model gradient arena in RAM (4-8 B per parameter)
     grad_buffers: int | None = field(default=None, metadata=_m(ge=0))
+    # with the NVMe optimizer tier, the largest piece of a layer's fp32 masters and Adam moments
+    # its buffers carry, in MiB: null = whole layers, sliced only as far as the memory limit
+    # needs (host_preflight.py); N = slices of at most N MiB, stepped one after the other
+    # (bit-identical; storage/optimizer_tier.py). Not with staleness_compensation "lookahead_dc"
+    optimizer_slice_mb: float | None = field(default=None, metadata=_m(gt=0))
     # the NVMe tier's I/O: DeepSpeed's aio op when built ("auto"), or the built-in O_DIRECT threads
     nvme_io_engine: str = field(default="auto", metadata=_m(choices=("auto", "aio", "threads")))
     # the asynchronous optimizer's stale weights (iteration t reads w_{t-2}): "none" reads them

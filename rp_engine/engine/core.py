@@ -262,6 +262,7 @@ class RoundPipeEngine(DeepSpeedAccessors):
                 cfg, self.store, self.host_optimizer, rank=0,
                 data_parallel=dp_world() > 1,
                 buffer_count=counts.optimizer if counts else None,
+                slice_bytes=counts.optimizer_slice if counts else None,
             )  # fmt: skip
             self.store.pager = self.nvme_tier
         self.grad_tier: GradTier | None = None

@@ -71,6 +71,10 @@ class Pager(Protocol):
 
     def prefetch(self, layers: Iterable[int]) -> None: ...
 
+    def slice_count(self, layer: int) -> int: ...
+
+    def resident_slice(self, layer: int, index: int) -> contextlib.AbstractContextManager[Any]: ...
+
 
 __all__ = ["GradLanding", "HostParam", "HostLayer", "HostStore", "Pager", "placeholder"]
 
@@ -178,6 +182,18 @@ class HostStore:
         """The layer's masters (and optimizer moments) hold their values for the block; with
         ``dirty`` the block changes them. Always true in RAM; the NVMe tier reads and writes."""
         return self.pager.resident(layer, dirty=dirty) if self.pager else contextlib.nullcontext()
+
+    def slice_count(self, layer: int) -> int:
+        """How many slices the optimizer steps ``layer``'s masters and moments in, each inside
+        ``resident_slice`` (a sliced NVMe tier: the layer's state is larger than the tier's
+        records); 0 when they are held whole (``resident``)."""
+        return self.pager.slice_count(layer) if self.pager else 0
+
+    def resident_slice(self, layer: int, index: int) -> contextlib.AbstractContextManager[Any]:
+        """Slice ``index`` of the layer's masters and moments for the block, as
+        ``StateSegment`` views (optim/optimizer.py) the block steps in place."""
+        assert self.pager is not None
+        return self.pager.resident_slice(layer, index)
 
     @contextmanager
     def reading(self, layer: int) -> Iterator[None]:

@@ -41,6 +41,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ __all__ = [
     "adam_slice",
     "HostOptimizer",
     "PREDICTIONS",
+    "StateSegment",
     "build_inner_optimizer",
     "snapshot_groups",
 ]
@@ -185,6 +187,21 @@ def _is_cpu_adam_built(root: str) -> bool:
 def snapshot_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Hyper-parameters of every group (no params), frozen at the moment a step is issued."""
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+@dataclass(frozen=True)
+class StateSegment:
+    """Elements ``[start, stop)`` of ``master`` (flat) with its state: ``w`` the master's
+    values, ``exp_avg`` and ``exp_avg_sq`` its Adam moments there (contiguous fp32 views the
+    step changes in place). What a sliced optimizer tier (storage/optimizer_tier.py) hands to
+    ``HostOptimizer.step_segments``: the master itself may own no memory meanwhile."""
+
+    master: torch.Tensor
+    start: int
+    stop: int
+    w: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
 
 
 class HostOptimizer:
@@ -376,7 +393,6 @@ class HostOptimizer:
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
-            beta1, beta2 = g["betas"]
             assert p.grad is not None  # ``live``: the params with a gradient
             tensors: tuple[torch.Tensor, ...] = (
                 p.data,
@@ -409,25 +425,90 @@ class HostOptimizer:
                         publish=None if terms is None else "lookahead", terms=terms,
                     )[2]  # fmt: skip
                     continue
-                # DeepSpeed's own C++ kernel, with DeepSpeedCPUAdam.step's arguments: without
-                # the GIL (nogil_adam.py), or through its binding, holding the GIL for one slice
-                update = (
-                    inner.ds_opt_adam.adam_update if self._nogil is None else self._nogil.update
+                self._adam_update(
+                    g, state, (param, grad, exp_avg, exp_avg_sq, *out), predict, terms
                 )
-                update(
-                    inner.opt_id, state["step"], g["lr"], beta1, beta2, g["eps"],
-                    g["weight_decay"], g["bias_correction"], param, grad, exp_avg, exp_avg_sq,
-                )  # fmt: skip
-                if not out:
-                    continue
-                if terms is None:
-                    write_copy(param, out[0])
-                elif predict == "predict":
-                    write_prediction(param, exp_avg, exp_avg_sq, out[0], **terms)
-                else:
-                    write_lookahead(param, grad, exp_avg, exp_avg_sq, out[0], **terms)
             if dc is not None and delay is not None:
                 delay.record(p, w_sq_sum)
+
+    def _adam_update(
+        self, g: dict[str, Any], state: dict[str, Any], tensors: tuple[torch.Tensor, ...],
+        predict: str | None, terms: dict[str, float] | None,
+    ) -> None:  # fmt: skip
+        """One call of DeepSpeed's own C++ kernel on ``tensors`` (param, grad, exp_avg,
+        exp_avg_sq, and the compute weight to publish into, if any), with DeepSpeedCPUAdam.step's
+        arguments: without the GIL (nogil_adam.py), or through its binding, holding the GIL for
+        this slice; then the slice's publish while it is in cache (``step_params``)."""
+        inner: Any = self.optimizer
+        param, grad, exp_avg, exp_avg_sq, *out = tensors
+        beta1, beta2 = g["betas"]
+        update = inner.ds_opt_adam.adam_update if self._nogil is None else self._nogil.update
+        update(
+            inner.opt_id, state["step"], g["lr"], beta1, beta2, g["eps"],
+            g["weight_decay"], g["bias_correction"], param, grad, exp_avg, exp_avg_sq,
+        )  # fmt: skip
+        if not out:
+            return
+        if terms is None:
+            write_copy(param, out[0])
+        elif predict == "predict":
+            write_prediction(param, exp_avg, exp_avg_sq, out[0], **terms)
+        else:
+            write_lookahead(param, grad, exp_avg, exp_avg_sq, out[0], **terms)
+
+    @torch.no_grad()
+    def step_segments(
+        self,
+        segments: Sequence[StateSegment],
+        *,
+        groups: list[dict[str, Any]],
+        grad_coef: float,
+        publish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        predict: str | None = None,
+    ) -> None:
+        """``step_params`` for parts of masters (a sliced optimizer tier): each segment's
+        elements stepped by CPU Adam with ``groups``, its gradient (the master's ``.grad``,
+        whole) scaled by ``grad_coef`` there, and with ``publish`` its compute weight's
+        elements written right after (``predict``: as in ``step_params``; a master without a
+        gradient gets the cast or the prediction only). A master's step count advances at its
+        segment starting at element 0, so its segments must come in order, all in one step.
+        Bit-identical to ``step_params`` on whole tensors: Adam is elementwise and segment
+        bounds are multiples of the kernel's SIMD span. No delay compensation (it needs the
+        whole tensor's norms)."""
+        if not self.per_layer or predict not in (None, "predict", "lookahead"):
+            raise ValueError(
+                f"stepping state segments needs DeepSpeed CPU Adam and predict in "
+                f"(None, 'predict', 'lookahead'), not predict={predict!r}"
+            )
+        inner: Any = self.optimizer
+        for seg in segments:
+            p = seg.master
+            g = groups[self._group_of[id(p)]]
+            out = None if publish is None else publish(p).view(-1)[seg.start : seg.stop]
+            state = inner.state[p]
+            if p.grad is None:
+                if out is None:
+                    continue
+                terms = self._prediction_terms(p, g) if predict and self.can_predict else None
+                if terms is None:
+                    write_copy(seg.w, out)
+                else:
+                    write_prediction(seg.w, seg.exp_avg, seg.exp_avg_sq, out, **terms)
+                continue
+            if seg.start == 0:
+                state["step"] += 1
+            terms = None
+            if out is not None and predict == "predict":
+                terms = self._prediction_terms(p, g)
+            elif out is not None and predict == "lookahead":
+                terms = self._lookahead_terms(p, g)
+            grad = p.grad.view(-1)[seg.start : seg.stop]
+            tensors = (seg.w, grad, seg.exp_avg, seg.exp_avg_sq) + (() if out is None else (out,))
+            for part in _slices(tensors, self.slice_elems):
+                if grad_coef != 1.0:
+                    part[1].mul_(grad_coef)
+                self._adam_update(g, state, part, predict, terms)
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _adam_terms(self, g: dict[str, Any], step: int) -> AdamTerms:
         """Step ``step``'s scalars with group hyper-parameters ``g``, folded as DeepSpeed's CPU

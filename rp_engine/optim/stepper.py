@@ -502,8 +502,12 @@ class OptimizerStepper:
             self._enqueue_dp(layer, st, coef=coef, skip=skip)
             return
         masters = [hp.master for hp in self.store.layers[layer].owned]
+        slices = self.store.slice_count(layer)
 
         def task() -> None:
+            if slices and not skip and masters:
+                self._step_sliced(layer, slices, st, coef=coef)
+                return
             # the masters and moments hold their values inside ``resident`` (the NVMe tier
             # reads them before and writes them back after; in RAM it does nothing)
             with self.store.resident(layer, dirty=not skip):
@@ -539,6 +543,29 @@ class OptimizerStepper:
             self.store.prefetch(range(layer, -1, -1))
         else:
             self.store.prefetch(range(layer, self._num_layers))
+
+    def _step_sliced(self, layer: int, slices: int, st: _OpenStep, *, coef: float) -> None:
+        """Step ``layer`` slice by slice (a sliced NVMe tier: its state never is in RAM
+        whole), each slice's compute weights published as it steps. No step journal (the tier
+        turns it off) and no delay compensation (refused with a sliced tier)."""
+        self.store.attach_grads([layer])
+        owned = {id(hp.master): hp for hp in self.store.layers[layer].owned}
+        predict = self.compensation if self.predicts else None
+        if not self.publishes_at_step_end:
+            for k in range(slices):
+                with self.store.resident_slice(layer, k) as segments:
+                    self.optimizer.step_segments(segments, groups=st.groups, grad_coef=coef)
+            self._finish([layer], st.step)
+            return
+        with self.store.publishing(layer, st.step, predicted=self.predicts) as dst:
+            for k in range(slices):
+                with self.store.resident_slice(layer, k) as segments:
+                    self.optimizer.step_segments(
+                        segments, groups=st.groups, grad_coef=coef,
+                        publish=None if dst is None else (lambda p: dst(owned[id(p)])),
+                        predict=predict,
+                    )  # fmt: skip
+        self._finish([layer], st.step, published=True)
 
     def _warn_undelayed(self) -> None:
         """Once: "lookahead_dc" with one compute-weight buffer steps without the delay

@@ -14,7 +14,9 @@ records of an ordinary layer, plus two of a much larger one (an embedding, an LM
   compute weights         every weight in RAM (x2 when double-buffered), or with the parameter
                           tier only the shared ones (a tied embedding) and the tier's pool,
                           which grows to what one upload pins: a stage's weights
-  optimizer tier          ``buffer_count`` x 12 B x the largest ordinary layer (+ 2 big)
+  optimizer tier          ``buffer_count`` x 12 B x the largest ordinary layer (+ 2 big), or
+                          sliced (``optimizer_slice`` bytes): ``buffer_count`` slices, whatever
+                          the layers' width
   gradient tier           ``grad_buffers`` x 4 B x the largest ordinary layer (+ 2 big); without
                           it, the whole-model fp32 arena (4 B per trainable parameter)
   download staging        per device, a stage's gradients in the compute dtype
@@ -43,6 +45,7 @@ __all__ = [
     "HostRam",
     "PoolCounts",
     "PoolSizes",
+    "MIN_OPTIMIZER_SLICE",
     "fit_pools",
     "size_classes",
     "tier_host_ram",
@@ -52,6 +55,11 @@ __all__ = [
 # the model's own bytes; training adds threads, DeepSpeed's ops and allocator slack: 0.2 GiB
 RUNTIME_GROWTH = 200 * 2**20
 RUNTIME_BYTES = 250 * 2**20  # what initialize finds besides the model, when not measured
+# the smallest slice of a layer's optimizer state a pool buffer carries: 12 B x 512K elements,
+# a quarter of a CPU Adam call's slice (optim/optimizer.py), so the calls stay long enough
+# that their Python overhead is noise; halved from the largest record down to this when a
+# budget needs it (``fit_pools``)
+MIN_OPTIMIZER_SLICE = 6 * 2**20
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,7 @@ def tier_host_ram(
     param_tier: bool,
     grad_buffers: int,
     optimizer_buffers: int = OPTIMIZER_BUFFERS,
+    optimizer_slice: int = 0,
     param_buffers: int = PARAM_BUFFERS,
     weight_copies: int = 2,
     shared_params: int = 0,
@@ -137,7 +146,9 @@ def tier_host_ram(
     the optimizer tier); ``shared_params``: parameters used by several layers (they stay in RAM
     with the parameter tier); ``device_bytes``: each device's memory budget (0: unknown);
     ``cpu_devices``: the devices are CPU virtual devices, whose memory is host memory;
-    ``runtime_bytes``: what the process holds at initialize besides the model."""
+    ``runtime_bytes``: what the process holds at initialize besides the model;
+    ``optimizer_slice``: the optimizer tier's records are slices of at most that many bytes
+    (0: whole layers)."""
     total = sum(layer_params)
     trainable = sum(layer_trainable)
     ordinary = size_classes(layer_params).ordinary  # the largest layer but the big few
@@ -155,7 +166,11 @@ def tier_host_ram(
         parts.append(("compute weights", total * dtype_bytes * weight_copies))
     if optimizer_tier:
         records = size_classes([12 * t for t in layer_trainable])
-        parts.append(("optimizer tier buffers", records.pool_bytes(optimizer_buffers)))
+        pool = records.pool_bytes(optimizer_buffers)
+        if optimizer_slice:
+            largest = -(-max(12 * t for t in layer_trainable) // ALIGN) * ALIGN
+            pool = max(2, optimizer_buffers) * min(optimizer_slice, largest)
+        parts.append(("optimizer tier buffers", pool))
     else:
         parts.append(("fp32 masters + Adam moments", 12 * trainable))
     if grad_buffers:
@@ -173,30 +188,38 @@ def tier_host_ram(
 class PoolCounts:
     """Buffers of the three tiers' pools: ``optimizer`` (offload_optimizer.buffer_count),
     ``grad`` (roundpipe.grad_buffers; 0: no gradient tier), ``param``
-    (offload_param.buffer_count)."""
+    (offload_param.buffer_count); ``optimizer_slice``: the optimizer tier's records are slices
+    of at most that many bytes (roundpipe.optimizer_slice_mb; 0: whole layers)."""
 
     optimizer: int
     grad: int
     param: int
+    optimizer_slice: int = 0
 
     @staticmethod
-    def fewest(devices: int, *, grad_tier: bool) -> PoolCounts:
+    def fewest(devices: int, *, grad_tier: bool, slicing: bool = True) -> PoolCounts:
         """The fewest buffers each pool can make progress with: 2 per record pool (one pinned
         while another is read or written back), and for the gradient tier one per device's host
         thread, the optimizer's and one to spare (storage/build.py's ``grad_buffer_count``
-        refuses fewer)."""
-        return PoolCounts(2, devices + 2 if grad_tier else 0, 2)
+        refuses fewer); the optimizer's records sliced to ``MIN_OPTIMIZER_SLICE`` where
+        ``slicing`` may (not with delay compensation, which needs whole tensors)."""
+        return PoolCounts(
+            2, devices + 2 if grad_tier else 0, 2, MIN_OPTIMIZER_SLICE if slicing else 0
+        )
 
 
 def fit_pools(
-    budget: int, wanted: PoolCounts, fewest: PoolCounts, need: Callable[[PoolCounts], HostRam]
-) -> tuple[PoolCounts, HostRam]:
+    budget: int, wanted: PoolCounts, fewest: PoolCounts, need: Callable[[PoolCounts], HostRam],
+    *, largest_record: int = 0,
+) -> tuple[PoolCounts, HostRam]:  # fmt: skip
     """The pools a run of ``budget`` host bytes (its whole peak) gets: ``wanted`` when its
-    ``need(...).peak`` fits, else fewer buffers, one at a time from the pool whose buffer is
-    largest (the most bytes back per buffer given up), down to ``fewest``. Fewer buffers cost
-    speed (fewer reads ahead, more waits for write-backs), never a result: the tiers move the
-    same bytes. Returns the counts and their need; when even ``fewest`` does not fit, those
-    (the caller refuses, naming ``need(fewest).peak`` as the least the run can work with)."""
+    ``need(...).peak`` fits, else, one step at a time, whichever of these gives back the most:
+    a buffer less in one pool, or the optimizer tier's records sliced (from whole layers,
+    ``largest_record`` bytes at most, halved each time down to ``fewest.optimizer_slice``).
+    Fewer or smaller buffers cost speed (fewer reads ahead, more waits for write-backs, more
+    I/O calls), never a result: the tiers move the same bytes and Adam is elementwise. Returns
+    the counts and their need; when even ``fewest`` does not fit, those (the caller refuses,
+    naming ``need(fewest).peak`` as the least the run can work with)."""
     counts = wanted
     current = need(counts)
     while current.peak > budget:
@@ -205,7 +228,19 @@ def fit_pools(
             if getattr(counts, name) > getattr(fewest, name):
                 smaller = replace(counts, **{name: getattr(counts, name) - 1})
                 options.append((need(smaller), smaller))
+        sliced = _half_slice(counts.optimizer_slice or largest_record, fewest.optimizer_slice)
+        if sliced and (not counts.optimizer_slice or sliced < counts.optimizer_slice):
+            smaller = replace(counts, optimizer_slice=sliced)
+            options.append((need(smaller), smaller))
         if not options:
             break
         current, counts = min(options, key=lambda option: option[0].peak)
     return counts, current
+
+
+def _half_slice(current: int, smallest: int) -> int:
+    """Half of ``current`` slice bytes (4 KiB multiples), not below ``smallest``; 0 when
+    slicing is not allowed (``smallest`` 0) or ``current`` is that small already."""
+    if not smallest or current <= smallest:
+        return 0
+    return max(smallest, current // 2 // ALIGN * ALIGN)

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from rp_engine.host.defaults import default_grad_buffers
+from rp_engine.host.units import ALIGN
 from rp_engine.plan.host_ram import PoolCounts
 from rp_engine.storage.grad_tier import GradTier, grad_records
 from rp_engine.storage.io_engine import IOStats, make_io_engine
@@ -41,11 +42,12 @@ def wants_optimizer_tier(cfg: Any) -> bool:
 
 def build_optimizer_tier(
     cfg: Any, store: Any, optimizer: Any, *, rank: int, data_parallel: bool,
-    buffer_count: int | None = None,
+    buffer_count: int | None = None, slice_bytes: int | None = None,
 ) -> OptimizerTier:  # fmt: skip
     """The optimizer tier over ``store``'s paged masters and ``optimizer``'s moments (see
     storage/optimizer_tier.py), its swap file reserved under the config's ``nvme_path``;
-    ``buffer_count``: its pool's (None: ``offload_optimizer.buffer_count``)."""
+    ``buffer_count``: its pool's (None: ``offload_optimizer.buffer_count``); ``slice_bytes``:
+    its records' largest size (0: whole layers; None: ``roundpipe.optimizer_slice_mb``)."""
     if not optimizer.per_layer:
         raise ValueError(
             'zero_optimization.offload_optimizer.device "nvme" streams Adam state layer by '
@@ -62,14 +64,25 @@ def build_optimizer_tier(
             'roundpipe.step_journal "on" keeps a RAM copy of the state the NVMe tier moves out '
             'of RAM: use "if_memory_allows" or "off" with offload_optimizer.device "nvme"'
         )
+    if slice_bytes is None:
+        mb = cfg.roundpipe.optimizer_slice_mb
+        slice_bytes = int(mb * 2**20) // ALIGN * ALIGN if mb else 0
+    if slice_bytes and cfg.roundpipe.staleness_compensation == "lookahead_dc":
+        raise ValueError(
+            'roundpipe.staleness_compensation "lookahead_dc" compensates each tensor from its '
+            "whole norms, which an optimizer tier stepping layers in slices never holds: unset "
+            'roundpipe.optimizer_slice_mb, or choose "lookahead" (or raise the memory limit '
+            "if the preflight sliced the layers to fit it)"
+        )
     opt = cfg.zero.offload_optimizer
     count = opt.buffer_count if buffer_count is None else buffer_count
-    disk, _ = tier_bytes(store, count)
+    disk, _ = tier_bytes(store, count, slice_bytes=slice_bytes)
     folder = check_nvme_path(opt.nvme_path, disk, key=_KEY)
     engine = make_io_engine(cfg.roundpipe.nvme_io_engine, cfg.aio)
     try:
         return OptimizerTier(
             store, optimizer, folder=folder, rank=rank, engine=engine, buffer_count=count,
+            slice_bytes=slice_bytes,
         )  # fmt: skip
     except NvmeSpaceError as exc:
         engine.close()

@@ -25,8 +25,21 @@ The stepper steps one layer at a time on one thread, in the same order on every 
 same CPU Adam kernel on the same bytes: the tier changes where the state lives, never a result
 (tests/engine/test_nvme_tier.py holds it bit for bit against the host-resident engine).
 
+**Sliced** (``slice_bytes``: ``roundpipe.optimizer_slice_mb``, or what the preflight chose to fit
+a memory limit, host_preflight.py): a buffer carries a *slice* of a layer's state, never more
+than ``slice_bytes``, so the pool's RAM no longer follows the layers' width. Every tensor is
+then 4 KiB aligned in the file; a slice is a run of whole tensors and pieces of tensors cut at
+multiples of 1,024 elements (``slice_layer``), each piece's master, exp_avg and exp_avg_sq
+side by side in the buffer, read and written as that many extents (record_pool.py). The
+stepper steps a sliced layer slice after slice (``resident_slice``: flat ``StateSegment`` views,
+``HostOptimizer.step_segments``), bit-identical because Adam is elementwise and the cuts are
+multiples of its SIMD span (tests/engine/test_sliced_optimizer.py). Outside its step a sliced
+layer's masters are views of the swap file mapped read-only (``resident``: the publish of
+unchanged masters, a streamed checkpoint save). Not with delay compensation (it needs each
+tensor's norms before its first element steps).
+
 Host memory of the tier: ``buffer_count`` x the largest ordinary record (+ 2 big ones), whatever
-the number of layers; the
+the number of layers (sliced: ``buffer_count`` x ``slice_bytes``, whatever their width too); the
 swap file is scratch of one run (checkpoints are what resumes) and is removed at close.
 """
 
@@ -35,25 +48,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rp_engine.model.host_store import placeholder
-from rp_engine.plan.host_ram import size_classes
+from rp_engine.optim.optimizer import StateSegment
+from rp_engine.plan.host_ram import PoolSizes, size_classes
 from rp_engine.storage.aligned import round_up
 from rp_engine.storage.io_engine import IOEngine
 from rp_engine.storage.mapped import MappedFile
 from rp_engine.storage.record_pool import PooledTier, Record, RecordPool
 from rp_engine.storage.swap_file import SwapFile
 
-__all__ = ["OptimizerTier", "tier_bytes"]
+__all__ = ["OptimizerTier", "slice_layer", "tier_bytes"]
 
 log = logging.getLogger("rp_engine.storage")
 
 _ELEM_ALIGN = 16  # fp32 elements: 64-byte aligned tensors inside a record (SIMD loads)
+# sliced: every state tensor and every cut 4 KiB aligned, so each extent of a slice is a direct
+# I/O of its own; a multiple of CPU Adam's widest SIMD span (128), so a cut splits a tensor's
+# vector and scalar parts exactly as the whole does (bit-identical steps, optim/optimizer.py)
+_SLICE_ALIGN = 1024
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -65,7 +83,16 @@ class _Record(Record):
     params: list[tuple[Any, int, int]] = field(default_factory=list)  # (hp, start, padded n)
 
 
-def _layouts(store: Any) -> list[_Record | None]:
+@dataclass(eq=False)
+class _Slice(Record):
+    """Part of a layer's state (``key``: (layer, index)): per segment (HostParam, first and
+    end element), its master's elements, then exp_avg's, then exp_avg_sq's, segment after
+    segment in the buffer (a slice of whole tensors is then laid out as the layer's record)."""
+
+    segments: list[tuple[Any, int, int]] = field(default_factory=list)
+
+
+def _layouts(store: Any, *, align: int = _ELEM_ALIGN) -> list[_Record | None]:
     records: list[_Record | None] = []
     offset = 0
     for layer in store.layers:
@@ -75,7 +102,7 @@ def _layouts(store: Any) -> list[_Record | None]:
         rec = _Record(layer.index, offset, 0)
         elems = 0
         for hp in layer.owned:
-            n = round_up(hp.master.numel(), _ELEM_ALIGN)
+            n = round_up(hp.master.numel(), align)
             rec.params.append((hp, elems, n))
             elems += 3 * n
         rec.nbytes = round_up(elems * 4)
@@ -84,8 +111,65 @@ def _layouts(store: Any) -> list[_Record | None]:
     return records
 
 
-def tier_bytes(store: Any, buffer_count: int) -> tuple[int, int]:
-    """(bytes on disk, bytes of host buffers) the optimizer tier needs for ``store``."""
+def slice_layer(sizes: list[int], slice_elems: int) -> list[list[tuple[int, int, int]]]:
+    """Cut a layer's state tensors (their padded element counts, in order) into slices of at
+    most ``slice_elems`` elements each (of every kind: a slice's record is 12 B per element):
+    per slice, its segments (tensor index, first element, end element). Tensors are packed in
+    order; one larger than what a slice has left is cut at a multiple of ``_SLICE_ALIGN``."""
+    per = max(_SLICE_ALIGN, slice_elems // _SLICE_ALIGN * _SLICE_ALIGN)
+    slices: list[list[tuple[int, int, int]]] = [[]]
+    room = per
+    for i, n in enumerate(sizes):
+        start = 0
+        while start < n:
+            if room == 0:
+                slices.append([])
+                room = per
+            take = min(n - start, room)
+            slices[-1].append((i, start, start + take))
+            room -= take
+            start += take
+    return [s for s in slices if s]
+
+
+def _slices(records: Sequence[_Record | None], slice_bytes: int) -> list[list[_Slice]]:
+    """Per layer, the slices of its record (none for a layer owning nothing): their extents
+    are the pieces of the layer's master, exp_avg and exp_avg_sq tensors they hold, adjacent
+    pieces merged (a layer that fits one slice is one extent: its whole record)."""
+    out: list[list[_Slice]] = []
+    for rec in records:
+        if rec is None:
+            out.append([])
+            continue
+        cuts = slice_layer([n for _, _, n in rec.params], slice_bytes // 12)
+        layer: list[_Slice] = []
+        for k, segments in enumerate(cuts):
+            pieces: list[tuple[int, int]] = []
+            for i, a, b in segments:
+                _hp, s, n = rec.params[i]
+                for kind in range(3):
+                    start = rec.offset + 4 * (s + kind * n + a)
+                    if pieces and pieces[-1][0] + pieces[-1][1] == start:
+                        pieces[-1] = (pieces[-1][0], pieces[-1][1] + 4 * (b - a))
+                    else:
+                        pieces.append((start, 4 * (b - a)))
+            nbytes = sum(n for _, n in pieces)
+            sl = _Slice((rec.key, k), pieces[0][0], nbytes, tuple(pieces))
+            sl.segments = [(rec.params[i][0], a, b) for i, a, b in segments]
+            layer.append(sl)
+        out.append(layer)
+    return out
+
+
+def tier_bytes(store: Any, buffer_count: int, *, slice_bytes: int = 0) -> tuple[int, int]:
+    """(bytes on disk, bytes of host buffers) the optimizer tier needs for ``store``;
+    ``slice_bytes``: see ``OptimizerTier``."""
+    if slice_bytes:
+        records = [r for r in _layouts(store, align=_SLICE_ALIGN) if r is not None]
+        largest = max(
+            (s.nbytes for layer in _slices(records, slice_bytes) for s in layer), default=0
+        )
+        return sum(r.nbytes for r in records), max(2, buffer_count) * round_up(largest)
     records = [r for r in _layouts(store) if r is not None]
     disk = sum(r.nbytes for r in records)
     sizes = size_classes(r.nbytes for r in records)
@@ -99,18 +183,24 @@ class OptimizerTier(PooledTier):
 
     def __init__(
         self, store: Any, optimizer: Any, *, folder: str, rank: int, engine: IOEngine,
-        buffer_count: int,
+        buffer_count: int, slice_bytes: int = 0,
     ) -> None:  # fmt: skip
         self.store = store
         self.inner = optimizer.optimizer
-        self._records = _layouts(store)
+        self._records = _layouts(store, align=_SLICE_ALIGN if slice_bytes else _ELEM_ALIGN)
         live = [r for r in self._records if r is not None]
+        # sliced: the pool carries slices of at most ``slice_bytes``, never a whole layer
+        self._slices = _slices(self._records, slice_bytes) if slice_bytes else None
+        if self._slices is not None:
+            largest = max((sl.nbytes for layer in self._slices for sl in layer), default=0)
+            sizes = PoolSizes(round_up(max(largest, 1)))
+        else:
+            sizes = size_classes(r.nbytes for r in live)
+        self.slice_bytes = slice_bytes
         self.disk_bytes = sum(r.nbytes for r in live)
         file = SwapFile(folder, f"rp_engine/rank{rank}/optimizer.swp", self.disk_bytes)
         self.path = file.path
-        pool = RecordPool(
-            self.path, engine, buffer_count=buffer_count, sizes=size_classes(r.nbytes for r in live)
-        )
+        pool = RecordPool(self.path, engine, buffer_count=buffer_count, sizes=sizes)
         super().__init__(engine=engine, file=file, pool=pool)
         self.buffer_bytes = self.pool.buffer_bytes
         self._materialized: bool | None = None  # inside materialized(): whether writable
@@ -131,16 +221,83 @@ class OptimizerTier(PooledTier):
         if rec is None or self._materialized is not None:  # materialized: already in RAM
             yield
             return
-        self.pool.pin([rec], on_first=self._attach)
+        held: Record = rec
+        if self._slices is not None:
+            if len(self._slices[layer]) > 1:
+                if dirty:
+                    raise RuntimeError(
+                        f"layer {layer}'s optimizer state is sliced: step it slice by slice "
+                        "(resident_slice)"
+                    )
+                with self._mapped_layer(rec):
+                    yield
+                return
+            held = self._slices[layer][0]  # one slice: laid out as the layer's record
+        self.pool.pin([held], on_first=lambda _r, data: self._attach(rec, data))
         try:
             yield
         finally:
-            self.pool.unpin([rec], dirty=dirty, on_last=self._detach)
+            self.pool.unpin([held], dirty=dirty, on_last=lambda _r, data: self._detach(rec, data))
+
+    def slice_count(self, layer: int) -> int:
+        """How many slices the optimizer steps ``layer``'s state in (``resident_slice``); 0
+        when it is held whole (``resident``)."""
+        return 0 if self._slices is None else len(self._slices[layer])
+
+    @contextlib.contextmanager
+    def resident_slice(self, layer: int, index: int) -> Iterator[list[StateSegment]]:
+        """Slice ``index`` of ``layer``'s masters and moments, read into a buffer (when none
+        holds it) for the block, as flat segments of its tensors the block changes in place;
+        written back after. The masters themselves stay placeholders."""
+        assert self._slices is not None and self._materialized is None
+        sl = self._slices[layer][index]
+        (data,) = self.pool.pin([sl])
+        segments: list[StateSegment] = []
+        try:
+            floats = data.view(torch.float32)
+            pos = 0
+            for hp, a, b in sl.segments:
+                span = b - a
+                stop = min(b, hp.master.numel())
+                views = [floats[pos + k * span : pos + k * span + stop - a] for k in range(3)]
+                segments.append(StateSegment(hp.master, a, stop, *views))
+                pos += 3 * span
+            for hp, _a, _b in sl.segments:  # the optimizer keeps a stepped master's count
+                state = self.inner.state[hp.master]
+                if not state:
+                    ph = self._placeholders[id(hp)]
+                    state.update(step=0, exp_avg=ph, exp_avg_sq=ph)
+            yield segments
+        finally:
+            for seg in segments:  # never stepped (no gradient): no state, as ``_ingest`` does
+                if not self.inner.state.get(seg.master, {}).get("step"):
+                    self.inner.state.pop(seg.master, None)
+            self.pool.unpin([sl], dirty=True)
 
     def prefetch(self, layers: Iterable[int]) -> None:
         """Start reading these layers' records (in this order) into free buffers, without
         blocking: a hint for what the optimizer steps next."""
+        if self._slices is not None:
+            self.pool.prefetch(sl for layer in layers for sl in self._slices[layer])
+            return
         self.pool.prefetch(r for r in (self._records[layer] for layer in layers) if r is not None)
+
+    @contextlib.contextmanager
+    def _mapped_layer(self, rec: _Record) -> Iterator[None]:
+        """``rec``'s masters and moments as views of the swap file mapped into memory, read
+        only (page cache, not anonymous memory): a sliced layer outside its step (the publish
+        of unchanged masters, a streamed checkpoint save)."""
+        self.pool.flush()  # the slices written back: the file holds the state
+        mapped = MappedFile(self.path, rec.offset + rec.nbytes, writable=False)
+        try:
+            self._attach(rec, mapped.tensor[rec.offset : rec.offset + rec.nbytes])
+            try:
+                yield
+            finally:
+                self._ingest(rec, mapped.tensor[rec.offset : rec.offset + rec.nbytes], ingest=False)
+                mapped.release(rec.offset, rec.nbytes)
+        finally:
+            mapped.close()
 
     @contextlib.contextmanager
     def materialized(self, *, writable: bool) -> Iterator[None]:
@@ -182,12 +339,13 @@ class OptimizerTier(PooledTier):
         start = last = time.monotonic()
         live = [r for r in self._records if r is not None]
         for i, rec in enumerate(live):
-            (view,) = self.pool.pin([rec], fresh=True)
-            view.zero_()
-            floats = view.view(torch.float32)
-            for hp, s, _n in rec.params:
-                floats[s : s + hp.master.numel()].copy_(hp.param.detach().reshape(-1))
-            self.pool.unpin([rec], dirty=True)  # it stays cached: a hit later
+            for piece, spans in self._initial_pieces(rec):
+                (view,) = self.pool.pin([piece], fresh=True)
+                view.zero_()
+                floats = view.view(torch.float32)
+                for hp, a, stop, pos in spans:
+                    floats[pos : pos + stop - a].copy_(hp.param.detach().reshape(-1)[a:stop])
+                self.pool.unpin([piece], dirty=True)  # it stays cached: a hit later
             if time.monotonic() - last > 15:
                 last = time.monotonic()
                 log.warning(
@@ -195,6 +353,21 @@ class OptimizerTier(PooledTier):
                     i + 1, len(live), last - start,
                 )  # fmt: skip
         self.flush()
+
+    def _initial_pieces(
+        self, rec: _Record
+    ) -> Iterator[tuple[Record, list[tuple[Any, int, int, int]]]]:
+        """The pool records ``rec`` is written through (itself, or its slices), each with where
+        its masters go: (HostParam, first element, end element, element offset in the piece)."""
+        if self._slices is None:
+            yield rec, [(hp, 0, hp.master.numel(), s) for hp, s, _n in rec.params]
+            return
+        for sl in self._slices[rec.key]:
+            spans, pos = [], 0
+            for hp, a, b in sl.segments:
+                spans.append((hp, a, min(b, hp.master.numel()), pos))
+                pos += 3 * (b - a)
+            yield sl, spans
 
     def _attach(self, rec: Record, data: torch.Tensor) -> None:
         assert isinstance(rec, _Record)

@@ -55,11 +55,15 @@ __all__ = ["PooledTier", "Record", "RecordPool"]
 
 @dataclass(eq=False)
 class Record:
-    """``nbytes`` (a 4 KiB multiple) at ``offset`` of the pool's file; ``key`` is the owner's."""
+    """``nbytes`` (a 4 KiB multiple) at ``offset`` of the pool's file; ``key`` is the owner's.
+    ``extents``: when set, the record is these (file offset, bytes) pieces instead (4 KiB
+    multiples, summing to ``nbytes``), laid end to end in its buffer: a slice of a layer whose
+    state is spread over the file (optimizer_tier.py's sliced records)."""
 
     key: Any
     offset: int
     nbytes: int
+    extents: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(eq=False)
@@ -178,7 +182,7 @@ class RecordPool:
                 buf.used = self._clock
                 if buf.pins == 0 and buf.dirty and not self._lazy:
                     buf.dirty = False
-                    buf.write = self.engine.write(self.path, buf.data[: rec.nbytes], rec.offset)
+                    buf.write = self._io(self.engine.write, buf, rec)
                 self._cond.notify_all()
 
     def unpin_after(self, records: Callable[[], Sequence[Record]], event: Any) -> None:
@@ -304,7 +308,20 @@ class RecordPool:
         rec = buf.record
         assert rec is not None
         buf.dirty = False
-        buf.write = self.engine.write(self.path, buf.data[: rec.nbytes], rec.offset)
+        buf.write = self._io(self.engine.write, buf, rec)
+
+    def _io(
+        self, op: Callable[[str, torch.Tensor, int], Future[None]], buf: _Buffer, rec: Record
+    ) -> Future[None]:
+        """``op`` (the engine's read or write) of ``rec``'s bytes in ``buf``: one call, or one
+        per extent with a future done when all are (the first error, if any)."""
+        if not rec.extents:
+            return op(self.path, buf.data[: rec.nbytes], rec.offset)
+        parts, pos = [], 0
+        for offset, nbytes in rec.extents:
+            parts.append(op(self.path, buf.data[pos : pos + nbytes], offset))
+            pos += nbytes
+        return _all_of(parts)
 
     def _load(self, buf: _Buffer, rec: Record, *, fresh: bool) -> None:
         """Under the lock: make ``buf`` hold ``rec`` (its previous write-back is finished)."""
@@ -313,7 +330,7 @@ class RecordPool:
             buf.read = None
             return
         start = time.perf_counter()
-        buf.read = self.engine.read(self.path, buf.data[: rec.nbytes], rec.offset)
+        buf.read = self._io(self.engine.read, buf, rec)
         if self.on_read is not None:
             hook = self.on_read
             buf.read.add_done_callback(lambda _f: hook(rec, start, time.perf_counter()))
@@ -416,6 +433,28 @@ class RecordPool:
         finally:
             self._cond.acquire()
         return True
+
+
+def _all_of(parts: Sequence[Future[None]]) -> Future[None]:
+    """A future done when every one of ``parts`` is, failed with the first failure if any."""
+    out: Future[None] = Future()
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def one_done(_f: Future[None]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [e for e in (f.exception() for f in parts) if e is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result(None)
+
+    for part in parts:
+        part.add_done_callback(one_done)
+    return out
 
 
 def _quiet(buf: _Buffer) -> bool:

@@ -4,6 +4,7 @@ devices (rp_engine/plan/host_ram.py), not the number of layers; without them it 
 from __future__ import annotations
 
 from rp_engine.plan.host_ram import (
+    MIN_OPTIMIZER_SLICE,
     RUNTIME_BYTES,
     RUNTIME_GROWTH,
     HostRam,
@@ -59,10 +60,11 @@ def _need(counts: PoolCounts) -> HostRam:
         layer_trainable=[HEAD] + [LAYER] * 20 + [HEAD],
         dtype_bytes=2, devices=2, optimizer_tier=True, param_tier=True,
         grad_buffers=counts.grad, optimizer_buffers=counts.optimizer, param_buffers=counts.param,
+        optimizer_slice=counts.optimizer_slice,
     )  # fmt: skip
 
 
-WANTED, FEWEST = PoolCounts(6, 8, 5), PoolCounts.fewest(2, grad_tier=True)
+WANTED, FEWEST = PoolCounts(6, 8, 5), PoolCounts.fewest(2, grad_tier=True, slicing=False)
 
 
 def test_pools_that_fit_are_kept() -> None:
@@ -74,7 +76,7 @@ def test_pools_shrink_largest_buffer_first_to_fit_and_stop_at_the_fewest() -> No
     """An optimizer buffer (12 B per parameter of a layer) gives back three gradient buffers'
     worth (4 B): the optimizer pool shrinks first; no budget takes any pool below its
     fewest."""
-    assert FEWEST == PoolCounts(2, 4, 2)
+    assert FEWEST == PoolCounts(2, 4, 2)  # whole layers (slicing: the next test)
     one_less = _need(PoolCounts(5, 8, 5)).peak
     counts, need = fit_pools(one_less, WANTED, FEWEST, _need)
     assert counts == PoolCounts(5, 8, 5) and need.peak <= one_less
@@ -83,3 +85,23 @@ def test_pools_shrink_largest_buffer_first_to_fit_and_stop_at_the_fewest() -> No
     assert need.peak <= budget and FEWEST.optimizer <= counts.optimizer < WANTED.optimizer
     counts, need = fit_pools(1, WANTED, FEWEST, _need)  # nothing fits: the least is returned
     assert counts == FEWEST and need == _need(FEWEST)
+
+
+def test_slicing_the_optimizer_state_fits_budgets_whole_layers_cannot() -> None:
+    """Issue 49: below what the fewest whole-layer buffers need, the optimizer tier's records
+    are sliced (halved from the largest record, down to MIN_OPTIMIZER_SLICE): its pool then
+    holds a few slices whatever the layers' width, and the least a run can work with drops."""
+    sliced = PoolCounts.fewest(2, grad_tier=True)
+    assert sliced == PoolCounts(2, 4, 2, MIN_OPTIMIZER_SLICE)
+    whole = _need(FEWEST)
+    least = _need(sliced)
+    assert dict(least.parts)["optimizer tier buffers"] == 2 * MIN_OPTIMIZER_SLICE
+    assert least.peak < whole.peak
+    budget = (whole.peak + least.peak) // 2
+    counts, need = fit_pools(budget, WANTED, sliced, _need, largest_record=12 * HEAD)
+    assert need.peak <= budget and MIN_OPTIMIZER_SLICE <= counts.optimizer_slice < 12 * HEAD
+    counts, need = fit_pools(1, WANTED, sliced, _need, largest_record=12 * HEAD)
+    assert counts == sliced and need == least
+    # without a record size to halve, or with slicing not allowed, nothing is sliced
+    counts, _ = fit_pools(budget, WANTED, sliced, _need)
+    assert counts.optimizer_slice == 0
