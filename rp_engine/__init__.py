@@ -169,11 +169,13 @@ def _take_over_weights(model: Any) -> None:
     its shape is refused by name. A LayerSpec list builds its modules later (model/layers.py)."""
     import torch
 
-    from rp_engine.model.folder import own_trainable
-    from rp_engine.model.zero3 import check_parameter_storage, take_over
+    from rp_engine.model.folder import frozen_file_views, own_trainable
+    from rp_engine.model.zero3 import check_parameter_storage, has_partitions, take_over
 
     if isinstance(model, torch.nn.Module):
-        take_over(model)
+        if has_partitions(model):
+            # loaded from a folder: its frozen weights are served from the files where equal
+            take_over(model, files=frozen_file_views(model))
         check_parameter_storage(model)
         # trainable weights still in a file mapping (a folder's model) are written by the
         # optimizer: into ordinary memory now, frozen ones stay served from the files

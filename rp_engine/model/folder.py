@@ -38,6 +38,12 @@ is not: the frozen weights of a folder in the run's dtype.
 ``rp-train --model <folder>``; a folder holding a peft adapter (``adapter_config.json``) loads its
 base folder this way and the adapter with peft, trainable. :func:`file_backing` tells whether a
 tensor lies in a file mapping (read from ``/proc/self/maps``).
+
+A model built under DeepSpeed's ``zero.Init`` by ``from_pretrained(<folder>)`` (an
+``HfDeepSpeedConfig`` alive) takes the same path for its frozen weights: :func:`frozen_file_views`
+resolves its parameters to the folder's tensors with the same keys (:class:`FolderKeys`, through
+a peft wrapper too) and ``zero3.take_over`` serves each frozen weight from its file mapping
+where it is bitwise the gathered value.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +78,8 @@ __all__ = [
     "load_weights",
     "from_folder",
     "own_trainable",
+    "frozen_file_views",
+    "FolderKeys",
     "file_backing",
 ]
 
@@ -294,10 +302,61 @@ def build_empty(config: Any, *, dtype: torch.dtype | None = None, model_class: A
     return model.eval()
 
 
+# peft's wrapper modules: a wrapped layer's own weights lie one level down under these names
+# (LoRA's ``base_layer``, modules_to_save's ``original_module``); the files name them without it
+_PEFT_WRAPPERS = frozenset({"base_layer", "original_module"})
+
+
+def _saved_name(name: str) -> str:
+    """``name`` as its transformers model saves it: peft's wrapper segments dropped."""
+    return ".".join(part for part in name.split(".") if part not in _PEFT_WRAPPERS)
+
+
+class FolderKeys:
+    """The one resolution of a folder's keys for a model: which file tensor holds each of its
+    parameters and buffers, after transformers' renames for the model's class (legacy names,
+    ``model.`` base prefix missing or extra; identity for a plain module). A model wrapped
+    around a transformers model (peft) is resolved through the transformers model inside it,
+    its names taken as that model saves them (peft's wrapper segments dropped).
+
+    Raises ``FolderError`` for a key that needs one of transformers' tensor conversions
+    (merging, splitting)."""
+
+    def __init__(self, model: nn.Module, entries: dict[str, TensorEntry]) -> None:
+        self.entries = entries
+        self._prefix, root = _transformers_model(model)
+        self._names = _key_resolver(root, set(entries))
+        self._aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self._aliases.setdefault(id(p), []).append(name)
+
+    def key(self, name: str) -> str | None:
+        """The file key holding the model's tensor ``name`` (None: no file holds it)."""
+        if not name.startswith(self._prefix):
+            return None
+        return self._names.get(_saved_name(name[len(self._prefix) :]))
+
+    def key_of(self, param: torch.Tensor) -> str | None:
+        """The file key holding ``param`` under any of its names (tied weights have several)."""
+        return next(filter(None, map(self.key, self._aliases.get(id(param), []))), None)
+
+
+def _transformers_model(model: nn.Module) -> tuple[str, nn.Module]:
+    """``(name prefix, module)`` of the outermost transformers model in ``model`` (``model``
+    itself unless a wrapper such as peft's holds it); ``("", model)`` where there is none."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return "", model
+    for name, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            return (f"{name}." if name else ""), module
+    return "", model
+
+
 def _key_resolver(model: nn.Module, keys: set[str]) -> dict[str, str]:
-    """``model key -> file key`` for every key of the files that names a model tensor after
-    transformers' renames for this model's class (identity for a plain module). Raises
-    ``FolderError`` for a key that needs one of transformers' tensor conversions."""
+    """``saved name -> file key`` for every key of the files that names a tensor of ``model``
+    after transformers' renames for this model's class (identity for a plain module)."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -313,7 +372,8 @@ def _key_resolver(model: nn.Module, keys: set[str]) -> dict[str, str]:
     transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    own = dict.fromkeys(model.state_dict(), True)  # names only: values are meta / buffers
+    # names only (values are meta, partitions or buffers), as the model saves them
+    own = {_saved_name(k): True for k in model.state_dict()}
     out: dict[str, str] = {}
     for key in sorted(keys):
         name, converted = rename_source_key(
@@ -355,8 +415,7 @@ def load_weights(
     parameter no file holds, a shape that differs, or a key transformers would convert."""
     path = Path(folder)
     entries = folder_entries(path)
-    names = _key_resolver(model, set(entries))
-    aliases = _aliases(model)
+    keys = FolderKeys(model, entries)
     plan: list[list[tuple[nn.Parameter, str, TensorEntry]]] = []
     missing = []
     for _, params in layer_groups(model):
@@ -364,7 +423,7 @@ def load_weights(
         for name, p in params:
             if not p.is_meta:
                 continue
-            key = next((names[a] for a in aliases[id(p)] if a in names), None)
+            key = keys.key_of(p)
             if key is None:
                 missing.append(name)
                 continue
@@ -389,7 +448,7 @@ def load_weights(
                 t = _tensor(maps, entry, dtype, report)
                 used.add(key)
                 torch.utils.swap_tensors(p, nn.Parameter(t, requires_grad=p.requires_grad))
-        used |= _load_buffers(model, entries, names, maps)
+        used |= _load_buffers(model, keys, maps)
     report.unused = tuple(sorted(set(entries) - used))
     if report.unused:
         log.info(
@@ -420,17 +479,7 @@ def _tensor(
     return t
 
 
-def _aliases(model: nn.Module) -> dict[int, list[str]]:
-    """``id(parameter)`` -> every name it has in the model (tied weights have several)."""
-    out: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        out.setdefault(id(p), []).append(name)
-    return out
-
-
-def _load_buffers(
-    model: nn.Module, entries: dict[str, TensorEntry], names: dict[str, str], maps: _Mappings
-) -> set[str]:
+def _load_buffers(model: nn.Module, keys: FolderKeys, maps: _Mappings) -> set[str]:
     """Copy the buffers the files hold into the model (their own dtype kept: small); a meta
     buffer the files do not hold is rebuilt from the model's config, else refused."""
     used = set()
@@ -438,11 +487,12 @@ def _load_buffers(
     for name, buf in list(model.named_buffers(remove_duplicate=False)):
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        key = names.get(name)
+        key = keys.key(name)
         if key is not None:
             used.add(key)
-            view = maps.view(entries[key])
-            src = view if view is not None else maps.read(entries[key])
+            entry = keys.entries[key]
+            view = maps.view(entry)
+            src = view if view is not None else maps.read(entry)
             # buffers are small and may be written (pinned, updated): ordinary memory
             module._buffers[leaf] = src.to(buf.dtype, copy=True)
         elif buf.is_meta:
@@ -503,6 +553,34 @@ def _with_adapter(path: Path, dtype: torch.dtype | None) -> nn.Module:
         )
     model = from_folder(base, dtype=dtype)
     return PeftModel.from_pretrained(model, str(path), is_trainable=True)  # type: ignore[arg-type]
+
+
+def frozen_file_views(model: nn.Module) -> Callable[[nn.Parameter], torch.Tensor | None] | None:
+    """For a model loaded with ``from_pretrained`` from a local ``save_pretrained`` folder (its
+    ``name_or_path``, under a wrapper such as peft's too): ``param -> the file tensor holding a
+    frozen (``requires_grad=False``) parameter, as a view of the file's private mapping`` (None
+    for a trainable parameter, one no file holds, or one that cannot be a view: unaligned).
+    None where the model did not come from such a folder or its keys do not resolve (logged).
+
+    The view is what the files hold, not necessarily the parameter's value (a user may change
+    weights after loading): the caller compares before serving it (zero3.take_over)."""
+    _, root = _transformers_model(model)
+    where = getattr(getattr(root, "config", None), "name_or_path", None)
+    if not where or not is_model_folder(os.path.expanduser(where)):
+        return None
+    path = Path(where).expanduser()
+    try:
+        keys = FolderKeys(model, folder_entries(path))
+    except (FolderError, OSError) as e:
+        log.info("rp_engine: %s: frozen weights not served from the files: %s", path, e)
+        return None
+    maps = _Mappings()
+
+    def view(param: nn.Parameter) -> torch.Tensor | None:
+        key = None if param.requires_grad else keys.key_of(param)
+        return None if key is None else maps.view(keys.entries[key])
+
+    return view
 
 
 def own_trainable(model: nn.Module) -> int:

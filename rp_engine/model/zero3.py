@@ -18,13 +18,19 @@ a plain ``nn.Module`` before it is cut into layers:
   shape, dtype and ``requires_grad`` kept), copied out of DeepSpeed's buffer only where that
   buffer is larger than the weight, is a reused NVMe swap buffer, or is on a GPU
   (``remote_device`` none);
+- a *frozen* weight (``requires_grad=False``: a LoRA base) of a model loaded from a local
+  ``save_pretrained`` folder (``from_pretrained(folder)``, its ``name_or_path``) becomes instead a
+  view of the folder's safetensors file mapping (model/folder.py ``frozen_file_views``: clean,
+  evictable page cache, no anonymous copy), but only where the file tensor is bitwise the
+  gathered value (same dtype, shape and bytes): a weight changed after loading keeps its copy;
 - DeepSpeed's partition is released as soon as the layer is done (swap buffer returned, swap
   file deleted, ``ds_tensor`` dropped) with every DeepSpeed attribute of the parameter, so at
   most one layer exists twice at any time and the whole model never does.
 
 The per-layer order (:func:`layer_groups`) is shared with loading a model layer by layer from
 its folder (model/folder.py): that loader fills one layer's parameters at a time, and this
-module's check then applies unchanged.
+module's check then applies unchanged; the takeover serves frozen weights from the same file
+mappings, resolved by the same keys (``folder.FolderKeys``).
 
 :func:`check_parameter_storage` is the guard behind it for every model: a parameter whose storage
 is empty, on the meta device, or smaller than its shape is refused by name, instead of failing
@@ -36,7 +42,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -49,6 +56,8 @@ __all__ = [
     "layer_groups",
     "materialize_layer",
     "take_over",
+    "has_partitions",
+    "Taken",
     "check_parameter_storage",
 ]
 
@@ -115,11 +124,32 @@ def layer_groups(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, nn.Par
     yield from walk(model, "")
 
 
-def materialize_layer(params: list[tuple[str, nn.Parameter]]) -> int:
-    """Gather one layer's ZeRO-3 partitions into ordinary ``.data`` and free DeepSpeed's copy;
-    returns the bytes materialised. Parameters not partitioned are left as they are."""
+# A parameter -> the tensor its folder's file holds for it (a view of the file's mapping), or
+# None: model/folder.py's frozen_file_views
+FileViews = Callable[[nn.Parameter], torch.Tensor | None]
+
+
+@dataclass
+class Taken:
+    """Bytes a takeover put in place: ``gathered`` in all, ``from_files`` of them served by
+    views of the model's folder files instead of copies."""
+
+    gathered: int = 0
+    from_files: int = 0
+
+
+def materialize_layer(
+    params: list[tuple[str, nn.Parameter]], files: FileViews | None = None
+) -> Taken:
+    """Gather one layer's ZeRO-3 partitions into ordinary ``.data`` and free DeepSpeed's copy.
+    A parameter for which ``files`` gives a tensor with bitwise the gathered value (same dtype,
+    shape and bytes) gets that tensor (a view of its file) instead of a copy. Parameters not
+    partitioned are left as they are."""
     todo = [p for _, p in params if is_partitioned(p)]
-    return sum(_materialize(chunk) for chunk in _swap_chunks(todo))
+    taken = Taken()
+    for chunk in _swap_chunks(todo):
+        _materialize(chunk, files, taken)
+    return taken
 
 
 def _swap_chunks(params: list[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
@@ -141,11 +171,10 @@ def _swap_chunks(params: list[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
         yield chunk
 
 
-def _materialize(todo: list[nn.Parameter]) -> int:
+def _materialize(todo: list[nn.Parameter], files: FileViews | None, taken: Taken) -> None:
     # DeepSpeed's gather (what GatheredParameters does on entry), without its re-partition on
     # exit: NVMe partitions are swapped in, every rank's shard collected, ``.data`` is the weight
     todo[0].all_gather(param_list=todo)  # type: ignore[attr-defined]
-    done = 0
     for param in todo:
         shape = tuple(param.ds_shape)  # type: ignore[attr-defined]
         data = param.data
@@ -153,19 +182,31 @@ def _materialize(todo: list[nn.Parameter]) -> int:
             raise RuntimeError(f"ZeRO-3 gather gave shape {tuple(data.shape)}, expected {shape}")
         partition = param.ds_tensor  # type: ignore[attr-defined]
         in_swap_buffer = getattr(partition, "final_location", None) is not None  # NVMe
+        size = data.numel() * data.element_size()
         if data.device.type != "cpu":
             # remote_device none on a GPU (or a persisted small parameter): the weights live in
             # host memory under rp_engine
             data = data.to("cpu")
-        elif (
-            in_swap_buffer or data.untyped_storage().nbytes() != data.numel() * data.element_size()
-        ):
+        on_file = files(param) if files is not None else None
+        if on_file is not None and _same_bits(on_file, data):
+            # the folder's file holds this very value: its clean, evictable page-cache pages
+            # serve it instead of an anonymous copy (a weight changed since loading is not)
+            data = on_file
+            taken.from_files += size
+        elif in_swap_buffer or data.untyped_storage().nbytes() != size:
             # the swap buffer is reused for the next layer; a padded shard keeps its padding
             data = data.clone(memory_format=torch.contiguous_format)
         _release(param)
         param.data = data
-        done += data.numel() * data.element_size()
-    return done
+        taken.gathered += size
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (bitwise: ``-0.0`` differs from ``0.0``, a NaN equals
+    itself)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _release(param: nn.Parameter) -> None:
@@ -217,23 +258,37 @@ def _restore_linear() -> None:
             torch.nn.functional.linear = original
 
 
-def take_over(model: nn.Module) -> int:
+def has_partitions(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a ZeRO-3 partition (``take_over`` has work)."""
+    return any(is_partitioned(p) for p in model.parameters())
+
+
+def take_over(model: nn.Module, files: FileViews | None = None) -> int:
     """Turn a model built under ``deepspeed.zero.Init`` into a plain module, layer by layer (see
     the module doc); returns the number of parameters taken over (0: nothing was partitioned,
-    and nothing was touched). Must run in the process (and, with several ranks, on every rank)
-    that built the model, before anything reads its weights."""
-    if not any(is_partitioned(p) for p in model.parameters()):
+    and nothing was touched). ``files``: the tensors the model's folder holds for its frozen
+    parameters (model/folder.py ``frozen_file_views``), served where bitwise equal to the
+    gathered value. Must run in the process (and, with several ranks, on every rank) that built
+    the model, before anything reads its weights."""
+    if not has_partitions(model):
         return 0
-    count, size = 0, 0
+    count, taken = 0, Taken()
     for _, params in layer_groups(model):
         count += sum(is_partitioned(p) for _, p in params)
-        size += materialize_layer(params)
+        layer = materialize_layer(params, files)
+        taken.gathered += layer.gathered
+        taken.from_files += layer.from_files
     for module in model.modules():
         _release_module(module)
     _restore_linear()
+    served = (
+        f", {taken.from_files} bytes of frozen weights of them served from the model folder's files"
+        if files is not None
+        else ""
+    )
     log.info(
         "rp_engine: took over a ZeRO-3 (zero.Init) model: %d parameters gathered layer by layer "
-        "(%.1f MiB) from DeepSpeed's partitions", count, size / 2**20,
+        "(%.1f MiB) from DeepSpeed's partitions%s", count, taken.gathered / 2**20, served,
     )  # fmt: skip
     return count
 

@@ -238,3 +238,24 @@ def test_errors_name_the_folder_and_the_fix(tmp_path: Path) -> None:
     os.remove(folder / F.INDEX_FILE)
     with pytest.raises(F.FolderError, match="no model.safetensors"):
         F.load_weights(F.build_empty(F._load_config(folder)), folder)
+
+
+def test_frozen_file_views_of_a_peft_wrapped_from_pretrained_model(tmp_path: Path) -> None:
+    """What the ZeRO-3 takeover serves frozen weights from (zero3.take_over): for a model
+    ``from_pretrained`` from a folder and wrapped by peft, each frozen parameter's tensor in the
+    files (resolved through the wrapper: ``base_layer`` dropped), as a view of the file; nothing
+    for a trainable parameter or a model that did not come from a folder."""
+    folder = _save(tmp_path / "m", torch.bfloat16)
+    model = _lora(_whole(folder))
+    views = F.frozen_file_views(model)
+    assert views is not None
+    assert {p.requires_grad for p in model.parameters()} == {True, False}
+    found = [(p, views(p)) for p in model.parameters()]
+    maps = F.FileMappings.read()  # after the views: a file is mapped on its first view
+    for p, view in found:
+        if p.requires_grad:
+            assert view is None
+        else:
+            assert view is not None and torch.equal(view, p)
+            assert _in_folder(maps.path_of(view), folder)
+    assert F.frozen_file_views(_lora(tiny("qwen3", 0, layers=1, hidden=64, vocab=VOCAB))) is None

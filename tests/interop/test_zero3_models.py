@@ -135,3 +135,46 @@ def test_layer_groups_one_layer_at_a_time_tied_once() -> None:
     groups = dict(layer_groups(model))
     assert list(groups) == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]
     assert sum(len(g) for g in groups.values()) == len(list(model.parameters()))
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_qwen3_bf16")
+    tiny_qwen3(0, layers=2, hidden=64).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+CHANGED = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("change", [None, CHANGED], ids=["as-saved", "frozen-weight-changed"])
+def test_frozen_weights_of_a_folder_model_are_served_from_its_files(
+    bf16_dir: Path, change: str | None
+) -> None:
+    """``HfDeepSpeedConfig(ds)``, ``from_pretrained(<bf16 folder>)``, a peft LoRA (base frozen),
+    ``initialize``: the takeover serves each frozen weight equal to the folder's tensor from the
+    file mapping (model/folder.py) instead of a copy of DeepSpeed's gather; a frozen weight the
+    user changed after loading keeps its gathered (changed) value. Both train 2 steps to the
+    losses of the same script without ZeRO-3 (same process, so exactly)."""
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+        "roundpipe": {"devices": "cpu:2", "async_optimizer": False},
+    }
+    spec = {
+        "case": "folder_lora", "model_dir": str(bf16_dir), "vocab": VOCAB, "steps": 2,
+        "change": change, "config": config,
+    }  # fmt: skip
+    child = run_json("zero3_child.py", spec, timeout=900)
+    zero3, plain = child["zero3"], child["plain"]
+    assert zero3["trainable_in_files"] == []
+    changed = [f"base_model.model.{change}"] if change else []
+    assert zero3["frozen_not_in_files"] == changed
+    assert len(zero3["frozen_in_files"]) > 10  # embeddings, norms, every block's projections
+    if change:
+        assert zero3["changed_kept"] and plain["changed_kept"]
+    assert len(zero3["losses"]) == 2
+    assert zero3["losses"] == plain["losses"]

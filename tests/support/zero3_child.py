@@ -11,6 +11,12 @@ Cases (``spec["case"]``):
 - ``"init"``: the same model's class built inside ``deepspeed.zero.Init(remote_device=...,
   config_dict_or_path=ds)`` directly, its weights copied in under ``GatheredParameters`` (how a
   user loads a state dict into such a model); trains and prints the losses likewise;
+- ``"folder_lora"``: a bf16 folder loaded with ``from_pretrained`` and given a peft LoRA (base
+  frozen), optionally with one frozen weight changed after loading (``spec["change"]``: its
+  name), trained ``spec["steps"]`` steps with ``train_batch``: once loaded normally, once with
+  ``HfDeepSpeedConfig(ds)`` alive (ZeRO-3 partitions taken over); prints both runs' losses and,
+  of the ZeRO-3 one after ``initialize``, which frozen weights lie in the folder's files
+  (model/folder.py ``file_backing``) and the changed weight's value check;
 - ``"noopt"``: DeepSpeed's ``unit/runtime/test_ds_initialize.py::TestNoOptim::test[3]``
   (tests/support/ds_no_optim.py); prints how many forwards ran.
 """
@@ -113,6 +119,68 @@ def _init(spec: dict[str, Any]) -> dict[str, Any]:
     return _train(model.train(), spec)
 
 
+def _folder_lora(spec: dict[str, Any]) -> dict[str, Any]:
+    from transformers.integrations import HfDeepSpeedConfig
+
+    plain = _lora_run(spec, zero3=False)
+    keep = HfDeepSpeedConfig(spec["config"])  # alive while the model is built, as the docs say
+    zero3 = _lora_run(spec, zero3=True)
+    del keep
+    return {"plain": plain, "zero3": zero3}
+
+
+def _lora_run(spec: dict[str, Any], *, zero3: bool) -> dict[str, Any]:
+    """from_pretrained, the change (if any), peft LoRA, initialize, ``spec["steps"]`` steps."""
+    import deepspeed
+    from models import random_batch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import rp_engine
+    from rp_engine.model.folder import FileMappings
+
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model_dir"], attn_implementation="eager", dtype=torch.bfloat16
+    )
+    assert _partitioned(model) == zero3, "Transformers did not build the model as expected"
+    changed = None
+    if spec["change"]:
+        changed = model.get_parameter(spec["change"])
+        with deepspeed.zero.GatheredParameters([changed], modifier_rank=0, enabled=zero3):
+            changed.data.add_(0.25)  # a weight the user changed after loading
+            expected = changed.data.clone()
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+        lora_dropout=0.0, task_type="CAUSAL_LM",
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = get_peft_model(model, lora)
+    engine, _, _, _ = rp_engine.initialize(model=model, config=spec["config"])
+    folder = str(Path(spec["model_dir"]).resolve())
+    maps = FileMappings.read()
+
+    def in_folder(p: torch.Tensor) -> bool:
+        return str(Path(maps.path_of(p) or "/").parent) == folder
+
+    frozen = {n: in_folder(p) for n, p in model.named_parameters() if not p.requires_grad}
+    out: dict[str, Any] = {
+        "frozen_in_files": sorted(n for n, on in frozen.items() if on),
+        "frozen_not_in_files": sorted(n for n, on in frozen.items() if not on),
+        "trainable_in_files": [
+            n for n, p in model.named_parameters() if p.requires_grad and in_folder(p)
+        ],
+    }
+    if changed is not None:
+        out["changed_kept"] = bool(torch.equal(changed.data, expected))
+    try:
+        batches = iter([random_batch(spec["vocab"], batch=2, seq=16, seed=s) for s in range(8)])
+        out["losses"] = [float(engine.train_batch(batches)) for _ in range(spec["steps"])]
+        engine.synchronize()
+    finally:
+        engine.destroy()
+    return out
+
+
 def _noopt(spec: dict[str, Any]) -> int:
     from ds_no_optim import run_no_optim
 
@@ -128,7 +196,7 @@ def main() -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    run = {"hf": _hf, "init": _init, "noopt": _noopt}[spec["case"]]
+    run = {"hf": _hf, "init": _init, "folder_lora": _folder_lora, "noopt": _noopt}[spec["case"]]
     result = run(spec)
     print("JSON:" + json.dumps(result))
 
