@@ -266,7 +266,8 @@ def _need_of(
     }
     runtime = max(RUNTIME_BYTES, process_rss() - sum(storages.values()))
     layer_params = [n + (shared if i == 0 else 0) for i, n in enumerate(own)]
-    layer_trainable = [sum(hp.master.numel() for hp in layer.owned) for layer in store.layers]
+    layer_tensors = [[hp.master.numel() for hp in layer.owned] for layer in store.layers]
+    layer_trainable = [sum(sizes) for sizes in layer_tensors]
     dtype_bytes = torch.empty(0, dtype=compute_dtype(cfg)).element_size()
 
     def need(counts: PoolCounts) -> HostRam:
@@ -280,6 +281,7 @@ def _need_of(
             grad_buffers=counts.grad,
             optimizer_buffers=counts.optimizer,
             optimizer_slice=counts.optimizer_slice,
+            layer_tensors=layer_tensors,
             param_buffers=counts.param,
             weight_copies=weight_copies,
             shared_params=shared,

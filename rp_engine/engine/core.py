@@ -266,6 +266,9 @@ class RoundPipeEngine(DeepSpeedAccessors):
             )  # fmt: skip
             self.store.pager = self.nvme_tier
         self.grad_tier: GradTier | None = None
+        if grad_buffers and counts is not None and counts.optimizer_slice:
+            # the gradients in records of the optimizer's slices' elements, whole parameters
+            self.store.slice_grads(counts.optimizer_slice // 12)
         if grad_buffers:
             self.grad_tier = build_grad_tier(
                 cfg, self.store, buffer_count=grad_buffers, rank=0,

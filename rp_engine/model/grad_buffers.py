@@ -107,15 +107,7 @@ class GradBuffers:
         self._blocks: GradBlocks | None = None
         if groups is not None:
             copies = 2
-            self._group = list(groups)
-            self._members: dict[int, list[int]] = {}
-            self._offset: list[int] = []
-            used: dict[int, int] = {}
-            for i, g in enumerate(self._group):
-                self._members.setdefault(g, []).append(i)
-                self._offset.append(used.get(g, 0))
-                used[g] = used.get(g, 0) + -(-masters[i].numel() // _ALIGN) * _ALIGN
-            self.group_elements = used  # group -> fp32 elements of its record
+            self._layout(groups)
             self.arenas: list[torch.Tensor] = []
             self._views: list[list[torch.Tensor]] = []
             self._lock = threading.Lock()
@@ -147,6 +139,25 @@ class GradBuffers:
         self._sealed: list[deque[int]] = [deque() for _ in range(n)]
         self._chunk = chunk
         self._local = threading.local()  # per-thread conversion scratch, made once per thread
+
+    def _layout(self, groups: Sequence[int]) -> None:
+        """Pooled: each parameter's group and its offset in the group's record."""
+        self._group = list(groups)
+        self._members: dict[int, list[int]] = {}
+        self._offset: list[int] = []
+        used: dict[int, int] = {}
+        for i, g in enumerate(self._group):
+            self._members.setdefault(g, []).append(i)
+            self._offset.append(used.get(g, 0))
+            used[g] = used.get(g, 0) + -(-self._numel[i] // _ALIGN) * _ALIGN
+        self.group_elements = used  # group -> fp32 elements of its record
+
+    def regroup(self, groups: Sequence[int]) -> None:
+        """Pooled, before ``use_blocks``: records of other groups (per parameter, its group:
+        pieces of a layer, the sliced NVMe tiers)."""
+        if not self.pooled or self._blocks is not None or any(self._ever):
+            raise RuntimeError("regroup: only pooled gradient buffers not in use yet")
+        self._layout(groups)
 
     @staticmethod
     def _allocate(alloc: Callable[[int], torch.Tensor] | None, total: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ builds one and delegates its gradient methods to it, so callers keep calling the
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -237,18 +237,26 @@ class HostGrads:
         buffer for a parameter that had gradients in earlier steps but none in that one, None if
         it never had any (it is not stepped). Called by the optimizer worker before stepping."""
         for index in range(len(self.layers)) if layers is None else layers:
-            for hp in self.layers[index].owned:
-                hp.master.grad = self.grads.attach(hp.slot)
+            self.attach_param_grads(self.layers[index].owned)
+
+    def attach_param_grads(self, owned: Iterable[HostParam]) -> None:
+        """``attach_grads`` for these parameters only (a sliced optimizer tier steps a layer
+        piece by piece, so that only a piece's gradient record is pinned at a time)."""
+        for hp in owned:
+            hp.master.grad = self.grads.attach(hp.slot)
 
     def release_grads(self, layers: Iterable[int]) -> None:
         """The optimizer has consumed the sealed step of ``layers``: forget those gradients (no
         memory is touched; the next contribution to that buffer is copied in)."""
         for index in layers:
-            owned = self.layers[index].owned
-            with self._grad_locks[index]:
-                self.grads.release([hp.slot for hp in owned])
-            for hp in owned:
-                hp.master.grad = None
+            self.release_param_grads(index, self.layers[index].owned)
+
+    def release_param_grads(self, layer: int, owned: Sequence[HostParam]) -> None:
+        """``release_grads`` for these parameters of ``layer`` only, each once per step."""
+        with self._grad_locks[layer]:
+            self.grads.release([hp.slot for hp in owned])
+        for hp in owned:
+            hp.master.grad = None
 
     def zero_grads(self, layers: Iterable[int] | None = None) -> None:
         """Discard every gradient of ``layers`` (all by default), sealed or accumulating: the

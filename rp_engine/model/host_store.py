@@ -55,6 +55,7 @@ from rp_engine.model.folder import FileMappings
 from rp_engine.model.grad_buffers import GradBuffers
 from rp_engine.model.host_grads import GradLanding, HostGrads
 from rp_engine.model.host_layers import HostLayer, HostParam
+from rp_engine.plan.host_ram import pack_pieces
 
 if TYPE_CHECKING:
     from rp_engine.device.base import Event
@@ -165,10 +166,26 @@ class HostStore:
         return users
 
     def group_bytes(self) -> list[int]:
-        """Per layer, the fp32 bytes of the gradient record of the parameters it owns (pooled
-        gradients: what the gradient tier lays out; 0 for a layer owning none)."""
+        """Per gradient record, its fp32 bytes (pooled gradients: what the gradient tier lays
+        out): one per layer owning parameters (0 for one owning none), or after
+        ``slice_grads`` one per piece of a layer."""
         elements = getattr(self.grads, "group_elements", {})
-        return [4 * elements.get(layer.index, 0) for layer in self.layers]
+        return [4 * elements.get(g, 0) for g in range(max(elements, default=-1) + 1)]
+
+    def slice_grads(self, limit: int) -> None:
+        """Pooled gradients in records of at most ``limit`` elements where a parameter allows
+        (``pack_pieces``: whole parameters packed; a larger one alone, whole), so the gradient
+        pool's buffers no longer follow the layers' width. Before ``use_grad_blocks``."""
+        groups: list[int] = []
+        for layer in self.layers:
+            base = max(groups, default=-1) + 1
+            for k, piece in enumerate(
+                pack_pieces([hp.master.numel() for hp in layer.owned], limit)
+            ):
+                for _i, a, _b in piece:
+                    if a == 0:
+                        groups.append(base + k)  # a parameter cut in pieces: its first one's
+        self.grads.regroup(groups)
 
     def use_grad_blocks(self, blocks: Any, *, reserve: int) -> None:
         """Pooled gradients (``grad_pool``): their records live in ``blocks`` (the gradient
@@ -301,6 +318,14 @@ class HostStore:
     def release_grads(self, layers: Iterable[int]) -> None:
         """``HostGrads.release_grads``: the optimizer consumed the sealed step of ``layers``."""
         self.gradients.release_grads(layers)
+
+    def attach_param_grads(self, owned: Iterable[HostParam]) -> None:
+        """``HostGrads.attach_param_grads``: ``attach_grads`` for these parameters only."""
+        self.gradients.attach_param_grads(owned)
+
+    def release_param_grads(self, layer: int, owned: Sequence[HostParam]) -> None:
+        """``HostGrads.release_param_grads``: ``release_grads`` for these parameters only."""
+        self.gradients.release_param_grads(layer, owned)
 
     def zero_grads(self, layers: Iterable[int] | None = None) -> None:
         """``HostGrads.zero_grads``: discard every gradient of ``layers`` (all by default)."""

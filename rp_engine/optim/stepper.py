@@ -548,24 +548,31 @@ class OptimizerStepper:
         """Step ``layer`` slice by slice (a sliced NVMe tier: its state never is in RAM
         whole), each slice's compute weights published as it steps. No step journal (the tier
         turns it off) and no delay compensation (refused with a sliced tier)."""
-        self.store.attach_grads([layer])
         owned = {id(hp.master): hp for hp in self.store.layers[layer].owned}
         predict = self.compensation if self.predicts else None
-        if not self.publishes_at_step_end:
+
+        def step(dst: Callable[[HostParam], torch.Tensor] | None) -> None:
             for k in range(slices):
                 with self.store.resident_slice(layer, k) as segments:
-                    self.optimizer.step_segments(segments, groups=st.groups, grad_coef=coef)
-            self._finish([layer], st.step)
+                    # a piece's gradients are attached at its first slice and released at its
+                    # last (plan/host_ram.py's pack_pieces: one gradient record at a time)
+                    self.store.attach_param_grads(
+                        owned[id(s.master)] for s in segments if s.start == 0
+                    )
+                    self.optimizer.step_segments(
+                        segments, groups=st.groups, grad_coef=coef, predict=predict,
+                        publish=None if dst is None else (lambda p: dst(owned[id(p)])),
+                    )  # fmt: skip
+                    done = [owned[id(s.master)] for s in segments if s.stop == s.master.numel()]
+                    self.store.release_param_grads(layer, done)
+
+        if not self.publishes_at_step_end:
+            step(None)
+            self._finish([layer], st.step, released=True)
             return
         with self.store.publishing(layer, st.step, predicted=self.predicts) as dst:
-            for k in range(slices):
-                with self.store.resident_slice(layer, k) as segments:
-                    self.optimizer.step_segments(
-                        segments, groups=st.groups, grad_coef=coef,
-                        publish=None if dst is None else (lambda p: dst(owned[id(p)])),
-                        predict=predict,
-                    )  # fmt: skip
-        self._finish([layer], st.step, published=True)
+            step(dst)
+        self._finish([layer], st.step, published=True, released=True)
 
     def _warn_undelayed(self) -> None:
         """Once: "lookahead_dc" with one compute-weight buffer steps without the delay
@@ -627,13 +634,17 @@ class OptimizerStepper:
 
         self._submit(task, "all layers", st.step)
 
-    def _finish(self, layers: list[int], step: int, *, published: bool = False) -> None:
+    def _finish(
+        self, layers: list[int], step: int, *, published: bool = False, released: bool = False
+    ) -> None:
         """The layers have applied step ``step`` (or skipped it): mark them done and, when w_t
         is published at step end and the step did not already (``published``: the fused publish
         of ``_enqueue``), publish it: the masters, as they are after a skipped step (its update
         was dropped, so nothing is extrapolated) or a step of a torch optimizer or of data
-        parallel (no moments on this rank to extrapolate along)."""
-        self.store.release_grads(layers)
+        parallel (no moments on this rank to extrapolate along). ``released``: the step
+        released the layers' gradients itself (``_step_sliced``)."""
+        if not released:
+            self.store.release_grads(layers)
         with self._cond:
             for layer in layers:
                 self._done[layer] = step

@@ -47,6 +47,7 @@ __all__ = [
     "PoolSizes",
     "MIN_OPTIMIZER_SLICE",
     "fit_pools",
+    "pack_pieces",
     "size_classes",
     "tier_host_ram",
 ]
@@ -96,6 +97,37 @@ def size_classes(record_bytes: Iterable[int]) -> PoolSizes:
     return PoolSizes(ordinary, max(big, default=0), len(big))
 
 
+# elements: tensors are packed, and cut, in multiples of this (4 KiB of fp32; a multiple of CPU
+# Adam's widest SIMD span, so a cut splits a tensor's vector and scalar parts as the whole does)
+PIECE_ALIGN = 1024
+
+
+def pack_pieces(sizes: Sequence[int], limit: int) -> list[list[tuple[int, int, int]]]:
+    """A layer's trainable tensors (element counts, in order) in *pieces* of at most ``limit``
+    elements (``PIECE_ALIGN`` multiples; sizes are rounded up to one): whole tensors packed in
+    order while they fit, a tensor larger than ``limit`` alone in pieces of its own (cut at
+    multiples of ``limit``). Per piece, its (tensor index, first element, end element).
+
+    One rule for both NVMe tiers' sliced records: the gradient tier keeps each group of whole
+    tensors (or one large tensor) as a record, the optimizer tier cuts its state at the same
+    places, so a slice of masters and moments never needs more than one gradient record."""
+    per = max(PIECE_ALIGN, limit // PIECE_ALIGN * PIECE_ALIGN)
+    pieces: list[list[tuple[int, int, int]]] = []
+    room = 0
+    for i, size in enumerate(sizes):
+        n = -(-size // PIECE_ALIGN) * PIECE_ALIGN
+        if n > per:
+            pieces += [[(i, a, min(a + per, n))] for a in range(0, n, per)]
+            room = 0
+        elif n <= room:
+            pieces[-1].append((i, 0, n))
+            room -= n
+        else:
+            pieces.append([(i, 0, n)])
+            room = per - n
+    return pieces
+
+
 @dataclass(frozen=True)
 class HostRam:
     """Host bytes of a run, by part (``tier_host_ram``)."""
@@ -133,6 +165,7 @@ def tier_host_ram(
     grad_buffers: int,
     optimizer_buffers: int = OPTIMIZER_BUFFERS,
     optimizer_slice: int = 0,
+    layer_tensors: Sequence[Sequence[int]] | None = None,
     param_buffers: int = PARAM_BUFFERS,
     weight_copies: int = 2,
     shared_params: int = 0,
@@ -148,7 +181,9 @@ def tier_host_ram(
     ``cpu_devices``: the devices are CPU virtual devices, whose memory is host memory;
     ``runtime_bytes``: what the process holds at initialize besides the model;
     ``optimizer_slice``: the optimizer tier's records are slices of at most that many bytes
-    (0: whole layers)."""
+    (0: whole layers), and the gradient tier's the same elements' gradients, in the pieces of
+    ``pack_pieces`` over ``layer_tensors`` (per layer, its trainable tensors' elements; without
+    it, whole layers are assumed for the gradients)."""
     total = sum(layer_params)
     trainable = sum(layer_trainable)
     ordinary = size_classes(layer_params).ordinary  # the largest layer but the big few
@@ -174,8 +209,14 @@ def tier_host_ram(
     else:
         parts.append(("fp32 masters + Adam moments", 12 * trainable))
     if grad_buffers:
-        records = size_classes([4 * t for t in layer_trainable])
-        parts.append(("gradient tier buffers", records.pool_bytes(grad_buffers)))
+        grads = [4 * t for t in layer_trainable]
+        if optimizer_slice and layer_tensors is not None:
+            grads = [
+                4 * sum(b - a for _, a, b in piece)
+                for sizes in layer_tensors
+                for piece in pack_pieces(sizes, optimizer_slice // 12)
+            ]
+        parts.append(("gradient tier buffers", size_classes(grads).pool_bytes(grad_buffers)))
     else:
         parts.append(("fp32 gradients", 4 * trainable))
     parts.append(("download staging", devices * stage))

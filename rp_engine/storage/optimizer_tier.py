@@ -28,8 +28,9 @@ same CPU Adam kernel on the same bytes: the tier changes where the state lives, 
 **Sliced** (``slice_bytes``: ``roundpipe.optimizer_slice_mb``, or what the preflight chose to fit
 a memory limit, host_preflight.py): a buffer carries a *slice* of a layer's state, never more
 than ``slice_bytes``, so the pool's RAM no longer follows the layers' width. Every tensor is
-then 4 KiB aligned in the file; a slice is a run of whole tensors and pieces of tensors cut at
-multiples of 1,024 elements (``slice_layer``), each piece's master, exp_avg and exp_avg_sq
+then 4 KiB aligned in the file; a slice is a run of whole tensors, or a piece of one tensor
+larger than a slice, cut at multiples of 1,024 elements (plan/host_ram.py's ``pack_pieces``, the gradient tier's pieces
+too: a slice never needs two gradient records), each piece's master, exp_avg and exp_avg_sq
 side by side in the buffer, read and written as that many extents (record_pool.py). The
 stepper steps a sliced layer slice after slice (``resident_slice``: flat ``StateSegment`` views,
 ``HostOptimizer.step_segments``), bit-identical because Adam is elementwise and the cuts are
@@ -56,22 +57,22 @@ import torch
 
 from rp_engine.model.host_store import placeholder
 from rp_engine.optim.optimizer import StateSegment
-from rp_engine.plan.host_ram import PoolSizes, size_classes
+from rp_engine.plan.host_ram import PIECE_ALIGN, PoolSizes, pack_pieces, size_classes
 from rp_engine.storage.aligned import round_up
 from rp_engine.storage.io_engine import IOEngine
 from rp_engine.storage.mapped import MappedFile
 from rp_engine.storage.record_pool import PooledTier, Record, RecordPool
 from rp_engine.storage.swap_file import SwapFile
 
-__all__ = ["OptimizerTier", "slice_layer", "tier_bytes"]
+__all__ = ["OptimizerTier", "tier_bytes"]
 
 log = logging.getLogger("rp_engine.storage")
 
 _ELEM_ALIGN = 16  # fp32 elements: 64-byte aligned tensors inside a record (SIMD loads)
-# sliced: every state tensor and every cut 4 KiB aligned, so each extent of a slice is a direct
-# I/O of its own; a multiple of CPU Adam's widest SIMD span (128), so a cut splits a tensor's
-# vector and scalar parts exactly as the whole does (bit-identical steps, optim/optimizer.py)
-_SLICE_ALIGN = 1024
+# sliced: every state tensor and every cut 4 KiB aligned (``pack_pieces``), so each extent of a
+# slice is a direct I/O of its own, and a cut splits a tensor's vector and scalar parts exactly
+# as the whole does (bit-identical steps, optim/optimizer.py)
+_SLICE_ALIGN = PIECE_ALIGN
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -111,27 +112,6 @@ def _layouts(store: Any, *, align: int = _ELEM_ALIGN) -> list[_Record | None]:
     return records
 
 
-def slice_layer(sizes: list[int], slice_elems: int) -> list[list[tuple[int, int, int]]]:
-    """Cut a layer's state tensors (their padded element counts, in order) into slices of at
-    most ``slice_elems`` elements each (of every kind: a slice's record is 12 B per element):
-    per slice, its segments (tensor index, first element, end element). Tensors are packed in
-    order; one larger than what a slice has left is cut at a multiple of ``_SLICE_ALIGN``."""
-    per = max(_SLICE_ALIGN, slice_elems // _SLICE_ALIGN * _SLICE_ALIGN)
-    slices: list[list[tuple[int, int, int]]] = [[]]
-    room = per
-    for i, n in enumerate(sizes):
-        start = 0
-        while start < n:
-            if room == 0:
-                slices.append([])
-                room = per
-            take = min(n - start, room)
-            slices[-1].append((i, start, start + take))
-            room -= take
-            start += take
-    return [s for s in slices if s]
-
-
 def _slices(records: Sequence[_Record | None], slice_bytes: int) -> list[list[_Slice]]:
     """Per layer, the slices of its record (none for a layer owning nothing): their extents
     are the pieces of the layer's master, exp_avg and exp_avg_sq tensors they hold, adjacent
@@ -141,7 +121,7 @@ def _slices(records: Sequence[_Record | None], slice_bytes: int) -> list[list[_S
         if rec is None:
             out.append([])
             continue
-        cuts = slice_layer([n for _, _, n in rec.params], slice_bytes // 12)
+        cuts = pack_pieces([hp.master.numel() for hp, _, _ in rec.params], slice_bytes // 12)
         layer: list[_Slice] = []
         for k, segments in enumerate(cuts):
             pieces: list[tuple[int, int]] = []

@@ -67,6 +67,14 @@ def test_the_pool_holds_slices_not_layers(tmp_path) -> None:
         )
         assert tier.buffer_bytes <= 2 * round(SLICE_MB * 2**20) < layer_state
         assert max(tier.slice_count(i) for i in range(len(engine.store.layers))) > 3
+        # the gradients' records: the same pieces, whole tensors (a larger one alone)
+        grads = engine.grad_tier
+        assert grads is not None
+        largest = max(4 * hp.master.numel() for hp in engine.store.owned_params())
+        records = engine.store.group_bytes()
+        assert len(records) > 2 * len(engine.store.layers)
+        assert max(records) <= max(round(SLICE_MB * 2**20) // 3, largest)
+        assert grads.pool.sizes.ordinary < layer_state // 3  # a layer's fp32 gradient
         before = tier.stats.write_bytes
         train(engine, 2)
         engine.synchronize()
