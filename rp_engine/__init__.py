@@ -96,6 +96,7 @@ def initialize(
     cfg = load_config(source, world_size=world, auto_values=auto_values)
     if checkpoint is not None:  # the run's dtype is known now: files are cast to it per layer
         _load_folder(model, checkpoint, cfg)
+    _own_trainable(model, cfg)
     check_initialize(model, cfg)  # before anything is allocated: refuse rather than be OOM-killed
     engine = RoundPipeEngine(
         model=model,
@@ -169,7 +170,7 @@ def _take_over_weights(model: Any) -> None:
     its shape is refused by name. A LayerSpec list builds its modules later (model/layers.py)."""
     import torch
 
-    from rp_engine.model.folder import frozen_file_views, own_trainable
+    from rp_engine.model.folder import frozen_file_views
     from rp_engine.model.zero3 import check_parameter_storage, has_partitions, take_over
 
     if isinstance(model, torch.nn.Module):
@@ -177,8 +178,20 @@ def _take_over_weights(model: Any) -> None:
             # loaded from a folder: its frozen weights are served from the files where equal
             take_over(model, files=frozen_file_views(model))
         check_parameter_storage(model)
-        # trainable weights still in a file mapping (a folder's model) are written by the
-        # optimizer: into ordinary memory now, frozen ones stay served from the files
+
+
+def _own_trainable(model: Any, cfg: Any) -> None:
+    """Trainable weights still in a file mapping (a folder's model) are written by the
+    optimizer's publish: into ordinary memory now, frozen ones stay served from the files
+    (model/folder.py). Not with the NVMe parameter tier: it copies every weight it pages from
+    the mapping into its swap file, layer by layer, and the mapping is dropped, so a full
+    fine-tune from a folder never holds the model in anonymous memory (the few it keeps in
+    RAM, ``max_in_cpu`` layers and shared weights, turn anonymous as they are written)."""
+    import torch
+
+    from rp_engine.model.folder import own_trainable
+
+    if isinstance(model, torch.nn.Module) and cfg.zero.offload_param_device != "nvme":
         own_trainable(model)
 
 

@@ -53,6 +53,7 @@ from torch import nn
 from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
 from rp_engine.host.memory_limit import BUDGET_KEY, HostMemory, Limit, host_memory
 from rp_engine.host.units import ALIGN, format_mib_gib
+from rp_engine.model.folder import FileMappings, resident_file_bytes
 from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, PoolCounts, fit_pools, tier_host_ram
 
 log = logging.getLogger("rp_engine")
@@ -259,12 +260,19 @@ def _need_of(
     params = {id(p): p for layer in store.layers for _, p in layer.params}
     shared = sum(p.numel() for key, p in params.items() if users[key] > 1)
     zero = cfg.zero
-    # what the process holds now besides the model's weights (all in RAM still, each storage
-    # once): the runtime
-    storages = {
-        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params.values()
-    }
-    runtime = max(RUNTIME_BYTES, process_rss() - sum(storages.values()))
+    # what the process holds now besides the model's weights (each storage once): the runtime.
+    # Weights served from a folder's file mapping (model/folder.py) are page cache the kernel
+    # evicts under pressure, not memory the run holds: neither the model's nor the runtime's
+    maps = FileMappings.read()
+    storages, files = {}, set()
+    for p in params.values():
+        path = maps.path_of(p)
+        if path is None:
+            storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+        else:
+            files.add(path)
+    anon_model = sum(storages.values())
+    runtime = max(RUNTIME_BYTES, process_rss() - anon_model - resident_file_bytes(files))
     layer_params = [n + (shared if i == 0 else 0) for i, n in enumerate(own)]
     layer_tensors = [[hp.master.numel() for hp in layer.owned] for layer in store.layers]
     layer_trainable = [sum(sizes) for sizes in layer_tensors]
@@ -288,6 +296,7 @@ def _need_of(
             device_bytes=device_bytes,
             cpu_devices=cpu_devices,
             runtime_bytes=runtime,
+            model_bytes=anon_model,
         )
 
     return need

@@ -81,6 +81,7 @@ __all__ = [
     "frozen_file_views",
     "FolderKeys",
     "file_backing",
+    "resident_file_bytes",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -245,6 +246,22 @@ class FileMappings:
         if i >= 0 and self._ranges[i][0] <= ptr < self._ranges[i][1]:
             return self._ranges[i][2]
         return None
+
+
+def resident_file_bytes(paths: set[str]) -> int:
+    """Bytes of ``paths``' pages resident in this process's mappings of them now (``Rss`` of
+    ``/proc/self/smaps``; 0 without ``/proc``): page cache the kernel may evict, counted in the
+    process's RSS."""
+    total, counting = 0, False
+    with contextlib.suppress(OSError):
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                    counting = len(head) == 6 and head[5].rstrip("\n") in paths
+                elif counting and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+    return total
 
 
 def file_backing(t: torch.Tensor) -> str | None:

@@ -172,6 +172,7 @@ def tier_host_ram(
     device_bytes: int = 0,
     cpu_devices: bool = False,
     runtime_bytes: int = RUNTIME_BYTES,
+    model_bytes: int | None = None,
 ) -> HostRam:
     """The host RAM of a run over layers of ``layer_params`` parameters (``layer_trainable`` of
     them trainable) in a ``dtype_bytes`` compute dtype, on ``devices`` devices. Tiers as in the
@@ -183,7 +184,9 @@ def tier_host_ram(
     ``optimizer_slice``: the optimizer tier's records are slices of at most that many bytes
     (0: whole layers), and the gradient tier's the same elements' gradients, in the pieces of
     ``pack_pieces`` over ``layer_tensors`` (per layer, its trainable tensors' elements; without
-    it, whole layers are assumed for the gradients)."""
+    it, whole layers are assumed for the gradients); ``model_bytes``: what the user's model
+    holds in anonymous memory at initialize (None: every weight, in the compute dtype; a model
+    served from its folder's file mapping holds less, model/folder.py)."""
     total = sum(layer_params)
     trainable = sum(layer_trainable)
     ordinary = size_classes(layer_params).ordinary  # the largest layer but the big few
@@ -212,9 +215,10 @@ def tier_host_ram(
         grads = [4 * t for t in layer_trainable]
         if optimizer_slice and layer_tensors is not None:
             grads = [
-                4 * sum(b - a for _, a, b in piece)
+                4 * sum(-(-sizes[i] // PIECE_ALIGN) * PIECE_ALIGN for i, _, _ in piece)
                 for sizes in layer_tensors
                 for piece in pack_pieces(sizes, optimizer_slice // 12)
+                if piece[0][1] == 0  # a tensor cut in pieces is one gradient record, whole
             ]
         parts.append(("gradient tier buffers", size_classes(grads).pool_bytes(grad_buffers)))
     else:
@@ -222,7 +226,8 @@ def tier_host_ram(
     parts.append(("download staging", devices * stage))
     if cpu_devices and device_bytes:
         parts.append(("CPU virtual devices", devices * device_bytes))
-    return HostRam(tuple(parts), total * dtype_bytes, runtime_bytes)
+    model = total * dtype_bytes if model_bytes is None else model_bytes
+    return HostRam(tuple(parts), model, runtime_bytes)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,13 @@ def test_slicing_the_optimizer_state_fits_budgets_whole_layers_cannot() -> None:
     assert need.peak <= budget and MIN_OPTIMIZER_SLICE <= counts.optimizer_slice < 12 * HEAD
     counts, need = fit_pools(1, WANTED, sliced, _need, largest_record=12 * HEAD)
     assert counts == sliced and need == least
+    # the gradients: records of whole tensors, a layer's here (one tensor), never less
+    tensors = tier_host_ram(
+        layer_params=[LAYER] * 4, layer_trainable=[LAYER] * 4, dtype_bytes=2, devices=2,
+        optimizer_tier=True, param_tier=True, grad_buffers=4, optimizer_slice=MIN_OPTIMIZER_SLICE,
+        layer_tensors=[[LAYER]] * 4,
+    )  # fmt: skip
+    assert dict(tensors.parts)["gradient tier buffers"] == 4 * 4 * (-(-LAYER // 1024) * 1024)
     # without a record size to halve, or with slicing not allowed, nothing is sliced
     counts, _ = fit_pools(budget, WANTED, sliced, _need)
     assert counts.optimizer_slice == 0
