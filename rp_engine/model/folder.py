@@ -49,7 +49,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,7 @@ __all__ = [
     "from_folder",
     "own_trainable",
     "file_backing",
+    "served_from_files",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -243,6 +244,16 @@ def file_backing(t: torch.Tensor) -> str | None:
     """The file ``t``'s memory is mapped from, or None (one ``/proc/self/maps`` read; for many
     tensors read ``FileMappings.read()`` once)."""
     return FileMappings.read().path_of(t)
+
+
+def served_from_files(params: Iterable[torch.Tensor], maps: FileMappings | None = None) -> set[int]:
+    """``id`` of each of ``params`` that is frozen (``requires_grad`` False) and lies in a file
+    mapping: the weights nothing writes, whose bytes the engine reads from the mapping where
+    it uses them (clean page-cache pages, never pinned, never copied to a swap file: the
+    parameter tier, storage/param_tier.py, and the host-RAM count, host_preflight.py, leave
+    them out). ``maps``: a snapshot already read (one ``/proc/self/maps`` read otherwise)."""
+    maps = FileMappings.read() if maps is None else maps
+    return {id(p) for p in params if not p.requires_grad and maps.path_of(p) is not None}
 
 
 # --- building and filling --------------------------------------------------------------------
