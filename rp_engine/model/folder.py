@@ -27,8 +27,9 @@ frozen part costs no anonymous memory at all:
   *trainable* parameter still backed by a file into ordinary memory, layer by layer: the
   optimizer writes them, and writing a private mapping would turn its pages into anonymous ones
   behind the accounting's back. Frozen parameters (``requires_grad=False``) stay file-backed:
-  the engine casts nothing (``model.to`` of an equal dtype is a no-op) and pins nothing file
-  backed (host_store.py), so a LoRA base keeps costing page cache only.
+  the engine casts nothing (``model.to`` of an equal dtype is a no-op), pins nothing file
+  backed (host_store.py) and copies none of them into the NVMe parameter tier's swap file
+  (storage/param_tier.py, ``served_from_files``), so a LoRA base keeps costing page cache only.
 
 What is counted then: trainable weights (and their fp32 masters, moments, gradients), frozen
 weights whose file dtype differs from the run's (cast per layer), buffers and the runtime. What

@@ -13,7 +13,10 @@ records of an ordinary layer, plus two of a much larger one (an embedding, an LM
                           what training adds to it (``RUNTIME_GROWTH``, measured here)
   compute weights         every weight in RAM (x2 when double-buffered), or with the parameter
                           tier only the shared ones (a tied embedding) and the tier's pool,
-                          which grows to what one upload pins: a stage's weights
+                          which grows to what one upload pins: a stage's weights; frozen
+                          weights served from a model folder's file mapping (model/folder.py)
+                          are neither: clean page-cache pages the kernel evicts, listed apart
+                          and not counted, and the parameter tier leaves them in their files
   optimizer tier          ``buffer_count`` x 12 B x the largest ordinary layer (+ 2 big)
   gradient tier           ``grad_buffers`` x 4 B x the largest ordinary layer (+ 2 big); without
                           it, the whole-model fp32 arena (4 B per trainable parameter)
@@ -95,6 +98,7 @@ class HostRam:
     parts: tuple[tuple[str, int], ...]  # (what, bytes) while training
     model: int  # the user's model in the compute dtype: held until initialize paged it
     runtime: int = RUNTIME_BYTES  # what the process holds at initialize besides the model
+    file_pages: int = 0  # frozen weights read from their files' mappings: not counted
 
     @property
     def training(self) -> int:
@@ -111,6 +115,11 @@ class HostRam:
         out = [f"  {name:<38}{format_mib_gib(n)}" for name, n in self.parts if n]
         out.append(f"  {'training, in all':<38}{format_mib_gib(self.training)}")
         out.append(f"  {'peak (initialize holds your model)':<38}{format_mib_gib(self.peak)}")
+        if self.file_pages:
+            out.append(
+                f"  (not counted: frozen weights read from their files, page cache, "
+                f"{format_mib_gib(self.file_pages)})"
+            )
         return out
 
 
@@ -130,15 +139,20 @@ def tier_host_ram(
     device_bytes: int = 0,
     cpu_devices: bool = False,
     runtime_bytes: int = RUNTIME_BYTES,
+    layer_files: Sequence[int] = (),
 ) -> HostRam:
     """The host RAM of a run over layers of ``layer_params`` parameters (``layer_trainable`` of
     them trainable) in a ``dtype_bytes`` compute dtype, on ``devices`` devices. Tiers as in the
     module docstring: ``grad_buffers`` 0 is the whole-model gradient arena (the default without
     the optimizer tier); ``shared_params``: parameters used by several layers (they stay in RAM
-    with the parameter tier); ``device_bytes``: each device's memory budget (0: unknown);
-    ``cpu_devices``: the devices are CPU virtual devices, whose memory is host memory;
-    ``runtime_bytes``: what the process holds at initialize besides the model."""
+    with the parameter tier; none served from files); ``device_bytes``: each device's memory
+    budget (0: unknown); ``cpu_devices``: the devices are CPU virtual devices, whose memory is
+    host memory; ``runtime_bytes``: what the process holds at initialize besides the model;
+    ``layer_files``: per layer, how many of its ``layer_params`` are frozen weights served from
+    their files (no anonymous memory, no record in the parameter tier; default none)."""
+    files = list(layer_files) or [0] * len(layer_params)
     total = sum(layer_params)
+    in_ram = total - sum(files)  # what is anonymous memory (or paged by the tier)
     trainable = sum(layer_trainable)
     ordinary = size_classes(layer_params).ordinary  # the largest layer but the big few
     stage = 4 * ordinary * dtype_bytes
@@ -147,12 +161,17 @@ def tier_host_ram(
     runtime = ("runtime (Python, torch, DeepSpeed)", runtime_bytes + RUNTIME_GROWTH)
     parts: list[tuple[str, int]] = [runtime]
     if param_tier:
-        records = size_classes([p * dtype_bytes for p in layer_params])
-        pool = max(records.pool_bytes(param_buffers), min(stage, total * dtype_bytes))
+        paged = [p - f for p, f in zip(layer_params, files, strict=True)]
+        records = size_classes([p * dtype_bytes for p in paged])
+        # the pool grows to what one upload pins: a stage's paged weights (not its file ones)
+        pinned = 4 * size_classes(paged).ordinary * dtype_bytes
+        if device_bytes:
+            pinned = min(pinned, device_bytes // 2)
+        pool = max(records.pool_bytes(param_buffers), min(pinned, in_ram * dtype_bytes))
         parts.append(("compute weights (shared)", shared_params * dtype_bytes * weight_copies))
         parts.append(("parameter tier buffers", pool))
     else:
-        parts.append(("compute weights", total * dtype_bytes * weight_copies))
+        parts.append(("compute weights", in_ram * dtype_bytes * weight_copies))
     if optimizer_tier:
         records = size_classes([12 * t for t in layer_trainable])
         parts.append(("optimizer tier buffers", records.pool_bytes(optimizer_buffers)))
@@ -166,7 +185,9 @@ def tier_host_ram(
     parts.append(("download staging", devices * stage))
     if cpu_devices and device_bytes:
         parts.append(("CPU virtual devices", devices * device_bytes))
-    return HostRam(tuple(parts), total * dtype_bytes, runtime_bytes)
+    return HostRam(
+        tuple(parts), in_ram * dtype_bytes, runtime_bytes, (total - in_ram) * dtype_bytes
+    )
 
 
 @dataclass(frozen=True)

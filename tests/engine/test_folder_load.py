@@ -300,6 +300,8 @@ def test_the_param_tier_reads_frozen_weights_from_the_files(tmp_path: Path, mixe
         assert tier.copies == (2 if mixed else 1)
         base_bytes = sum(p.numel() * p.element_size() for p in in_files)
         assert tier.disk_bytes < base_bytes
+        # the host-RAM prediction (host_preflight.check_tiers): page cache, not RAM held
+        assert engine.host_ram is not None and engine.host_ram.file_pages == base_bytes
         it = iter(_batches())
         losses = []
         for when in ("after initialize", "after 2 steps"):
