@@ -20,7 +20,10 @@ With the NVMe optimizer tier (``offload_optimizer.device: "nvme"``) the masters 
 checks its disk at ``initialize``, storage/swap_file.py) and the message says where they are.
 With the parameter tier (``offload_param.device: "nvme"``) the compute weights leave RAM once
 ``initialize`` wrote them to NVMe: they were never counted (they exist already), and the message
-says where they go.
+says where they go. Frozen weights served from a model folder's file mapping (model/folder.py's
+``served_from_files``: a LoRA base loaded from its ``save_pretrained`` folder) are clean page
+cache, not anonymous memory: neither here nor in ``check_tiers`` are they counted as RAM (nor as
+held by the process), and the parameter tier leaves them in their files.
 
 Not counted: activations and the CPU virtual devices' stage copies (host memory too), which
 depend on the plan; so passing the preflight is necessary, not sufficient.
@@ -53,7 +56,7 @@ from torch import nn
 from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
 from rp_engine.host.memory_limit import BUDGET_KEY, HostMemory, Limit, host_memory
 from rp_engine.host.units import ALIGN, format_mib_gib
-from rp_engine.model.folder import FileMappings, resident_file_bytes
+from rp_engine.model.folder import FileMappings, resident_file_bytes, served_from_files
 from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, PoolCounts, fit_pools, tier_host_ram
 
 log = logging.getLogger("rp_engine")
@@ -164,6 +167,7 @@ def host_need(
     ``check_tiers`` with the other pools), not in a whole-model arena."""
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = sum(p.numel() for p in params if p.requires_grad)
+    in_files = served_from_files(params) if nvme_params else set()  # stay in their files
     size = torch.empty(0, dtype=dtype).element_size()
     cast = sum(p.numel() * max(0, size - p.element_size()) for p in params if p.is_floating_point())
     in_ram = 0 if nvme_optimizer else 1
@@ -175,7 +179,9 @@ def host_need(
         moments=8 * trainable * in_ram,
         journal=12 * trainable if journal == "on" and in_ram else 0,
         on_nvme=12 * trainable * (1 - in_ram),
-        weights_on_nvme=sum(p.numel() * size for p in params) if nvme_params else 0,
+        weights_on_nvme=(
+            sum(p.numel() * size for p in params if id(p) not in in_files) if nvme_params else 0
+        ),
     )
 
 
@@ -259,11 +265,19 @@ def _need_of(
     own = [sum(p.numel() for _, p in layer.params if users[id(p)] == 1) for layer in store.layers]
     params = {id(p): p for layer in store.layers for _, p in layer.params}
     shared = sum(p.numel() for key, p in params.items() if users[key] > 1)
+    # frozen weights served from their files: page cache, not RAM the run holds or needs
+    maps = FileMappings.read()
+    in_files = served_from_files(params.values(), maps)
+    own_files = [
+        sum(p.numel() for _, p in layer.params if users[id(p)] == 1 and id(p) in in_files)
+        for layer in store.layers
+    ]
+    shared_files = sum(params[key].numel() for key in in_files if users[key] > 1)
     zero = cfg.zero
     # what the process holds now besides the model's weights (each storage once): the runtime.
-    # Weights served from a folder's file mapping (model/folder.py) are page cache the kernel
-    # evicts under pressure, not memory the run holds: neither the model's nor the runtime's
-    maps = FileMappings.read()
+    # Weights in a folder's file mapping (model/folder.py) are page cache the kernel evicts
+    # under pressure, not memory the run holds: neither the model's nor the runtime's (RSS
+    # holds their touched pages only, subtracted as such)
     storages, files = {}, set()
     for p in params.values():
         path = maps.path_of(p)
@@ -274,6 +288,7 @@ def _need_of(
     anon_model = sum(storages.values())
     runtime = max(RUNTIME_BYTES, process_rss() - anon_model - resident_file_bytes(files))
     layer_params = [n + (shared if i == 0 else 0) for i, n in enumerate(own)]
+    layer_files = [n + (shared_files if i == 0 else 0) for i, n in enumerate(own_files)]
     layer_tensors = [[hp.master.numel() for hp in layer.owned] for layer in store.layers]
     layer_trainable = [sum(sizes) for sizes in layer_tensors]
     dtype_bytes = torch.empty(0, dtype=compute_dtype(cfg)).element_size()
@@ -292,11 +307,12 @@ def _need_of(
             layer_tensors=layer_tensors,
             param_buffers=counts.param,
             weight_copies=weight_copies,
-            shared_params=shared,
+            shared_params=shared - shared_files,
             device_bytes=device_bytes,
             cpu_devices=cpu_devices,
             runtime_bytes=runtime,
             model_bytes=anon_model,
+            layer_files=layer_files,
         )
 
     return need

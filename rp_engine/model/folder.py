@@ -27,8 +27,9 @@ frozen part costs no anonymous memory at all:
   *trainable* parameter still backed by a file into ordinary memory, layer by layer: the
   optimizer writes them, and writing a private mapping would turn its pages into anonymous ones
   behind the accounting's back. Frozen parameters (``requires_grad=False``) stay file-backed:
-  the engine casts nothing (``model.to`` of an equal dtype is a no-op) and pins nothing file
-  backed (host_store.py), so a LoRA base keeps costing page cache only.
+  the engine casts nothing (``model.to`` of an equal dtype is a no-op), pins nothing file
+  backed (host_store.py) and copies none of them into the NVMe parameter tier's swap file
+  (storage/param_tier.py, ``served_from_files``), so a LoRA base keeps costing page cache only.
 
 What is counted then: trainable weights (and their fp32 masters, moments, gradients), frozen
 weights whose file dtype differs from the run's (cast per layer), buffers and the runtime. What
@@ -55,7 +56,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ __all__ = [
     "FolderKeys",
     "file_backing",
     "resident_file_bytes",
+    "served_from_files",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -268,6 +270,16 @@ def file_backing(t: torch.Tensor) -> str | None:
     """The file ``t``'s memory is mapped from, or None (one ``/proc/self/maps`` read; for many
     tensors read ``FileMappings.read()`` once)."""
     return FileMappings.read().path_of(t)
+
+
+def served_from_files(params: Iterable[torch.Tensor], maps: FileMappings | None = None) -> set[int]:
+    """``id`` of each of ``params`` that is frozen (``requires_grad`` False) and lies in a file
+    mapping: the weights nothing writes, whose bytes the engine reads from the mapping where
+    it uses them (clean page-cache pages, never pinned, never copied to a swap file: the
+    parameter tier, storage/param_tier.py, and the host-RAM count, host_preflight.py, leave
+    them out). ``maps``: a snapshot already read (one ``/proc/self/maps`` read otherwise)."""
+    maps = FileMappings.read() if maps is None else maps
+    return {id(p) for p in params if not p.requires_grad and maps.path_of(p) is not None}
 
 
 # --- building and filling --------------------------------------------------------------------

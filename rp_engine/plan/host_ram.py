@@ -13,7 +13,10 @@ records of an ordinary layer, plus two of a much larger one (an embedding, an LM
                           what training adds to it (``RUNTIME_GROWTH``, measured here)
   compute weights         every weight in RAM (x2 when double-buffered), or with the parameter
                           tier only the shared ones (a tied embedding) and the tier's pool,
-                          which grows to what one upload pins: a stage's weights
+                          which grows to what one upload pins: a stage's weights; frozen
+                          weights served from a model folder's file mapping (model/folder.py)
+                          are neither: clean page-cache pages the kernel evicts, listed apart
+                          and not counted, and the parameter tier leaves them in their files
   optimizer tier          ``buffer_count`` x 12 B x the largest ordinary layer (+ 2 big), or
                           sliced (``optimizer_slice`` bytes): ``buffer_count`` slices, whatever
                           the layers' width
@@ -135,6 +138,7 @@ class HostRam:
     parts: tuple[tuple[str, int], ...]  # (what, bytes) while training
     model: int  # the user's model in the compute dtype: held until initialize paged it
     runtime: int = RUNTIME_BYTES  # what the process holds at initialize besides the model
+    file_pages: int = 0  # frozen weights read from their files' mappings: not counted
 
     @property
     def training(self) -> int:
@@ -151,6 +155,11 @@ class HostRam:
         out = [f"  {name:<38}{format_mib_gib(n)}" for name, n in self.parts if n]
         out.append(f"  {'training, in all':<38}{format_mib_gib(self.training)}")
         out.append(f"  {'peak (initialize holds your model)':<38}{format_mib_gib(self.peak)}")
+        if self.file_pages:
+            out.append(
+                f"  (not counted: frozen weights read from their files, page cache, "
+                f"{format_mib_gib(self.file_pages)})"
+            )
         return out
 
 
@@ -173,6 +182,7 @@ def tier_host_ram(
     cpu_devices: bool = False,
     runtime_bytes: int = RUNTIME_BYTES,
     model_bytes: int | None = None,
+    layer_files: Sequence[int] = (),
 ) -> HostRam:
     """The host RAM of a run over layers of ``layer_params`` parameters (``layer_trainable`` of
     them trainable) in a ``dtype_bytes`` compute dtype, on ``devices`` devices. Tiers as in the
@@ -186,8 +196,12 @@ def tier_host_ram(
     ``pack_pieces`` over ``layer_tensors`` (per layer, its trainable tensors' elements; without
     it, whole layers are assumed for the gradients); ``model_bytes``: what the user's model
     holds in anonymous memory at initialize (None: every weight, in the compute dtype; a model
-    served from its folder's file mapping holds less, model/folder.py)."""
+    served from its folder's file mapping holds less, model/folder.py).; ``layer_files``: per layer, how many of its ``layer_params`` are frozen weights
+    served from their files (no anonymous memory, no record in the parameter tier; default
+    none)."""
+    files = list(layer_files) or [0] * len(layer_params)
     total = sum(layer_params)
+    in_ram = total - sum(files)  # what is anonymous memory (or paged by the tier)
     trainable = sum(layer_trainable)
     ordinary = size_classes(layer_params).ordinary  # the largest layer but the big few
     stage = 4 * ordinary * dtype_bytes
@@ -196,12 +210,17 @@ def tier_host_ram(
     runtime = ("runtime (Python, torch, DeepSpeed)", runtime_bytes + RUNTIME_GROWTH)
     parts: list[tuple[str, int]] = [runtime]
     if param_tier:
-        records = size_classes([p * dtype_bytes for p in layer_params])
-        pool = max(records.pool_bytes(param_buffers), min(stage, total * dtype_bytes))
+        paged = [p - f for p, f in zip(layer_params, files, strict=True)]
+        records = size_classes([p * dtype_bytes for p in paged])
+        # the pool grows to what one upload pins: a stage's paged weights (not its file ones)
+        pinned = 4 * size_classes(paged).ordinary * dtype_bytes
+        if device_bytes:
+            pinned = min(pinned, device_bytes // 2)
+        pool = max(records.pool_bytes(param_buffers), min(pinned, in_ram * dtype_bytes))
         parts.append(("compute weights (shared)", shared_params * dtype_bytes * weight_copies))
         parts.append(("parameter tier buffers", pool))
     else:
-        parts.append(("compute weights", total * dtype_bytes * weight_copies))
+        parts.append(("compute weights", in_ram * dtype_bytes * weight_copies))
     if optimizer_tier:
         records = size_classes([12 * t for t in layer_trainable])
         pool = records.pool_bytes(optimizer_buffers)
@@ -226,8 +245,8 @@ def tier_host_ram(
     parts.append(("download staging", devices * stage))
     if cpu_devices and device_bytes:
         parts.append(("CPU virtual devices", devices * device_bytes))
-    model = total * dtype_bytes if model_bytes is None else model_bytes
-    return HostRam(tuple(parts), model, runtime_bytes)
+    model = in_ram * dtype_bytes if model_bytes is None else model_bytes
+    return HostRam(tuple(parts), model, runtime_bytes, (total - in_ram) * dtype_bytes)
 
 
 @dataclass(frozen=True)

@@ -165,10 +165,15 @@ def build_param_tier(
         )
     conf = cfg.zero.offload_param
     plan = param_tier_plan(store, conf.max_in_cpu)
+    if plan.file_elements:
+        log.info(
+            "NVMe parameter tier: %d frozen weight elements are read from their model files' "
+            "mappings, not paged (model/folder.py)", plan.file_elements,
+        )  # fmt: skip
     if not plan.paged:
         log.info(
             "NVMe parameter tier: offload_param.max_in_cpu (%d elements) keeps every layer's "
-            "weights in RAM", conf.max_in_cpu,
+            "weights in RAM (or in their files)", conf.max_in_cpu,
         )  # fmt: skip
         return None
     folder = check_nvme_path(conf.nvme_path, plan.disk_bytes(store.weight_copies), key=_PARAM_KEY)

@@ -3,7 +3,8 @@
 With ``offload_param.device: "nvme"`` the compute weights (bf16/fp16/fp32, the bytes uploads copy)
 of a layer live in a swap file instead of RAM. Per layer and per weight buffer (two with
 double-buffered weights: versions v and v-1 coexist, model/host_store.py) one record holds every
-parameter only that layer uses, frozen or trainable, each 64-byte aligned; the records of buffer
+parameter only that layer uses, frozen or trainable (but the frozen ones served from their
+files, below), each 64-byte aligned; the records of buffer
 0 come first in the file, so ``materialized`` reads them in one piece.
 
 ::
@@ -14,7 +15,12 @@ parameter only that layer uses, frozen or trainable, each 64-byte aligned; the r
     optimizer publish of version v: written into record (layer, v % 2), then written back
 
 What stays in RAM: layers that fit in ``max_in_cpu`` elements (DeepSpeed's key: the first layers
-in order), parameters shared by several layers (tied embeddings), and module buffers. The module's
+in order), parameters shared by several layers (tied embeddings), and module buffers. What stays
+in its file: frozen weights served from a model folder's file mapping (model/folder.py's
+``served_from_files``: a LoRA base loaded from its ``save_pretrained`` folder) get no record:
+they are on disk already, nothing writes them, and uploads read them from the mapping as they
+read the weights kept in RAM (page-cache pages, evictable, never pinned); a layer holding only
+such weights and buffers does not page at all. They count against no ``max_in_cpu``. The module's
 paged parameters keep their identity, shape and dtype but own no memory (storage of size 0), so a
 stray host read fails loudly; ``materialized`` points them into the swap file mapped into memory
 for the few whole-model readers (checkpoint load, ``reload_masters``, state_dict), and
@@ -35,6 +41,7 @@ from typing import Any
 
 import torch
 
+from rp_engine.model.folder import served_from_files
 from rp_engine.model.host_store import placeholder
 from rp_engine.plan.host_ram import PoolSizes, size_classes
 from rp_engine.storage.aligned import round_up
@@ -68,6 +75,7 @@ class ParamTierPlan:
     paged: dict[int, list[torch.Tensor]]  # layer -> its paged parameters, in record order
     record_bytes: dict[int, int]  # layer -> bytes of one record (4 KiB multiple)
     cached_elements: int  # elements kept in RAM by ``max_in_cpu``
+    file_elements: int = 0  # frozen elements served from their files' mappings: no record
 
     def disk_bytes(self, copies: int) -> int:
         return copies * sum(self.record_bytes.values())
@@ -81,14 +89,20 @@ class ParamTierPlan:
 
 
 def param_tier_plan(store: Any, max_in_cpu: int) -> ParamTierPlan:
-    """The layers whose weights page to NVMe: every parameter used by one layer only, of the
-    layers left once the first ones fitting in ``max_in_cpu`` elements stay in RAM."""
+    """The layers whose weights page to NVMe: every parameter used by one layer only and not
+    served from a file (frozen and file backed: ``served_from_files``), of the layers left once
+    the first ones fitting in ``max_in_cpu`` elements stay in RAM."""
     users = store.param_users()
+    params = {id(p): p for layer in store.layers for _, p in layer.params}
+    in_files = served_from_files(params.values())
     paged: dict[int, list[torch.Tensor]] = {}
     sizes: dict[int, int] = {}
     budget, cached = max_in_cpu, 0
     for layer in store.layers:
-        own = [p for _, p in layer.params if users[id(p)] == 1 and p.numel()]
+        own = [
+            p for _, p in layer.params
+            if users[id(p)] == 1 and p.numel() and id(p) not in in_files
+        ]  # fmt: skip
         elems = sum(p.numel() for p in own)
         if not own:
             continue
@@ -100,7 +114,8 @@ def param_tier_plan(store: Any, max_in_cpu: int) -> ParamTierPlan:
         sizes[layer.index] = round_up(
             sum(round_up(p.numel() * p.element_size(), _BYTE_ALIGN) for p in own)
         )
-    return ParamTierPlan(paged, sizes, cached)
+    files = sum(params[key].numel() for key in in_files)
+    return ParamTierPlan(paged, sizes, cached, files)
 
 
 class WeightLease:
@@ -247,6 +262,7 @@ class ParamTier(PooledTier):
         with self._lock:
             self._asker.pop(id(rec), None)  # a read for the optimizer: not on an upload's row
         # a record holding frozen weights is read first: the block rewrites only part of it
+        # (frozen weights served from their files have no place in a record: not read for them)
         fresh = overwrite and not keep and all(p.requires_grad for p, _ in rec.tensors)
         (data,) = self.pool.pin([rec], fresh=fresh)
         try:

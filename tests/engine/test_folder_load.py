@@ -259,3 +259,79 @@ def test_frozen_file_views_of_a_peft_wrapped_from_pretrained_model(tmp_path: Pat
             assert view is not None and torch.equal(view, p)
             assert _in_folder(maps.path_of(view), folder)
     assert F.frozen_file_views(_lora(tiny("qwen3", 0, layers=1, hidden=64, vocab=VOCAB))) is None
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["files-only", "mixed-records"])
+def test_the_param_tier_reads_frozen_weights_from_the_files(tmp_path: Path, mixed: bool) -> None:
+    """``offload_param`` on NVMe with a LoRA base loaded from its folder: the frozen weights
+    served from the files get no record in the tier's swap file (only the adapters page) and
+    stay views of the files through training; the losses equal the run without the tier.
+    ``mixed``: each layer's input norm is copied out of the files first (frozen, not file
+    backed), so its records hold frozen and trainable weights (read before a publish), and the
+    asynchronous optimizer double-buffers the weights."""
+    from rp_engine.storage.aligned import round_up
+
+    base = _save(tmp_path / "base", torch.bfloat16)
+    adapter = tmp_path / "adapter"
+    _lora(_whole(base)).save_pretrained(adapter)
+
+    def model() -> Any:
+        if not mixed:
+            return str(adapter)  # initialize(model="<folder>")
+        m = F.from_folder(adapter)
+        for layer in m.base_model.model.model.layers:
+            norm = layer.input_layernorm.weight
+            norm.data = norm.data.clone()  # in ordinary memory now: pages with the adapters
+        return m
+
+    cfg = engine_config(devices=2, gas=2, mbs=2, async_optimizer=mixed, bf16={"enabled": True})
+    expected = _losses_of(model(), cfg)
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    nvme = {
+        **cfg,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(swap), "max_in_cpu": 0},
+        },
+    }
+    engine, _, _, _ = rp_engine.initialize(model=model(), config=nvme)
+    try:
+        tier = engine.param_tier
+        assert tier is not None
+        named = [
+            (name, p) for name, p in engine.module.named_parameters()
+            if not p.requires_grad and not (mixed and "input_layernorm" in name)
+        ]  # fmt: skip
+        in_files = [p for _, p in named]
+        paged = {id(p) for ps in tier.plan.paged.values() for p in ps}
+        copied = [name for name, p in named if id(p) in paged]
+        count = len(named)  # not asserted on the list: a paged weight's repr reads no memory
+        assert count == 36 - 3 * mixed  # 3 layers of 11 weights, the final norm, 2 embeddings
+        assert not copied, f"frozen weights copied into the swap file: {copied}"
+        # the swap file holds one record per layer and weight buffer of the rest: the adapters
+        # (and, mixed, the copied norms), each 64-byte aligned, records in 4 KiB multiples
+        kept = {id(p) for p in in_files}
+        records = [
+            round_up(sum(round_up(p.numel() * p.element_size(), 64) for _, p in layer.params
+                         if id(p) not in kept))
+            for layer in engine.store.layers
+        ]  # fmt: skip
+        assert tier.disk_bytes == tier.copies * sum(records)
+        assert tier.copies == (2 if mixed else 1)
+        base_bytes = sum(p.numel() * p.element_size() for p in in_files)
+        assert tier.disk_bytes < base_bytes
+        # the host-RAM prediction (host_preflight.check_tiers): page cache, not RAM held
+        assert engine.host_ram is not None and engine.host_ram.file_pages == base_bytes
+        it = iter(_batches())
+        losses = []
+        for when in ("after initialize", "after 2 steps"):
+            maps = F.FileMappings.read()
+            outside = [p.shape for p in in_files if not _in_folder(maps.path_of(p), base)]
+            assert not outside, f"{when}: frozen weights copied out of the files: {outside}"
+            if not losses:
+                losses = [float(engine.train_batch(it)) for _ in range(2)]
+                engine.synchronize()
+        assert losses == expected
+    finally:
+        engine.destroy()

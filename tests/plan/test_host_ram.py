@@ -3,6 +3,7 @@ devices (rp_engine/plan/host_ram.py), not the number of layers; without them it 
 
 from __future__ import annotations
 
+from rp_engine.host.defaults import PARAM_BUFFERS
 from rp_engine.plan.host_ram import (
     MIN_OPTIMIZER_SLICE,
     RUNTIME_BYTES,
@@ -112,3 +113,31 @@ def test_slicing_the_optimizer_state_fits_budgets_whole_layers_cannot() -> None:
     # without a record size to halve, or with slicing not allowed, nothing is sliced
     counts, _ = fit_pools(budget, WANTED, sliced, _need)
     assert counts.optimizer_slice == 0
+
+
+def test_frozen_weights_served_from_files_are_page_cache_not_ram() -> None:
+    """A LoRA base mapped from its folder: the frozen weights are neither the model initialize
+    holds, nor compute weights in RAM, nor records of the parameter tier (its pool is sized by
+    the adapters'); they are listed apart, not counted."""
+    adapters = 10_000  # trainable per layer
+    layers = [HEAD] + [LAYER] * 20 + [HEAD]
+    files = [HEAD] + [LAYER - adapters] * 20 + [HEAD]
+    trainable = [0] + [adapters] * 20 + [0]
+
+    def ram(param_tier: bool, layer_files: list[int]) -> HostRam:
+        return tier_host_ram(
+            layer_params=layers, layer_trainable=trainable, dtype_bytes=2, devices=2,
+            optimizer_tier=False, param_tier=param_tier, grad_buffers=0,
+            layer_files=layer_files,
+        )  # fmt: skip
+
+    plain, mapped = ram(True, []), ram(True, files)
+    assert plain.model == sum(layers) * 2 and plain.file_pages == 0
+    assert mapped.model == 20 * adapters * 2
+    assert mapped.file_pages == sum(files) * 2
+    assert any("not counted: frozen weights read from their files" in x for x in mapped.lines())
+    pool = dict(mapped.parts)["parameter tier buffers"]
+    assert pool == size_classes([2 * adapters] * 20).pool_bytes(PARAM_BUFFERS)
+    assert pool < dict(plain.parts)["parameter tier buffers"]
+    no_tier = dict(ram(False, files).parts)
+    assert no_tier["compute weights"] == 20 * adapters * 2 * 2  # double-buffered adapters
