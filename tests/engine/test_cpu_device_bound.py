@@ -61,13 +61,13 @@ def test_each_device_holds_at_most_its_budget() -> None:
 
 
 def test_a_run_that_does_not_fit_is_stopped_naming_the_budget() -> None:
-    """The plan is fitted to the first batch (2 x 16 tokens); a later batch of 2 x 1,024 needs
-    ~4x the budget in activations. Its step fails with an out-of-memory error naming
-    roundpipe.device_memory_gb and the fix (it trained on, in more host RAM, before), and no
-    device ever held more than the budget."""
+    """The plan is fitted to the first batch (2 x 16 tokens); a later batch of 2 x 512 needs
+    more than the budget in activations (the runtime's own tensors for it, ~6 MB, fit). Its
+    step fails with an out-of-memory error naming roundpipe.device_memory_gb and the fix
+    (before, it trained on in more host RAM), and no device ever held more than the budget."""
     engine = _engine()
     try:
-        data = _batches([16, 16, 1024, 1024])
+        data = _batches([16, 16, 512, 512])
         engine.train_batch(data)
         with pytest.raises(Exception) as info:  # noqa: PT011 - the message is what is checked
             engine.train_batch(data)
