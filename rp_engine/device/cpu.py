@@ -603,9 +603,7 @@ class CPUPool:
         self.threads_per_device = max(1, self._saved_threads // n)
         self._closed = False
         self.devices = [
-            CPUDevice(
-                i, pool=self, pcie_gbps=pcie_gbps, capacity_bytes=capacity_bytes, meter=meter
-            )
+            CPUDevice(i, pool=self, pcie_gbps=pcie_gbps, capacity_bytes=capacity_bytes, meter=meter)
             for i in range(n)
         ]
 
