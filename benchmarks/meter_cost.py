@@ -29,6 +29,7 @@ SIZES = (  # (hidden, layers, tokens per sequence): per-op overhead matters less
     (64, 4, 16),
     (256, 4, 128),
     (512, 4, 256),
+    (1024, 4, 512),
 )
 VOCAB = 512
 
