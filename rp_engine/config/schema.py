@@ -295,6 +295,11 @@ class RoundPipeConfig:
     fwd_cuts: tuple[int, ...] | None = field(default=None, metadata=_m(custom=True))
     bwd_cuts: tuple[int, ...] | None = field(default=None, metadata=_m(custom=True))
     device_memory_gb: float | None = field(default=None, metadata=_m(gt=0))
+    # CPU virtual devices: count every storage their compute creates (activations, temporaries,
+    # logits) against device_memory_gb, so a device holds no more host RAM than it. None
+    # (default): on exactly when device_memory_gb is set; false: only the runtime's weights,
+    # gradients and states count (faster on tiny models, but a device may then hold more)
+    meter_cpu_compute: bool | None = None
     pcie_gbps: float | None = field(default=None, metadata=_m(gt=0))
     round_size: int | None = field(default=None, metadata=_m(gt=0))  # M_R; None: GAS
     head_chunk_tokens: int = field(default=1024, metadata=_m(gt=0))

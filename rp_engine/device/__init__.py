@@ -127,18 +127,24 @@ def make_devices(
     *,
     pcie_gbps: float | None = None,
     capacity_bytes: int | None = None,
+    meter_cpu_compute: bool | None = None,
 ) -> DevicePool:
     """Build the device pool for ``roundpipe.devices``.
 
     None -> every visible GPU, else ``cpu:2``. ``pcie_gbps`` (emulated link) applies to CPU
-    devices only; ``capacity_bytes`` is the per-device memory budget on both kinds.
+    devices only; ``capacity_bytes`` is the per-device memory budget on both kinds (on CPU
+    devices it bounds their compute's storages too unless ``meter_cpu_compute`` is False:
+    ``CPUDevice.meter_compute``; None meters exactly when there is a budget).
     """
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if spec is None:
         spec = "cuda" if num_gpus else f"cpu:{_DEFAULT_CPU_DEVICES}"
     kind, indices = parse_device_spec(spec, num_gpus=num_gpus)
     if kind == "cpu":
-        pool = CPUPool(len(indices), pcie_gbps=pcie_gbps, capacity_bytes=capacity_bytes)
+        pool = CPUPool(
+            len(indices), pcie_gbps=pcie_gbps, capacity_bytes=capacity_bytes,
+            meter=meter_cpu_compute,
+        )  # fmt: skip
         return DevicePool(list(pool.devices), kind="cpu", on_close=pool.close)
     cuda_devices: list[Device] = []
     try:

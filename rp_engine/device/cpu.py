@@ -6,9 +6,11 @@ This module owns the thread machinery shared by both backends (``ThreadStream``,
 runtime can tell: work is ordered FIFO per stream and only events order streams, copies can be
 slowed to an emulated PCIe bandwidth (``time.sleep`` drops the GIL, so a copy overlaps compute
 as on a GPU copy engine), and an emulated memory capacity turns overuse into ``DeviceError``.
-The capacity counts the tensors the runtime tracks (weights, gradients, boundary states); with
-``CPUDevice.meter_compute`` it also counts every storage the compute stream's closures create
-(activations autograd keeps, temporaries, the LM head's logits), as a GPU's allocator would.
+The capacity counts the tensors the runtime tracks (weights, gradients, boundary states) and,
+metered (``CPUDevice.meter_compute``: on by default on a device with a capacity), every storage
+the compute stream's closures create (activations autograd keeps, temporaries, the LM head's
+logits), as a GPU's allocator would: a device with a capacity then holds no more host RAM than
+it, which is what the planner and the host-RAM model (plan/host_ram.py) count on.
 
 Two streams and an event: the D2H worker blocks in its wait task until compute reaches e::
 
@@ -467,7 +469,8 @@ class CPUDevice(ThreadedDevice):
 
     ``pcie_gbps`` (GB/s, None = instant) slows ``to_device``/``to_host`` to that bandwidth; each
     direction is one emulated link, so the two upload streams share it as on a real bus.
-    ``capacity_bytes`` (None = unlimited) caps the tracked bytes.
+    ``capacity_bytes`` (None = unlimited) caps what the device holds; ``meter`` (None: on
+    exactly when there is a capacity) counts its compute's storages too (``meter_compute``).
     """
 
     def __init__(
@@ -477,6 +480,7 @@ class CPUDevice(ThreadedDevice):
         pool: CPUPool,
         pcie_gbps: float | None = None,
         capacity_bytes: int | None = None,
+        meter: bool | None = None,
     ) -> None:
         if pcie_gbps is not None and pcie_gbps <= 0:
             raise ValueError(f"pcie_gbps must be positive or None, got {pcie_gbps}")
@@ -498,18 +502,28 @@ class CPUDevice(ThreadedDevice):
             )
             for role in StreamRole
         }
+        # A capacity is a limit on what the device holds, activations included (the planner
+        # fits its stages to it and the host-RAM model counts it as the device's host memory);
+        # without one there is nothing to bound, and metering would only cost time.
+        self.meter_compute(capacity_bytes is not None if meter is None else meter)
 
     def meter_compute(self, on: bool = True) -> None:
         """Count every storage the compute stream's closures create (``on``) or only the
-        tensors the runtime tracks (off, the default) against this device's capacity and
-        peak: with it, the peak is what a GPU's allocator would have held (activations kept
-        for the backward, temporaries, the LM head's logits), and a capacity overrun by any
-        of them is an out-of-memory ``DeviceError``. Costs a Python call per op: for tests
-        and measurements. Set it while the device is idle."""
+        tensors the runtime tracks (off) against this device's capacity and peak: with it,
+        the peak is what a GPU's allocator would have held (activations kept for the
+        backward, temporaries, the LM head's logits), and a capacity overrun by any of them
+        is an out-of-memory ``DeviceError``. On by default on a device with a capacity.
+        Costs a Python call per op (benchmarks/RESULTS.md, "CPU virtual devices bounded").
+        Set it while the device is idle."""
         ledger = self._ledger
         self._streams[StreamRole.COMPUTE].meter = (
             functools.partial(_AllocationMeter, ledger) if on else None
         )
+
+    @property
+    def compute_metered(self) -> bool:
+        """Whether the compute stream's storages count against the capacity (``meter_compute``)."""
+        return self._streams[StreamRole.COMPUTE].meter is not None
 
     def _emulate_link(self, nbytes: int, link: threading.Lock) -> None:
         if self.pcie_gbps is None or nbytes == 0:
@@ -569,7 +583,8 @@ class CPUPool:
     Each worker thread runs torch with ``max(1, T // n)`` intra-op threads, T being
     ``torch.get_num_threads()`` of the thread that builds the pool, so n devices computing at
     once do not oversubscribe the cores (and the count, hence reduction order, depends only on
-    T and n). ``close`` restores the process default that the workers changed.
+    T and n). ``close`` restores the process default that the workers changed. ``meter``:
+    ``CPUDevice``'s (None: the devices' compute is metered when they have a capacity).
     """
 
     def __init__(
@@ -578,6 +593,7 @@ class CPUPool:
         *,
         pcie_gbps: float | None = None,
         capacity_bytes: int | None = None,
+        meter: bool | None = None,
     ) -> None:
         if n < 1:
             raise ValueError(f"a CPU pool needs at least one device, got {n}")
@@ -587,7 +603,7 @@ class CPUPool:
         self.threads_per_device = max(1, self._saved_threads // n)
         self._closed = False
         self.devices = [
-            CPUDevice(i, pool=self, pcie_gbps=pcie_gbps, capacity_bytes=capacity_bytes)
+            CPUDevice(i, pool=self, pcie_gbps=pcie_gbps, capacity_bytes=capacity_bytes, meter=meter)
             for i in range(n)
         ]
 

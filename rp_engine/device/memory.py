@@ -91,9 +91,12 @@ class MemoryLedger:
         if self.capacity and self._allocated + nbytes > self.capacity:
             raise DeviceError(
                 f"device {self.device_index} out of memory: {what} {nbytes / _MIB:.1f} MiB, "
-                f"capacity {self.capacity / _MIB:.1f} MiB with "
-                f"{self._allocated / _MIB:.1f} MiB already allocated (use smaller stages "
-                "or micro-batches, or raise roundpipe.device_memory_gb)",
+                f"capacity {self.capacity / _MIB:.1f} MiB (roundpipe.device_memory_gb) with "
+                f"{self._allocated / _MIB:.1f} MiB already allocated: the plan's stages and "
+                "micro-batches do not fit the device (the planner fits them to the first "
+                "batch's size; a later batch of more tokens is not planned for). Use smaller "
+                "stages (roundpipe.fwd_cuts/bwd_cuts, or none to let the planner choose) or "
+                "micro-batches, or raise roundpipe.device_memory_gb",
                 device=self.device_index,
             )
 
@@ -171,15 +174,30 @@ class MemoryLedger:
             self._allocated = 0
 
 
+# Per op: whether its results alias an input (views, in-place and ``out=`` ops: their schema
+# says so), read once per op rather than per call (the meter runs for every op of a device).
+_ALIASES: dict[torch._ops.OpOverload, bool] = {}
+
+
+def _aliases(func: torch._ops.OpOverload) -> bool:
+    aliases = _ALIASES.get(func)
+    if aliases is None:
+        aliases = _ALIASES[func] = any(r.alias_info is not None for r in func._schema.returns)
+    return aliases
+
+
 class _AllocationMeter(TorchDispatchMode):
     """While entered on a thread: every storage an op there creates counts in ``ledger``
     (``MemoryLedger.track_created``). Ops whose results alias an input (views, in-place and
-    ``out=`` ops: their schema says so) create nothing. Autograd's backward on CPU tensors
-    runs on the calling thread, so a backward started inside is counted too."""
+    ``out=`` ops) create nothing. Autograd's backward on CPU tensors runs on the calling
+    thread, so a backward started inside is counted too.
+
+    Its cost is a Python call per op (the dispatch mode's, most of it: the bookkeeping here
+    is kept to a cached schema look-up and one ledger call per new storage)."""
 
     def __init__(self, ledger: MemoryLedger) -> None:
         super().__init__()
-        self.ledger = ledger
+        self._track = ledger.track_created
 
     def __torch_dispatch__(
         self,
@@ -189,8 +207,13 @@ class _AllocationMeter(TorchDispatchMode):
         kwargs: dict[str, object] | None = None,
     ) -> object:
         out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                    self.ledger.track_created(t)
+        if _aliases(func):
+            return out
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, no pytree walk
+            if out.is_cpu:
+                self._track(out)
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_cpu:
+                self._track(t)
         return out

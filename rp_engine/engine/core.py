@@ -123,7 +123,10 @@ class RoundPipeEngine(DeepSpeedAccessors):
         model.to(compute_dtype(cfg))
         self._module = model  # read through the `module` property, which waits for the optimizer
         budget = int(rp.device_memory_gb * 2**30) if rp.device_memory_gb else None
-        self.pool = make_devices(rp.devices, pcie_gbps=rp.pcie_gbps, capacity_bytes=budget)
+        self.pool = make_devices(
+            rp.devices, pcie_gbps=rp.pcie_gbps, capacity_bytes=budget,
+            meter_cpu_compute=rp.meter_cpu_compute,
+        )  # fmt: skip
         try:
             scheduler = self._wire(cfg, model, optimizer, model_parameters, lr_scheduler, budget)
             loader = (
