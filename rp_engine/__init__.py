@@ -65,7 +65,8 @@ def initialize(
     no data for its shape raises ``EmptyParameterError`` naming it.
 
     ``model`` may also be the path of a Hugging Face ``save_pretrained`` folder (a str or
-    ``os.PathLike``; hub ids are not fetched: download the folder first), and a model whose
+    ``os.PathLike``) or a hub id (``"org/name"``, ``"org/name@revision"``: its snapshot folder
+    from the Hugging Face cache, downloaded unless offline: model/hub.py), and a model whose
     parameters are on the meta device may come with ``checkpoint=<folder>``: the weights are
     then read layer by layer from the folder's safetensors files, in the run's dtype, frozen
     ones (``requires_grad=False``) served from the file mapping without a copy
@@ -113,10 +114,12 @@ def initialize(
 def _model_and_checkpoint(model: Any, checkpoint: Any) -> tuple[Any, Any]:
     """``(module, folder to load it from or None)``: a folder path as ``model`` becomes its
     model built with parameters on the meta device (model/folder.py); ``checkpoint`` must come
-    with a model whose parameters are (some of them) on the meta device."""
+    with a model whose parameters are (some of them) on the meta device. A hub id in either
+    place is its snapshot folder of the Hugging Face cache (model/hub.py)."""
     import torch
 
     from rp_engine.model.folder import FolderError, build_empty, is_model_folder
+    from rp_engine.model.hub import local_folder
 
     if isinstance(model, str | os.PathLike):
         from transformers import AutoConfig
@@ -126,7 +129,8 @@ def _model_and_checkpoint(model: Any, checkpoint: Any) -> tuple[Any, Any]:
                 f"initialize(model={os.fspath(model)!r}, checkpoint=...): give the folder once, "
                 "as model= (or a meta-device module as model= and the folder as checkpoint=)"
             )
-        path = os.path.expanduser(os.fspath(model))
+        # a hub id ("org/name[@revision]") becomes its snapshot folder in the HF cache
+        path = os.fspath(local_folder(model))
         if os.path.isfile(os.path.join(path, "adapter_config.json")) and not is_model_folder(path):
             from rp_engine.model.folder import from_folder
 
@@ -136,9 +140,8 @@ def _model_and_checkpoint(model: Any, checkpoint: Any) -> tuple[Any, Any]:
         if not is_model_folder(path):
             raise FolderError(
                 f"initialize(model={os.fspath(model)!r}): not a save_pretrained folder "
-                "(config.json and model.safetensors or model.safetensors.index.json); hub ids "
-                "are not fetched here: download the folder first (snapshot_download) and pass "
-                "its path"
+                "(config.json and model.safetensors or model.safetensors.index.json) nor a "
+                "Hugging Face hub id (org/name or org/name@revision); give the folder's path"
             )
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         return build_empty(config), path
@@ -149,7 +152,7 @@ def _model_and_checkpoint(model: Any, checkpoint: Any) -> tuple[Any, Any]:
                 "device (built under torch.device('meta')); this model already holds its "
                 "weights: load them yourself, or build it on meta"
             )
-        return model, os.path.expanduser(os.fspath(checkpoint))
+        return model, os.fspath(local_folder(checkpoint))
     return model, None
 
 

@@ -550,15 +550,17 @@ def from_folder(folder: str | os.PathLike[str], *, dtype: torch.dtype | None = N
     """The causal LM of a ``save_pretrained`` folder, loaded by :func:`load_weights` (frozen
     weights served from the files once ``own_trainable`` has run). ``dtype``: the run's compute
     dtype (None: the config's). A folder holding a peft adapter (``adapter_config.json``) loads
-    the base folder it names, then the adapter with peft, trainable."""
-    path = Path(folder).expanduser()
+    the base folder (or hub id) it names, then the adapter with peft, trainable. A hub id
+    (``"org/name[@revision]"``) is its snapshot folder of the Hugging Face cache (model/hub.py)."""
+    from rp_engine.model.hub import local_folder
+
+    path = local_folder(folder)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         return _with_adapter(path, dtype)
     if not (path / "config.json").is_file():
         raise FolderError(
             f"{path}: no config.json; give a folder written by save_pretrained (config.json and "
-            "safetensors weights). Hub ids are not fetched here: download the folder first "
-            "(huggingface_hub.snapshot_download) and pass its path"
+            "safetensors weights), or a Hugging Face hub id (org/name or org/name@revision)"
         )
     config = _load_config(path)
     if dtype is None:  # the config's dtype ("bfloat16" or a torch.dtype), else the files'
@@ -573,12 +575,14 @@ def from_folder(folder: str | os.PathLike[str], *, dtype: torch.dtype | None = N
 def _with_adapter(path: Path, dtype: torch.dtype | None) -> nn.Module:
     from peft import PeftModel
 
+    from rp_engine.model.hub import looks_like_hub_id
+
     info = json.loads((path / "adapter_config.json").read_text())
     base = info.get("base_model_name_or_path")
-    if not base or not Path(base).expanduser().is_dir():
+    if not base or not (Path(base).expanduser().is_dir() or looks_like_hub_id(base)):
         raise FolderError(
-            f"{path}: a peft adapter whose base {base!r} is not a local folder; set "
-            "base_model_name_or_path in its adapter_config.json to the base model's folder"
+            f"{path}: a peft adapter whose base {base!r} is neither a local folder nor a hub id; "
+            "set base_model_name_or_path in its adapter_config.json to the base model's folder"
         )
     model = from_folder(base, dtype=dtype)
     return PeftModel.from_pretrained(model, str(path), is_trainable=True)  # type: ignore[arg-type]

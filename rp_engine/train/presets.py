@@ -6,8 +6,9 @@ embedded default) and ``tiny-llama`` for quick runs, and the real shapes ``qwen3
 use the byte-level tokenizer below. A local ``save_pretrained`` folder with safetensors weights
 is loaded layer by layer by model/folder.py (frozen weights, a LoRA base, stay served from the
 files: a model bigger than RAM fine-tunes), other local folders (``.bin`` weights) with
-``from_pretrained``, offline; a hub id is fetched with ``from_pretrained`` only because the user
-named one.
+``from_pretrained``, offline. A hub id ("org/name[@revision]") is resolved to its snapshot folder
+of the Hugging Face cache, downloaded only if not cached (model/hub.py), then loaded as a local
+folder.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from rp_engine.model.hub import HubError, looks_like_hub_id, snapshot_folder
 
 __all__ = [
     "PRESETS",
@@ -165,7 +168,8 @@ def load_model(
     spec: str, *, layers: int = 4, hidden: int = 128, seed: int = 0, meta: bool = False,
     dtype: torch.dtype | None = None,
 ) -> LoadedModel:  # fmt: skip
-    """A preset name, a local model directory, or a hub id ("org/name") -> model + tokenizer.
+    """A preset name, a local model directory, or a hub id ("org/name[@revision]", resolved to
+    its snapshot folder of the Hugging Face cache, see model/hub.py) -> model + tokenizer.
 
     ``meta=True`` builds presets on the meta device (shapes only, no memory): for ``--plan``.
     ``dtype``: the run's compute dtype; a local folder's weights in another dtype are cast to it
@@ -189,18 +193,16 @@ def load_model(
                 "save_pretrained (config.json + weights + tokenizer files)"
             )
         return _from_pretrained(str(path), path.resolve().name, "local", meta, dtype)
-    looks_like_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
-    if looks_like_hub_id:
-        try:
-            return _from_pretrained(spec, spec.split("/")[1], "hub", meta)
-        except OSError as e:  # no network, no such repo, gated model...
-            raise ModelError(
-                f"--model {spec!r}: no such local path, and loading it as a Hugging Face hub id "
-                f"failed ({e}); give an existing folder or a reachable hub id"
-            ) from e
+    if looks_like_hub_id(spec):
+        try:  # its snapshot folder (configs only for shapes), then loaded as a local folder
+            folder = snapshot_folder(spec, weights=not meta)
+        except HubError as e:
+            raise ModelError(f"--model {spec!r}: no such local path; {e}") from e
+        name = spec.partition("@")[0].split("/")[1]
+        return _from_pretrained(str(folder), name, "hub", meta, dtype)
     raise ModelError(
         f"--model {spec!r}: not a preset ({', '.join(PRESETS)}), not an existing path, and not "
-        "a Hugging Face hub id (org/name)"
+        "a Hugging Face hub id (org/name or org/name@revision)"
     )
 
 
@@ -211,20 +213,20 @@ def _from_pretrained(
 
     from rp_engine.model.folder import FolderError, from_folder, is_model_folder
 
-    local = source == "local"
-    config = AutoConfig.from_pretrained(where, local_files_only=local)
+    # always a local folder: a hub id arrives as its snapshot folder (model/hub.py)
+    config = AutoConfig.from_pretrained(where, local_files_only=True)
     if meta:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    elif local and is_model_folder(where):
+    elif is_model_folder(where):
         try:  # layer by layer, frozen weights served from the files (model/folder.py)
             model = from_folder(where, dtype=dtype)
         except FolderError as e:
             raise ModelError(f"--model {where}: {e}") from e
     else:
-        model = AutoModelForCausalLM.from_pretrained(where, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True)
     try:
-        tokenizer: Any = AutoTokenizer.from_pretrained(where, local_files_only=local)
+        tokenizer: Any = AutoTokenizer.from_pretrained(where, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelError(
             f"--model {where}: no tokenizer could be loaded ({e}); save one next to the weights "
