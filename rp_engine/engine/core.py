@@ -371,7 +371,10 @@ class RoundPipeEngine(DeepSpeedAccessors):
         # DeepSpeed's autotuning block: the first steps' profile against the advisor's cost
         # model, re-planning on a disagreement (autotune.py); None when not asked for
         self._autotune = ProfileCheck.for_engine(cfg.raw, model, cfg.train_micro_batch_size_per_gpu)
-        self._staging = staging_pools(self.pool.devices)  # shared by every executor made
+        # shared by every executor made; with the NVMe tiers held to the host-RAM model's share
+        # (a download then waits for the host to add up earlier ones: speed, never results)
+        staging = dict(self.host_ram.parts).get("download staging", 0) if self.host_ram else 0
+        self._staging = staging_pools(self.pool.devices, budget=staging // len(self.pool))
         # the loop's prefetched windows hold their gradients here (read the stepper at each
         # call: tests and data parallel wrap its layer_ready)
         self._gate = ReadyGate(lambda layer, step: self.stepper.layer_ready(layer, step))

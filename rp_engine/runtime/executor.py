@@ -945,7 +945,7 @@ class Executor:
         step = ctx.spec.step
 
         def stage(g: torch.Tensor) -> torch.Tensor:
-            buf = staging.take(g.numel(), g.dtype)
+            buf = staging.take(g.numel(), g.dtype, holder=staged)
             staged.append(buf)
             return device.to_host(g, out=buf.view(g.shape))
 
@@ -1026,9 +1026,10 @@ class Executor:
             replica.release()
 
 
-def staging_pools(devices: Sequence[Device]) -> dict[int, HostStaging]:
-    """One empty host staging pool per device, by index (``Executor(staging=)``)."""
-    return {d.index: HostStaging(d.host_buffer) for d in devices}
+def staging_pools(devices: Sequence[Device], *, budget: int = 0) -> dict[int, HostStaging]:
+    """One empty host staging pool per device, by index (``Executor(staging=)``), each held to
+    ``budget`` bytes (0: unbounded; ``HostStaging.take``)."""
+    return {d.index: HostStaging(d.host_buffer, budget=budget) for d in devices}
 
 
 def layer_seed(seed: int, step: int, microbatch: int, layer: int) -> int:

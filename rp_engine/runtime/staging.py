@@ -29,46 +29,95 @@ class HostStaging:
     """Host buffers of one device, reused across downloads and steps. Thread-safe.
 
     ``alloc(numel, dtype)``: a flat host tensor of exactly ``numel`` elements that the device's
-    ``to_host`` can copy into (``Device.host_buffer``).
+    ``to_host`` can copy into (``Device.host_buffer``). ``budget``: bytes the pool may hold (0:
+    no bound); see ``take``.
     """
 
-    def __init__(self, alloc: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+    def __init__(
+        self, alloc: Callable[[int, torch.dtype], torch.Tensor], *, budget: int = 0
+    ) -> None:
         self._alloc = alloc
-        self._lock = threading.Lock()
+        self.budget = budget
+        self._cond = threading.Condition()
+        self._lock = self._cond  # the state below, and ``take``'s waits
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._out: dict[int, torch.Tensor] = {}  # id(buffer) -> buffer taken, not given back
+        self._holder: dict[int, int] = {}  # id(buffer) -> id of its holder (``take``)
+        self._held = 0  # bytes of the buffers the pool holds, free or out
         self.allocated_bytes = 0  # every buffer this pool allocated (never decreases)
+        self.waits = 0  # ``take`` calls that waited for the budget
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype, *, holder: object = None) -> torch.Tensor:
         """A flat buffer of ``numel`` elements of ``dtype`` that nobody else holds or writes:
-        a free one if there is one, else a new one. Uninitialised (contents of an earlier use)."""
+        a free one if there is one, else a new one. Uninitialised (contents of an earlier use).
+
+        With a ``budget``, a new buffer that would take the pool past it drops free buffers
+        of other sizes first, then waits until buffers of other holders are given back
+        (``holder``: the download taking it; its own buffers come back only after it, so it
+        never waits for them, and a lone holder may pass the budget rather than stop: the
+        bound then is one download's gradients)."""
         key = (numel, dtype)
-        with self._lock:
-            free = self._free.get(key)
-            buf = free.pop() if free else None
-        if buf is None:  # outside the lock: a pinned allocation is slow
-            buf = self._alloc(numel, dtype)
-            with self._lock:
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        mine = id(holder)
+        with self._cond:
+            while True:
+                free = self._free.get(key)
+                if free:
+                    buf = free.pop()
+                    break
+                if not self.budget or self._held + nbytes <= self.budget:
+                    buf = None
+                    break
+                self._drop_free()
+                if self._held + nbytes <= self.budget:
+                    continue
+                if not any(h != mine for h in self._holder.values()):
+                    buf = None  # nothing of another holder to wait for
+                    break
+                self.waits += 1
+                self._cond.wait(timeout=1.0)
+            if buf is None:
+                self._held += nbytes  # reserved before the slow allocation, outside the lock
+        if buf is None:
+            try:
+                buf = self._alloc(numel, dtype)
+            except BaseException:
+                with self._cond:
+                    self._held -= nbytes
+                    self._cond.notify_all()
+                raise
+            with self._cond:
                 self.allocated_bytes += buf.numel() * buf.element_size()
-        with self._lock:
+        with self._cond:
             self._out[id(buf)] = buf
+            self._holder[id(buf)] = mine
         return buf
+
+    def _drop_free(self) -> None:
+        """Under the lock: let every free buffer go (its memory back to the allocator)."""
+        for free in self._free.values():
+            self._held -= sum(b.numel() * b.element_size() for b in free)
+        self._free.clear()
 
     def give(self, buffers: Iterable[torch.Tensor]) -> None:
         """These buffers (as ``take`` returned them) are read and no copy writes them any
         more: free for the next ``take``. Giving back one that is not out is a no-op."""
-        with self._lock:
+        with self._cond:
             for buf in buffers:
                 if self._out.pop(id(buf), None) is not None:
+                    self._holder.pop(id(buf), None)
                     self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+            self._cond.notify_all()
 
     def reclaim(self) -> None:
         """Every buffer not given back is free again. Call it only once no copy can still write
         them and nothing will read them (after ``Device.reset`` drained the device)."""
-        with self._lock:
+        with self._cond:
             out, self._out = list(self._out.values()), {}
+            self._holder.clear()
             for buf in out:
                 self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+            self._cond.notify_all()
 
     def out(self) -> int:
         """How many buffers are taken and not given back."""
@@ -83,5 +132,5 @@ class HostStaging:
 
     def clear(self) -> None:
         """Drop the free buffers (their memory goes back); buffers out stay out, as above."""
-        with self._lock:
-            self._free.clear()
+        with self._cond:
+            self._drop_free()

@@ -475,8 +475,8 @@ def test_a_failed_staged_download_keeps_its_buffers_until_the_reset_reclaims_the
     armed = [False]
     seen_out: list[int] = []
 
-    def take(self: HostStaging, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = real_take(self, numel, dtype)
+    def take(self: HostStaging, numel: int, dtype: torch.dtype, **kw: object) -> torch.Tensor:
+        buf = real_take(self, numel, dtype, **kw)
         taken.add(buf.data_ptr())
         return buf
 
