@@ -57,7 +57,15 @@ from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
 from rp_engine.host.memory_limit import BUDGET_KEY, HostMemory, Limit, host_memory
 from rp_engine.host.units import ALIGN, format_mib_gib
 from rp_engine.model.folder import FileMappings, resident_file_bytes, served_from_files
-from rp_engine.plan.host_ram import RUNTIME_BYTES, HostRam, PoolCounts, fit_pools, tier_host_ram
+from rp_engine.plan.host_ram import (
+    RUNTIME_BYTES,
+    HostRam,
+    PoolCounts,
+    default_stage,
+    fit_pools,
+    size_classes,
+    tier_host_ram,
+)
 
 log = logging.getLogger("rp_engine")
 
@@ -313,6 +321,7 @@ def _need_of(
             runtime_bytes=runtime,
             model_bytes=anon_model,
             layer_files=layer_files,
+            stage_bytes=counts.stage,
         )
 
     return need
@@ -323,6 +332,21 @@ def process_rss() -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
+
+
+@dataclass(frozen=True)
+class _Stages:
+    default: int  # the weight bytes of a stage the model assumes unbounded (``default_stage``)
+    one_layer: int  # the least a stage can be held to: the largest ordinary layer's weights
+
+
+def _stages(store: Any, cfg: Any, device_bytes: int) -> _Stages:
+    from rp_engine.model.batches import compute_dtype
+
+    dtype_bytes = torch.empty(0, dtype=compute_dtype(cfg)).element_size()
+    layer_params = [sum(p.numel() for _, p in layer.params) for layer in store.layers]
+    one = size_classes(layer_params).ordinary * dtype_bytes
+    return _Stages(default_stage(layer_params, dtype_bytes, device_bytes), one)
 
 
 @dataclass(frozen=True)
@@ -359,6 +383,8 @@ def check_tiers(
                 wanted.optimizer_slice, fewest.optimizer_slice or wanted.optimizer_slice
             ),
         )
+    stages = _stages(store, cfg, device_bytes)
+    fewest = replace(fewest, stage=stages.one_layer)
     least = need_of(fewest)
     if not cfg.roundpipe.host_preflight:
         need = need_of(wanted)
@@ -370,7 +396,9 @@ def check_tiers(
     largest = 12 * max(
         (sum(hp.master.numel() for hp in layer.owned) for layer in store.layers), default=0
     )
-    counts, need = fit_pools(held + free, wanted, fewest, need_of, largest_record=largest)
+    counts, need = fit_pools(
+        held + free, wanted, fewest, need_of, largest_record=largest, stage=stages.default
+    )
     if counts != wanted:
         log.warning(
             "host RAM: the NVMe pools shrink to fit %s: %s (fewer reads ahead and more waits "
@@ -385,6 +413,11 @@ def check_tiers(
                 + (
                     [f"optimizer state in slices of {format_mib_gib(counts.optimizer_slice)}"]
                     if counts.optimizer_slice != wanted.optimizer_slice
+                    else []
+                )
+                + (
+                    [f"stages of at most {format_mib_gib(counts.stage)} of weights"]
+                    if counts.stage != wanted.stage
                     else []
                 )
             ),

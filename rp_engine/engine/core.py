@@ -85,6 +85,7 @@ from rp_engine.storage.build import (
     wants_param_tier,
 )
 from rp_engine.storage.grad_tier import GradTier
+from rp_engine.storage.heap import bound_heap
 from rp_engine.storage.optimizer_tier import OptimizerTier
 from rp_engine.storage.param_tier import ParamTier
 
@@ -254,6 +255,9 @@ class RoundPipeEngine(DeepSpeedAccessors):
             )  # fmt: skip
             self.tier_fit, self.host_ram, counts = fit, fit.need, fit.counts
             grad_buffers = counts.grad
+            # large freed blocks go back to the OS, not into malloc's arenas: the host memory
+            # the tiers bound is what is alive (storage/heap.py)
+            bound_heap()
         self.host_optimizer = build_optimizer(
             cfg, self.store, model=model, client_optimizer=optimizer,
             model_parameters=model_parameters, device_kind=self.pool.kind,
@@ -367,6 +371,8 @@ class RoundPipeEngine(DeepSpeedAccessors):
             # has nothing to read: its READ is a no-op)
             nvme_slots=self.param_tier is not None,
             cuda=on_cuda,  # workspaces and allocator slack count on GPUs
+            # the stages' weights the NVMe pools and staging were fitted to (host_preflight.py)
+            stage_weight_bytes=counts.stage if counts and counts.stage else None,
         )
         # DeepSpeed's autotuning block: the first steps' profile against the advisor's cost
         # model, re-planning on a disagreement (autotune.py); None when not asked for

@@ -180,6 +180,9 @@ class _Ctx:
             layer_trainable=[embed] + [per_layer] * s.layers + [head],
             dtype_bytes=2, devices=self.n, optimizer_tier=True, param_tier=False,
             grad_buffers=counts.grad, optimizer_buffers=counts.optimizer,
+            # at the fewest: the optimizer state in its smallest slices, stages of one layer
+            optimizer_slice=counts.optimizer_slice,
+            stage_bytes=2 * s.layer_params if fewest else 0,
             weight_copies=2 if self.async_opt else 1, device_bytes=self.budget or 0,
         )  # fmt: skip
 
@@ -202,7 +205,7 @@ def _tier_lines(ctx: _Ctx) -> tuple[str, ...]:
     least = ctx.tier_ram(fewest=True).peak
     return (
         *ctx.tier_ram().lines(),
-        f"  {'least that can work (fewest buffers)':<38}{format_mib_gib(least)}",
+        f"  {'least that can work (fewest, sliced)':<38}{format_mib_gib(least)}",
     )
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "PoolCounts",
     "PoolSizes",
     "MIN_OPTIMIZER_SLICE",
+    "default_stage",
     "fit_pools",
     "pack_pieces",
     "size_classes",
@@ -131,6 +132,17 @@ def pack_pieces(sizes: Sequence[int], limit: int) -> list[list[tuple[int, int, i
     return pieces
 
 
+def default_stage(layer_params: Sequence[int], dtype_bytes: int, device_bytes: int = 0) -> int:
+    """The weight bytes of a stage the host-RAM model assumes when the planner is not held to
+    less (``stage_bytes``): four of the largest ordinary layers, at most half of the device's
+    memory ``device_bytes`` when it is known, at least one layer (a stage never has fewer)."""
+    layer = size_classes(layer_params).ordinary * dtype_bytes
+    stage = 4 * layer
+    if device_bytes:
+        stage = min(stage, device_bytes // 2)
+    return max(stage, layer)
+
+
 @dataclass(frozen=True)
 class HostRam:
     """Host bytes of a run, by part (``tier_host_ram``)."""
@@ -183,6 +195,7 @@ def tier_host_ram(
     runtime_bytes: int = RUNTIME_BYTES,
     model_bytes: int | None = None,
     layer_files: Sequence[int] = (),
+    stage_bytes: int = 0,
 ) -> HostRam:
     """The host RAM of a run over layers of ``layer_params`` parameters (``layer_trainable`` of
     them trainable) in a ``dtype_bytes`` compute dtype, on ``devices`` devices. Tiers as in the
@@ -198,15 +211,13 @@ def tier_host_ram(
     holds in anonymous memory at initialize (None: every weight, in the compute dtype; a model
     served from its folder's file mapping holds less, model/folder.py).; ``layer_files``: per layer, how many of its ``layer_params`` are frozen weights
     served from their files (no anonymous memory, no record in the parameter tier; default
-    none)."""
+    none); ``stage_bytes``: the largest stage's weights, the planner held to it (0:
+    ``default_stage``)."""
     files = list(layer_files) or [0] * len(layer_params)
     total = sum(layer_params)
     in_ram = total - sum(files)  # what is anonymous memory (or paged by the tier)
     trainable = sum(layer_trainable)
-    ordinary = size_classes(layer_params).ordinary  # the largest layer but the big few
-    stage = 4 * ordinary * dtype_bytes
-    if device_bytes:
-        stage = min(stage, device_bytes // 2)
+    stage = stage_bytes or default_stage(layer_params, dtype_bytes, device_bytes)
     runtime = ("runtime (Python, torch, DeepSpeed)", runtime_bytes + RUNTIME_GROWTH)
     parts: list[tuple[str, int]] = [runtime]
     if param_tier:
@@ -260,6 +271,7 @@ class PoolCounts:
     grad: int
     param: int
     optimizer_slice: int = 0
+    stage: int = 0  # the largest stage's weight bytes the planner is held to (0: no bound)
 
     @staticmethod
     def fewest(devices: int, *, grad_tier: bool, slicing: bool = True) -> PoolCounts:
@@ -275,14 +287,17 @@ class PoolCounts:
 
 def fit_pools(
     budget: int, wanted: PoolCounts, fewest: PoolCounts, need: Callable[[PoolCounts], HostRam],
-    *, largest_record: int = 0,
+    *, largest_record: int = 0, stage: int = 0,
 ) -> tuple[PoolCounts, HostRam]:  # fmt: skip
     """The pools a run of ``budget`` host bytes (its whole peak) gets: ``wanted`` when its
     ``need(...).peak`` fits, else, one step at a time, whichever of these gives back the most:
     a buffer less in one pool, or the optimizer tier's records sliced (from whole layers,
-    ``largest_record`` bytes at most, halved each time down to ``fewest.optimizer_slice``).
-    Fewer or smaller buffers cost speed (fewer reads ahead, more waits for write-backs, more
-    I/O calls), never a result: the tiers move the same bytes and Adam is elementwise. Returns
+    ``largest_record`` bytes at most, halved each time down to ``fewest.optimizer_slice``),
+    or the stages' weights held to less (from ``stage`` bytes, the model's default, halved
+    down to ``fewest.stage``, one layer: the parameter tier's pool and each device's download
+    staging follow it). Fewer or smaller buffers and stages cost speed (fewer reads ahead,
+    more waits for write-backs, more I/O calls, more uploads), never a result: the tiers move
+    the same bytes and Adam is elementwise. Returns
     the counts and their need; when even ``fewest`` does not fit, those (the caller refuses,
     naming ``need(fewest).peak`` as the least the run can work with)."""
     counts = wanted
@@ -297,6 +312,10 @@ def fit_pools(
         if sliced and (not counts.optimizer_slice or sliced < counts.optimizer_slice):
             smaller = replace(counts, optimizer_slice=sliced)
             options.append((need(smaller), smaller))
+        staged = _half_slice(counts.stage or stage, fewest.stage)
+        if staged and (not counts.stage or staged < counts.stage):
+            smaller = replace(counts, stage=staged)
+            options.append((need(smaller), smaller))
         if not options:
             break
         current, counts = min(options, key=lambda option: option[0].peak)
@@ -304,8 +323,8 @@ def fit_pools(
 
 
 def _half_slice(current: int, smallest: int) -> int:
-    """Half of ``current`` slice bytes (4 KiB multiples), not below ``smallest``; 0 when
-    slicing is not allowed (``smallest`` 0) or ``current`` is that small already."""
+    """Half of ``current`` bytes (4 KiB multiples), not below ``smallest``; 0 when halving is
+    not allowed (``smallest`` 0) or ``current`` is that small already."""
     if not smallest or current <= smallest:
         return 0
     return max(smallest, current // 2 // ALIGN * ALIGN)

@@ -104,6 +104,7 @@ def partition(
     link_gbps: float | None = None,
     round_size: int | None = None,
     prefetch_depth: int | None = None,
+    weight_cap: int | None = None,
 ) -> Partition:
     """Choose RoundPipe forward and backward cuts for ``costs`` on ``num_devices`` devices.
 
@@ -129,10 +130,15 @@ def partition(
     a device also waits for its weights' upload as the lowered plan does (``WeightTraffic``):
     at depth 0, where the device memory holds one group's weights, the copies run between a
     device's groups and lengthen the iteration, which the link bound alone does not see.
+
+    ``weight_cap``: no stage of more than one layer holds more weight bytes than this (the host
+    memory a stage's upload and its gradients' download take: the NVMe pools fitted to a limit,
+    host_preflight.py); None: no such bound.
     """
     search = _Search(
-        costs, memory_budget_bytes, num_devices, num_microbatches, async_optimizer, min_bwd_stages
-    )
+        costs, memory_budget_bytes, num_devices, num_microbatches, async_optimizer, min_bwd_stages,
+        weight_cap=weight_cap,
+    )  # fmt: skip
     search.link = (link_gbps, round_size)
     search.prefetch_depth = prefetch_depth
     if fwd_cuts is not None or bwd_cuts is not None:
@@ -155,6 +161,8 @@ class _Search:
         num_microbatches: int,
         async_optimizer: bool,
         min_bwd_stages: int = 1,
+        *,
+        weight_cap: int | None = None,
     ) -> None:
         if not 1 <= min_bwd_stages <= costs.num_layers + 1:
             raise ValueError(
@@ -162,6 +170,7 @@ class _Search:
                 f"{costs.num_layers} layers, got {min_bwd_stages}"
             )
         self.costs, self.budget = costs, budget
+        self.weight_cap = weight_cap  # ``partition``'s: a stage's weight bytes at most
         self.min_bwd_stages = min_bwd_stages
         self.shape = (num_devices, num_microbatches, async_optimizer)
         self.L = L = costs.num_layers
@@ -189,15 +198,20 @@ class _Search:
         return slot_memory(self.costs, layers, backward=backward, head=head, prefix=i == 0).total
 
     def _fits_fwd(self, i: int, j: int) -> bool:
-        return (
+        return self._within_cap(i, j) and (
             self.budget is None
             or self._stage_bytes(i, j, backward=False, head=False) <= self.budget
         )
 
     def _fits_bwd(self, i: int, j: int, head: bool = False) -> bool:
-        return (
+        return self._within_cap(i, j) and (
             self.budget is None or self._stage_bytes(i, j, backward=True, head=head) <= self.budget
         )
+
+    def _within_cap(self, i: int, j: int) -> bool:
+        """Layers i..j-1 hold at most ``weight_cap`` weight bytes (one layer always does)."""
+        cap = self.weight_cap
+        return cap is None or j - i <= 1 or sum(self.costs.param_bytes[i:j]) <= cap
 
     def _check_single_layers(self) -> None:
         if self.budget is None:

@@ -139,12 +139,17 @@ class Planner:
         nvme_slots: bool | Collection[int] = False,
         nvme_read_ahead: int = 2,
         cuda: bool = False,
+        stage_weight_bytes: int | None = None,
     ) -> None:
         """``nvme_slots``: True, or the slots (of the cuts in use), whose weights the parameter
         tier keeps on NVMe: the lowered plans read them into host staging buffers before each
         UPLOAD (``Op.READ``, ``nvme_read_ahead`` uploads ahead; ``schedules.lower``). Default
         none: the plans are as without the tier. ``cuda``: the devices are GPUs, so the memory
-        rule counts kernel workspaces and the caching allocator's slack (plan/shapes.py)."""
+        rule counts kernel workspaces and the caching allocator's slack (plan/shapes.py).
+        ``stage_weight_bytes``: no stage of more than one layer holds more weights (the host
+        memory the NVMe pools were fitted to, host_preflight.py; ``partition``'s
+        ``weight_cap``)."""
+        self.stage_weight_bytes = stage_weight_bytes
         self.shape = shape
         self.cuda = cuda
         # the micro-batch's (sequences, tokens per sequence), once ``fit_tokens`` saw a batch:
@@ -456,6 +461,7 @@ class Planner:
             min_bwd_stages=StageMap.min_bwd_stages(self.shape.has_prefix),
             link_gbps=self.link_gbps,
             round_size=round_size or (self.round_size if self._round_size_given else None),
+            weight_cap=self.stage_weight_bytes,
         )
 
     def compute_plan(self, start_device: int = 0) -> Plan:

@@ -59,6 +59,7 @@ class HostStaging:
         key = (numel, dtype)
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         mine = id(holder)
+        buf: torch.Tensor | None
         with self._cond:
             while True:
                 free = self._free.get(key)

@@ -3,9 +3,9 @@ and the need, before it writes anything (issue 49, acceptance (c)).
 
 The child (tests/support/limit_refusal_child.py) trains a bf16 Qwen2 of 4 layers 1,024 wide with
 both NVMe tiers on 2 CPU virtual devices: about 0.45 GiB resident before ``initialize`` and,
-predicted, about 1.1 GiB more for the tiers' pools, staging and devices, 0.5 GiB with every pool
-at its fewest buffers and the optimizer state in its smallest slices (0.92 GiB in all). Two
-limits, each a kernel's: a memory cgroup of 700 MiB (where this process may make one: root with cgroupfs,
+predicted, about 1.1 GiB more for the tiers' pools, staging and devices, 0.3 GiB with every pool
+at its fewest buffers, the optimizer state in its smallest slices and stages of one layer. Two
+limits, each a kernel's: a memory cgroup of 560 MiB (where this process may make one: root with cgroupfs,
 tests/support/memory_limit.py; skipped elsewhere, where that module only samples the RSS, a
 limit the child cannot read), and ``RLIMIT_AS`` at the child's address space plus 300 MiB (any
 Linux; the host-resident run, whose 16 B per parameter need about 0.7 GiB). Before the limit was read (host_preflight compared the need with
@@ -59,7 +59,7 @@ def test_a_cgroup_limit_too_small_is_refused_naming_the_cgroup(tmp_path: Path) -
     paths = [str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     run = run_limited(
-        [sys.executable, str(CHILD), json.dumps(spec)], 700 * MIB, env=env, timeout=600,
+        [sys.executable, str(CHILD), json.dumps(spec)], 560 * MIB, env=env, timeout=600,
         cwd=str(HERE),
     )  # fmt: skip
     assert not run.killed_by_limit, f"killed at the limit, not refused: {run.stderr[-3000:]}"
