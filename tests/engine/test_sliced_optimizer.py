@@ -12,17 +12,10 @@ from __future__ import annotations
 
 import copy
 
+import nvme_helpers as nvme
 import pytest
-from engine_helpers import config
+from engine_helpers import config, engine_for
 from models import tiny_qwen3
-from nvme_helpers import (
-    assert_same,
-    nvme_config,
-    resume_from,
-    run,
-    save_after,
-    save_and_go_on,
-)
 
 # tiny_qwen3's layers hold ~50K trainable parameters each (600 KiB of fp32 state): 60 KiB
 # slices (5 x 1024 elements) cut every layer into ~10, the larger tensors among them in pieces
@@ -30,7 +23,7 @@ SLICE_MB = 60 / 1024
 
 
 def _sliced(cfg: dict, folder: str, **kw) -> dict:
-    out = nvme_config(cfg, folder, **kw)
+    out = nvme.nvme_config(cfg, folder, **kw)
     out["roundpipe"]["optimizer_slice_mb"] = SLICE_MB
     return out
 
@@ -45,17 +38,15 @@ def test_sliced_tier_equals_host_resident_bit_for_bit(tmp_path, asyn, bf16, comp
     if bf16:
         cfg["bf16"] = {"enabled": True}
     model = tiny_qwen3(0)
-    ref_losses, ref = run(copy.deepcopy(model), cfg)
-    losses, got = run(model, _sliced(cfg, str(tmp_path)))
+    ref_losses, ref = nvme.run(copy.deepcopy(model), cfg)
+    losses, got = nvme.run(model, _sliced(cfg, str(tmp_path)))
     assert losses == ref_losses
-    assert_same(got["weights"], ref["weights"])
+    nvme.assert_same(got["weights"], ref["weights"])
 
 
 def test_the_pool_holds_slices_not_layers(tmp_path) -> None:
     """The buffers are a slice's size: every layer's state streams through pieces of it, and
     each step writes every layer's state once."""
-    from engine_helpers import engine_for
-    from nvme_helpers import train
 
     cfg = config(devices=2, async_optimizer=True, clip=1.0, lr=1e-2)
     engine = engine_for(tiny_qwen3(0), _sliced(cfg, str(tmp_path)))
@@ -76,7 +67,7 @@ def test_the_pool_holds_slices_not_layers(tmp_path) -> None:
         assert max(records) <= max(round(SLICE_MB * 2**20) // 3, largest)
         assert grads.pool.sizes.ordinary < layer_state // 3  # a layer's fp32 gradient
         before = tier.stats.write_bytes
-        train(engine, 2)
+        nvme.train(engine, 2)
         engine.synchronize()
         assert tier.stats.write_bytes - before == 2 * tier.disk_bytes
     finally:
@@ -91,18 +82,17 @@ def test_a_sliced_run_resumes_exactly(tmp_path) -> None:
     (tmp_path / "swap").mkdir()
     sliced = _sliced(cfg, str(tmp_path / "swap"))
     model = tiny_qwen3(0)
-    straight, expected = save_and_go_on(copy.deepcopy(model), cfg, str(tmp_path / "ref"))
-    first = save_after(copy.deepcopy(model), sliced, str(tmp_path / "ckpt"), 2)
-    rest, weights = resume_from(tiny_qwen3(1), sliced, str(tmp_path / "ckpt"), 3)
+    straight, expected = nvme.save_and_go_on(copy.deepcopy(model), cfg, str(tmp_path / "ref"))
+    first = nvme.save_after(copy.deepcopy(model), sliced, str(tmp_path / "ckpt"), 2)
+    rest, weights = nvme.resume_from(tiny_qwen3(1), sliced, str(tmp_path / "ckpt"), 3)
     assert first + rest == straight
-    assert_same(weights, expected)
-    rest, weights = resume_from(tiny_qwen3(1), sliced, str(tmp_path / "ref"), 3)
+    nvme.assert_same(weights, expected)
+    rest, weights = nvme.resume_from(tiny_qwen3(1), sliced, str(tmp_path / "ref"), 3)
     assert rest == straight[2:]
-    assert_same(weights, expected)
+    nvme.assert_same(weights, expected)
 
 
 def test_delay_compensation_with_slices_is_refused_by_name(tmp_path) -> None:
-    from engine_helpers import engine_for
 
     cfg = config(devices=2, async_optimizer=True, clip=1.0)
     cfg["roundpipe"]["staleness_compensation"] = "lookahead_dc"
