@@ -5,7 +5,8 @@ its pools' share (issue 49).
 
 The model is ``bounded_ram.build``'s bf16 Qwen2 with a few wide layers (hidden 1,024, 6 layers,
 vocabulary 1,024: a layer's fp32 masters + Adam moments are a 108 MiB record), both NVMe tiers
-in a fresh temporary folder, 2 CPU virtual devices, asynchronous CPU Adam. Each run is its own
+in a fresh temporary folder, 2 CPU virtual devices of 0.15 GB each (``device_memory_gb``: without
+it their compute's memory is neither bounded nor predicted), asynchronous CPU Adam. Each run is its own
 process (``bounded_ram``-style: one ``JSON:`` line), the timed variants interleaved repeat by
 repeat, their order rotating:
 
@@ -15,9 +16,10 @@ repeat, their order rotating:
 1. ``layer``: whole-layer records (``optimizer_slice_mb`` null) at ``host_memory_gb`` B: the
    configured pools (asserted: no buffer fewer, no slice);
 2. ``sliced``: ``optimizer_slice_mb`` a quarter of a layer's record, at B;
-3. ``sliced_half``: the same slices at ``held + (B - held) / 2``: half of B's pool share (B / 2
-   itself is below the runtime and the model here); the preflight fits the pools to it
-   (fewer buffers where the slices alone are not enough) and logs what it chose;
+3. ``sliced_half``: the same ``optimizer_slice_mb`` at ``held + (B - held) / 2``: half of what
+   B gives beyond the runtime and the model (B / 2 itself is below them here; where half is
+   below the sliced run's least, that least instead); the preflight fits the pools to it
+   (fewer buffers, smaller slices) and logs what it chose;
 4. ``auto_half`` (once, initialize only): no ``optimizer_slice_mb`` at the half budget: what
    the preflight slices to on its own (the default since issue 49);
 5. ``layer_half`` (once, not timed): whole layers only at the half budget (slicing ruled out by
@@ -26,7 +28,8 @@ repeat, their order rotating:
 
 A timed run trains ``warmup`` steps, then ``windows`` windows of ``window`` steps, each window
 timed between two ``engine.synchronize()`` calls (the asynchronous optimizer's last step
-included); a variant's step time is the median over all its windows of every repeat. Each row
+included); a variant's step time is the median over all its windows of every repeat (and,
+less moved by other jobs on a shared machine, which only ever add time: its fastest window). Each row
 also has the pools chosen (``engine.tier_fit.counts``), the predicted peak
 (``engine.host_ram.peak``) and the measured ones: ``peak_rss`` (VmHWM: anonymous memory and
 the file pages mapped into the process), and the highest ``RssAnon`` and ``RssFile`` sampled
@@ -55,8 +58,11 @@ from rp_engine.host.memory_limit import status_bytes
 MIB = 2**20
 GIB = 2**30
 MARGIN = 64 * MIB  # B above the probe's prediction: each process measures its runtime again
-SPEC: dict[str, Any] = {"layers": 6, "hidden": 1024, "vocab": 1024, "seq": 32, "gas": 2}
-QUICK: dict[str, Any] = {"layers": 4, "hidden": 512, "vocab": 1024, "seq": 32, "gas": 2}
+# the CPU devices get a budget: it bounds (and the prediction counts) what their compute holds
+SPEC: dict[str, Any] = {"layers": 6, "hidden": 1024, "vocab": 1024, "seq": 32, "gas": 2,
+                        "device_memory_gb": 0.15}  # fmt: skip
+QUICK: dict[str, Any] = {"layers": 4, "hidden": 512, "vocab": 1024, "seq": 32, "gas": 2,
+                         "device_memory_gb": 0.06}  # fmt: skip
 TIMED = ("layer", "sliced", "sliced_half")
 
 
@@ -149,6 +155,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         predicted_peak=ram.peak,
         least_peak=fit.least.peak,
         held=ram.runtime + ram.model,  # what the pools cannot give back
+        parts=dict(ram.parts),
         layer_record=12 * max(
             sum(hp.master.numel() for hp in layer.owned) for layer in engine.store.layers
         ),
@@ -210,16 +217,19 @@ def _median_step(runs: list[dict[str, Any]]) -> float:
 def table(rows: dict[str, list[dict[str, Any]]], refusal: dict[str, Any]) -> str:
     """The markdown table of the timed variants (and the refused one)."""
     base = _median_step(rows["layer"])
+    fastest = min(t for r in rows["layer"] for t in r["step_s"])
     out = [
-        "| variant | budget | step (median) | / layer @ B | per-repeat ratios | pools: opt / grad "
-        "/ param buffers, slice | predicted peak | VmHWM | RssAnon peak | RssFile peak |",
-        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
+        "| variant | budget | step (median) | / layer @ B | fastest window | / layer's fastest "
+        "| per-repeat ratios | pools: opt / grad / param buffers, slice | predicted peak | VmHWM "
+        "| RssAnon peak | RssFile peak |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     for name, runs in rows.items():
         ratios = [
             statistics.median(r["step_s"]) / statistics.median(b["step_s"])
             for r, b in zip(runs, rows["layer"], strict=True)
         ]
+        low = min(t for r in runs for t in r["step_s"])
         c = runs[0]["counts"]
         pools = f"{c['optimizer']} / {c['grad']} / {c['param']}, " + (
             f"{c['optimizer_slice'] / MIB:.1f} MiB" if c["optimizer_slice"] else "whole layers"
@@ -228,14 +238,15 @@ def table(rows: dict[str, list[dict[str, Any]]], refusal: dict[str, Any]) -> str
                ("predicted_peak", "peak_rss", "peak_anon", "peak_file")}  # fmt: skip
         out.append(
             f"| {name} | {_mib(runs[0]['budget_gib'] * GIB)} | {_median_step(runs):.3f} s | "
-            f"{_median_step(runs) / base:.2f}x | {', '.join(f'{x:.2f}' for x in ratios)} | "
+            f"{_median_step(runs) / base:.2f}x | {low:.3f} s | {low / fastest:.2f}x | "
+            f"{', '.join(f'{x:.2f}' for x in ratios)} | "
             f"{pools} | {_mib(med['predicted_peak'])} | {_mib(med['peak_rss'])} | "
             f"{_mib(med['peak_anon'])} | {_mib(med['peak_file'])} |"
         )
     least = refusal.get("least_gib")
     out.append(
         f"| layer_half (whole layers only) | {_mib(refusal['budget_gib'] * GIB)} | refused | - | "
-        f"- | least it can work with: {'-' if least is None else _mib(least * GIB)} | - | - | - "
+        f"- | - | - | least it can work with: {'-' if least is None else _mib(least * GIB)} | - | - | - "
         "| - |"
     )
     return "\n".join(out)
@@ -262,6 +273,10 @@ def main() -> None:
     budget = probe["predicted_peak"] + MARGIN
     held = probe["held"] + MARGIN
     half = held + (budget - held) // 2
+    if half < probe["least_peak"] + MARGIN:  # the largest cut the sliced pools still fit
+        print(f"half of the pools' share ({_mib(half)}) is below the least the sliced run can "
+              f"work with: {_mib(probe['least_peak'] + MARGIN)} instead", flush=True)  # fmt: skip
+        half = probe["least_peak"] + MARGIN
     slice_mb = round(probe["layer_record"] / 4 / MIB, 1)
     print(f"probe: B = {_mib(budget)} (predicted {_mib(probe['predicted_peak'])} + margin), "
           f"held {_mib(held)}, half of the pools' share: {_mib(half)}; a layer's record "
