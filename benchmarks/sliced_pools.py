@@ -16,6 +16,8 @@ repeat, their order rotating:
 1. ``layer``: whole-layer records (``optimizer_slice_mb`` null) at ``host_memory_gb`` B: the
    configured pools (asserted: no buffer fewer, no slice);
 2. ``sliced``: ``optimizer_slice_mb`` a quarter of a layer's record, at B;
+2b. ``sliced_deep``: the same slices at B, with 4x the buffers (``buffer_count`` 16: as many
+   bytes read ahead as the layer pool's 4 whole layers; still under B);
 3. ``sliced_half``: the same ``optimizer_slice_mb`` at ``held + (B - held) / 2``: half of what
    B gives beyond the runtime and the model (B / 2 itself is below them here; where half is
    below the sliced run's least, that least instead); the preflight fits the pools to it
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -63,7 +66,8 @@ SPEC: dict[str, Any] = {"layers": 6, "hidden": 1024, "vocab": 1024, "seq": 32, "
                         "device_memory_gb": 0.15}  # fmt: skip
 QUICK: dict[str, Any] = {"layers": 4, "hidden": 512, "vocab": 1024, "seq": 32, "gas": 2,
                          "device_memory_gb": 0.06}  # fmt: skip
-TIMED = ("layer", "sliced", "sliced_half")
+TIMED = ("layer", "sliced", "sliced_deep", "sliced_half")
+BUFFERS = 4  # bounded_ram's offload_optimizer.buffer_count
 
 
 # ---- one run (the child process) ---------------------------------------------------------------
@@ -74,6 +78,8 @@ def _config(spec: dict[str, Any]) -> dict[str, Any]:
     cfg["roundpipe"]["on_nonfinite"] = "ignore"
     if spec.get("slice_mb"):
         cfg["roundpipe"]["optimizer_slice_mb"] = spec["slice_mb"]
+    if spec.get("optimizer_buffers"):  # offload_optimizer.buffer_count (bounded_ram's: 4)
+        cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = spec["optimizer_buffers"]
     if spec.get("whole_only"):  # delay compensation needs whole tensors: no slicing at all
         cfg["roundpipe"]["staleness_compensation"] = "lookahead_dc"
     return cfg
@@ -284,6 +290,12 @@ def main() -> None:
     specs = {
         "layer": {"host_memory_gb": budget / GIB},
         "sliced": {"host_memory_gb": budget / GIB, "slice_mb": slice_mb},
+        # as many slices as the layer pool's buffers hold layers: the same bytes read ahead
+        "sliced_deep": {
+            "host_memory_gb": budget / GIB,
+            "slice_mb": slice_mb,
+            "optimizer_buffers": BUFFERS * math.ceil(probe["layer_record"] / (slice_mb * MIB)),
+        },
         "sliced_half": {"host_memory_gb": half / GIB, "slice_mb": slice_mb},
     }
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in TIMED}
@@ -310,6 +322,8 @@ def main() -> None:
             assert r["losses"] == first, (name, r["losses"], first)
     for r in rows["layer"]:
         assert r["counts"] == probe["counts"], ("layer pools shrank at B", r["counts"])
+    for r in rows.get("sliced_deep", []):  # its buffers fit B: none was given back
+        assert r["counts"]["optimizer"] == specs["sliced_deep"]["optimizer_buffers"], r["counts"]
     assert not auto["refused"] and auto["counts"]["optimizer_slice"], auto
     assert refusal["refused"], "whole-layer pools ran at half the budget"
     print(f"losses bit-identical across {sum(map(len, rows.values()))} runs: {first}")
