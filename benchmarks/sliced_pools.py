@@ -16,8 +16,9 @@ repeat, their order rotating:
 1. ``layer``: whole-layer records (``optimizer_slice_mb`` null) at ``host_memory_gb`` B: the
    configured pools (asserted: no buffer fewer, no slice);
 2. ``sliced``: ``optimizer_slice_mb`` a quarter of a layer's record, at B;
-2b. ``sliced_deep``: the same slices at B, with 4x the buffers (``buffer_count`` 16: as many
-   bytes read ahead as the layer pool's 4 whole layers; still under B);
+2b. ``sliced_deep``: the same slices at B, with as many buffers as 4 layers have slices
+   (``buffer_count`` 20 here: a 108.05 MiB record is 5 slices of 27.0 MiB): as much read
+   ahead as the layer pool's 4 whole layers, still under B;
 3. ``sliced_half``: the same ``optimizer_slice_mb`` at ``held + (B - held) / 2``: half of what
    B gives beyond the runtime and the model (B / 2 itself is below them here; where half is
    below the sliced run's least, that least instead); the preflight fits the pools to it
