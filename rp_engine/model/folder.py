@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rp_engine.model.folder_layout import INDEX_FILE, SINGLE_FILE, FolderError, is_model_folder
 from rp_engine.model.zero3 import layer_groups
 
 log = logging.getLogger("rp_engine")
@@ -86,8 +87,6 @@ __all__ = [
     "served_from_files",
 ]
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors' dtype names (the format's spec) -> torch
 _DTYPES: dict[str, torch.dtype] = {
@@ -96,11 +95,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32,
     "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
-
-
-class FolderError(ValueError):
-    """A folder (or a key in it) that cannot be loaded this way; the message names it and the
-    fix."""
 
 
 @dataclass(frozen=True)
@@ -138,14 +132,6 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + begin, base + end
         )
     return entries
-
-
-def is_model_folder(path: str | os.PathLike[str]) -> bool:
-    """A folder with a ``config.json`` and safetensors weights (one file or an index)."""
-    p = Path(path)
-    return (p / "config.json").is_file() and (
-        (p / SINGLE_FILE).is_file() or (p / INDEX_FILE).is_file()
-    )
 
 
 def folder_entries(folder: Path) -> dict[str, TensorEntry]:

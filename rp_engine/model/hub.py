@@ -20,7 +20,7 @@ import logging
 import os
 from pathlib import Path
 
-from rp_engine.model.folder import FolderError
+from rp_engine.model.folder_layout import FolderError, is_model_folder
 
 log = logging.getLogger("rp_engine")
 
@@ -93,7 +93,6 @@ def _usable(folder: Path, weights: bool) -> bool:
         return not weights or (folder / "adapter_model.safetensors").is_file()
     if not weights:
         return (folder / "config.json").is_file()
-    from rp_engine.model.folder import is_model_folder
 
     return is_model_folder(folder)
 
