@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from memory_limit import run_limited
+from prebuild import cpu_adam_here
 
 from benchmarks import bounded_ram
 
@@ -36,25 +37,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
-def _cpu_adam_built() -> None:
-    """DeepSpeed's CPU Adam built (or found built) here, outside the limit: a JIT build in the
-    limited child (the compiler's processes join its cgroup) would be killed at the limit, a
-    build and not the training (a fresh-clone run hit it when another venv's run had rebuilt
-    the shared cache just before)."""
-    import torch
-
-    from rp_engine.optim.optimizer import _cpu_adam
-
-    _cpu_adam([{"params": [torch.nn.Parameter(torch.zeros(4))]}], adamw_mode=True, lr=1e-3)
-
-
 @pytest.mark.filterwarnings("ignore")
 def test_a_model_four_times_the_memory_limit_trains(tmp_path: Path) -> None:
     layers = 128
     state = 18 * _params(layers)
     limit = state // 4
     spec = {**SPEC, "layers": layers, "tiers": True, "dir": str(tmp_path)}
-    _cpu_adam_built()
+    cpu_adam_here()
     run = run_limited(
         bounded_ram.command(spec), limit, env=_env(), timeout=900, cwd=str(bounded_ram.ROOT)
     )

@@ -43,6 +43,19 @@ def wait(name: str, *, timeout_s: float = 1800.0) -> int | None:
     return int(text) if text.lstrip("-").isdigit() else 1
 
 
+def cpu_adam_here() -> None:
+    """DeepSpeed's CPU Adam built (or found built) for this venv, in this process: call it
+    before running a child under a memory limit, where a JIT build (the compiler's processes
+    join the child's cgroup, ~2 GB each) would be killed at the limit, a build and not the
+    training (a fresh clone hits it when another venv's run rebuilt the shared cache just
+    before)."""
+    import torch
+
+    from rp_engine.optim.optimizer import _cpu_adam
+
+    _cpu_adam([{"params": [torch.nn.Parameter(torch.zeros(4))]}], adamw_mode=True, lr=1e-3)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "wait":
         print("usage: prebuild.py wait NAME...", file=sys.stderr)
