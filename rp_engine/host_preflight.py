@@ -55,7 +55,7 @@ from torch import nn
 
 from rp_engine.host.defaults import OPTIMIZER_BUFFERS, PARAM_BUFFERS
 from rp_engine.host.memory_limit import BUDGET_KEY, HostMemory, Limit, host_memory
-from rp_engine.host.units import ALIGN, format_mib_gib
+from rp_engine.host.units import format_mib_gib
 from rp_engine.model.folder import FileMappings, resident_file_bytes, served_from_files
 from rp_engine.plan.host_ram import (
     RUNTIME_BYTES,
@@ -64,6 +64,7 @@ from rp_engine.plan.host_ram import (
     default_stage,
     fit_pools,
     size_classes,
+    slice_bytes,
     tier_host_ram,
 )
 
@@ -243,14 +244,13 @@ def check_initialize(model: nn.Module, cfg: Any, *, available: int | None = None
 def _wanted_counts(cfg: Any, grad_buffers: int) -> PoolCounts:
     """The pools' buffers ``cfg`` asks for (its buffer counts, DeepSpeed's defaults)."""
     zero = cfg.zero
-    mb = cfg.roundpipe.optimizer_slice_mb
     return PoolCounts(
         optimizer=(
             zero.offload_optimizer.buffer_count if zero.offload_optimizer else OPTIMIZER_BUFFERS
         ),
         grad=grad_buffers,
         param=zero.offload_param.buffer_count if zero.offload_param else PARAM_BUFFERS,
-        optimizer_slice=int(mb * 2**20) // ALIGN * ALIGN if mb else 0,
+        optimizer_slice=slice_bytes(cfg.roundpipe.optimizer_slice_mb),
     )
 
 

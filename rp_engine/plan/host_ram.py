@@ -52,6 +52,7 @@ __all__ = [
     "default_stage",
     "fit_pools",
     "pack_pieces",
+    "slice_bytes",
     "size_classes",
     "tier_host_ram",
 ]
@@ -104,6 +105,11 @@ def size_classes(record_bytes: Iterable[int]) -> PoolSizes:
 # elements: tensors are packed, and cut, in multiples of this (4 KiB of fp32; a multiple of CPU
 # Adam's widest SIMD span, so a cut splits a tensor's vector and scalar parts as the whole does)
 PIECE_ALIGN = 1024
+
+
+def slice_bytes(slice_mb: float | None) -> int:
+    """``roundpipe.optimizer_slice_mb`` in bytes, 4 KiB multiples (0: whole layers)."""
+    return int(slice_mb * 2**20) // ALIGN * ALIGN if slice_mb else 0
 
 
 def pack_pieces(sizes: Sequence[int], limit: int) -> list[list[tuple[int, int, int]]]:

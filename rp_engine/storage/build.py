@@ -12,8 +12,8 @@ import logging
 from typing import Any
 
 from rp_engine.host.defaults import default_grad_buffers
-from rp_engine.host.units import ALIGN
 from rp_engine.plan.host_ram import PoolCounts
+from rp_engine.plan.host_ram import slice_bytes as slice_bytes_of
 from rp_engine.storage.grad_tier import GradTier, grad_records
 from rp_engine.storage.io_engine import IOStats, make_io_engine
 from rp_engine.storage.optimizer_tier import OptimizerTier, tier_bytes
@@ -65,8 +65,7 @@ def build_optimizer_tier(
             'of RAM: use "if_memory_allows" or "off" with offload_optimizer.device "nvme"'
         )
     if slice_bytes is None:
-        mb = cfg.roundpipe.optimizer_slice_mb
-        slice_bytes = int(mb * 2**20) // ALIGN * ALIGN if mb else 0
+        slice_bytes = slice_bytes_of(cfg.roundpipe.optimizer_slice_mb)
     if slice_bytes and cfg.roundpipe.staleness_compensation == "lookahead_dc":
         raise ValueError(
             'roundpipe.staleness_compensation "lookahead_dc" compensates each tensor from its '
