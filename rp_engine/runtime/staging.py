@@ -38,8 +38,7 @@ class HostStaging:
     ) -> None:
         self._alloc = alloc
         self.budget = budget
-        self._cond = threading.Condition()
-        self._lock = self._cond  # the state below, and ``take``'s waits
+        self._cond = threading.Condition()  # the state below, and ``take``'s waits
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._out: dict[int, torch.Tensor] = {}  # id(buffer) -> buffer taken, not given back
         self._holder: dict[int, int] = {}  # id(buffer) -> id of its holder (``take``)
@@ -57,7 +56,7 @@ class HostStaging:
         never waits for them, and a lone holder may pass the budget rather than stop: the
         bound then is one download's gradients)."""
         key = (numel, dtype)
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         mine = id(holder)
         buf: torch.Tensor | None
         with self._cond:
@@ -122,12 +121,12 @@ class HostStaging:
 
     def out(self) -> int:
         """How many buffers are taken and not given back."""
-        with self._lock:
+        with self._cond:
             return len(self._out)
 
     def held_bytes(self) -> int:
         """Bytes of every buffer the pool holds, free or out."""
-        with self._lock:
+        with self._cond:
             bufs = [*self._out.values(), *(b for free in self._free.values() for b in free)]
         return sum(b.numel() * b.element_size() for b in bufs)
 
